@@ -1,0 +1,93 @@
+// The interface between ops (ops/*.cpp: checks, broadcasting, autograd) and the per-device kernels
+// (ops/cpu, ops/cuda). A backend sees only prepared arguments: outputs are freshly allocated and
+// contiguous, shapes already checked; inputs may be strided (broadcast inputs arrive as expanded
+// views with stride 0) unless a function says "contiguous".
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace accel {
+
+enum class UnaryOp { Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sigmoid, Silu, Gelu, Tanh, Square };
+enum class BinaryOp { Add, Sub, Mul, Div, Maximum, Greater, Equal };
+enum class ReduceOp { Sum, Max, AbsMax };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // out = op(x), or out = op(x, scalar) for the scalar forms: AddScalar/MulScalar/PowScalar.
+  virtual void unary(UnaryOp op, const Tensor& out, const Tensor& x) = 0;
+  virtual void add_scalar(const Tensor& out, const Tensor& x, double s) = 0;
+  virtual void mul_scalar(const Tensor& out, const Tensor& x, double s) = 0;
+  virtual void pow_scalar(const Tensor& out, const Tensor& x, double e) = 0;
+  // a and b are already expanded to out's shape. Comparison ops write a Bool out.
+  virtual void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) = 0;
+  // out = cond ? a : b, all expanded to out's shape.
+  virtual void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) = 0;
+  // Reduce x over `dims` (sorted, unique); out has x's shape with those dims set to 1.
+  virtual void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+                      const std::vector<int64_t>& dims) = 0;
+  // Gradient of max over one dim: grad_in[i] = (x[i] == out along dim, first one only) ? g : 0.
+  virtual void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
+                            const Tensor& grad_keepdim, int64_t dim) = 0;
+
+  // out[b] = alpha * op(a[b]) @ op(b[b]) + beta * out[b] over batch index b; a, b, out are 3-d
+  // [batch, rows, cols] and contiguous; batch of a or b may be 1 (broadcast).
+  virtual void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
+                      bool trans_b, double alpha, double beta) = 0;
+
+  // Softmax along the last dim of contiguous x; log=true gives log_softmax.
+  virtual void softmax(const Tensor& out, const Tensor& x, bool log) = 0;
+  // logits [N, V] contiguous, targets [N]; loss_per_row [N] f32/f64 (0 where ignored);
+  // grad_logits (if defined) gets softmax - onehot, scaled by grad_scale, 0 on ignored rows.
+  virtual void cross_entropy(const Tensor& loss_per_row, const Tensor& grad_logits,
+                             const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                             double grad_scale) = 0;
+  virtual void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) = 0;
+  // grad_weight (zeroed by the caller) += scatter of grad_out rows by ids.
+  virtual void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
+                                  const Tensor& ids) = 0;
+  // x [rows, D] contiguous; rstd [rows] f32 saved for backward.
+  virtual void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
+                        const Tensor& weight, double eps) = 0;
+  virtual void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
+                                 const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                 const Tensor& rstd) = 0;
+  // x [B, S, H, D] contiguous; inverse=true applies the transpose rotation (for backward).
+  virtual void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
+                    bool inverse) = 0;
+  virtual void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
+  virtual void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
+                               const Tensor& grad_out, const Tensor& gate, const Tensor& up) = 0;
+  // q [B, S, Hq, D], k/v [B, S, Hkv, D] contiguous; lse [B, Hq, S] f32 saved for backward.
+  virtual void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                         const Tensor& v, bool causal, double scale) = 0;
+  virtual void attention_backward(const Tensor& grad_q, const Tensor& grad_k,
+                                  const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
+                                  const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse, bool causal, double scale) = 0;
+
+  virtual void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
+                            double high) = 0;
+  virtual void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
+                           double stddev) = 0;
+
+  virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m,
+                          const Tensor& v, const AdamWParams& p, double grad_scale) = 0;
+  virtual void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
+                        double momentum, double weight_decay, double grad_scale) = 0;
+  virtual double sum_of_squares(const std::vector<Tensor>& xs) = 0;
+  virtual bool has_non_finite(const Tensor& x) = 0;
+};
+
+// The backend for a device: the CPU one always; the CUDA one when built with CUDA (else throws).
+Backend& backend_for(Device d);
+Backend& cpu_backend();
+Backend& cuda_backend();  // ops/cuda/ or ops/no_cuda/
+
+}  // namespace accel

@@ -1,0 +1,124 @@
+// Every math op, as free functions on Tensors. Each op checks its arguments (errors name the op
+// first, then the offending shapes or dtypes), runs on the inputs' device through that device's
+// backend (ops/backend.h), and records its backward with autograd when an input needs a gradient.
+// Backward functions are written with these same ops, so they read like the math.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "runtime/autograd.h"
+#include "runtime/tensor.h"
+
+namespace accel {
+
+// ---- views and layout (differentiable; share storage where the layout allows) ----------------
+Tensor reshape(const Tensor& x, Shape shape);  // one dim may be -1; copies when not viewable
+Tensor view(const Tensor& x, Shape shape);     // like reshape but never copies (throws instead)
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor permute(const Tensor& x, const std::vector<int64_t>& dims);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end);  // [start, end)
+Tensor expand(const Tensor& x, const Shape& shape);  // broadcast size-1 dims (and new leading dims)
+Tensor squeeze(const Tensor& x, int64_t dim);
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor contiguous(const Tensor& x);
+Tensor cast(const Tensor& x, DType dtype);  // round to nearest even; fp8 saturates
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim);
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim);
+Tensor stack(const std::vector<Tensor>& xs, int64_t dim);
+
+// ---- elementwise (numpy broadcasting; both inputs must have the same dtype and device) -------
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double b);
+Tensor mul(const Tensor& a, double b);
+Tensor pow(const Tensor& a, double exponent);
+Tensor neg(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor silu(const Tensor& x);
+Tensor gelu(const Tensor& x);  // tanh approximation, as GPT-2 / HF "gelu_pytorch_tanh"
+Tensor tanh(const Tensor& x);
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);  // cond: bool, broadcast
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+// Comparisons (not differentiable) give bool tensors.
+Tensor greater(const Tensor& a, const Tensor& b);
+Tensor equal(const Tensor& a, const Tensor& b);
+
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator-(const Tensor& a) { return neg(a); }
+inline Tensor operator*(const Tensor& a, double b) { return mul(a, b); }
+inline Tensor operator+(const Tensor& a, double b) { return add(a, b); }
+
+// ---- reductions (dims may be negative; empty dims = all) ---------------------------------------
+Tensor sum(const Tensor& x, std::vector<int64_t> dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, std::vector<int64_t> dims = {}, bool keepdim = false);
+Tensor max(const Tensor& x, int64_t dim, bool keepdim = false);  // values; gradient to the argmax
+Tensor amax(const Tensor& x, std::vector<int64_t> dims = {}, bool keepdim = false);  // max |x|
+// Sums a broadcast gradient back to `shape` (the inverse of expand).
+Tensor sum_to_shape(const Tensor& x, const Shape& shape);
+
+// ---- linear algebra ---------------------------------------------------------------------------
+// a [..., M, K] @ b [..., K, N]; batch dims broadcast.
+Tensor matmul(const Tensor& a, const Tensor& b);
+// x [..., in] @ weight[out, in]^T (+ bias[out]).
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+
+// ---- neural-network ops -------------------------------------------------------------------------
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+// logits [N, V] (any float dtype), targets [N] i64; mean over targets != ignore_index, computed in
+// fp32 (f64 for f64 logits). Returns a scalar of the logits' dtype (f32 for 16-bit logits).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+// weight [V, D], ids [...] (i32/i64) -> [..., D]. An id outside [0, V) is an error.
+Tensor embedding(const Tensor& weight, const Tensor& ids);
+// x [..., D] * rsqrt(mean(x^2) + eps) * weight[D]; statistics in fp32.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+// Rotary embedding, Hugging Face Llama's rotate-half convention, on x [B, S, H, D] (D even) at
+// positions position_offset .. position_offset + S - 1.
+Tensor rope(const Tensor& x, double theta, int64_t position_offset = 0);
+// silu(gate) * up
+Tensor swiglu(const Tensor& gate, const Tensor& up);
+// Causal attention. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped KV
+// heads). Output [B, S, Hq, D]. scale defaults to 1/sqrt(D). Never materializes S x S in the
+// fused backends; the CPU version works one query row at a time.
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
+                 std::optional<double> scale = std::nullopt);
+
+// ---- random (counter-based Philox: the same stream on every device) ----------------------------
+Tensor rand_uniform(const Shape& shape, uint64_t seed, uint64_t offset, DType dtype = DType::F32,
+                    Device device = Device::cpu(), double low = 0.0, double high = 1.0);
+Tensor rand_normal(const Shape& shape, uint64_t seed, uint64_t offset, DType dtype = DType::F32,
+                   Device device = Device::cpu(), double mean = 0.0, double stddev = 1.0);
+
+// ---- optimizer kernels (in place, not recorded) -----------------------------------------------
+struct AdamWParams {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;  // 1-based, for bias correction
+};
+// Updates fp32 master `param` and moments m, v from `grad` (same dtype as param, or 16-bit grad
+// for a fp32 param), as torch.optim.AdamW does. `grad_scale` multiplies the gradient first
+// (clipping and loss-scale unscaling).
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const AdamWParams& p, double grad_scale = 1.0);
+// param -= lr * (momentum buffer), torch.optim.SGD semantics with dampening 0, no nesterov.
+void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, double lr,
+              double momentum, double weight_decay, double grad_scale = 1.0);
+// Sum of squares of all elements of all tensors, accumulated in fp64, returned to the host (for
+// global-norm clipping; one synchronization for the whole list on a GPU).
+double sum_of_squares(const std::vector<Tensor>& xs);
+// True if any element is NaN or Inf.
+bool has_non_finite(const Tensor& x);
+
+}  // namespace accel

@@ -1,0 +1,160 @@
+#include "runtime/autograd.h"
+
+#include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "runtime/kernels.h"
+
+namespace accel {
+namespace {
+thread_local bool g_grad_enabled = true;
+
+// Adds g into the gradient slot; the first contribution is taken as is (no copy).
+void accumulate_into(std::shared_ptr<TensorImpl>& slot, const Tensor& g, MemCategory category) {
+  if (!slot) {
+    // Keep our own contiguous buffer so a later in-place accumulation cannot write into a tensor
+    // that some backward function also returned elsewhere.
+    slot = g.clone(category).impl_ptr();
+    return;
+  }
+  kernels::accumulate(Tensor(slot), g);
+}
+}  // namespace
+
+bool grad_enabled() { return g_grad_enabled; }
+
+NoGradGuard::NoGradGuard() : prev_(g_grad_enabled) { g_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { g_grad_enabled = prev_; }
+
+Tensor record(const char* name, Tensor out, std::vector<Tensor> inputs, BackwardFn backward) {
+  if (!g_grad_enabled) return out;
+  bool any = false;
+  for (const Tensor& t : inputs) any = any || (t.defined() && t.requires_grad());
+  if (!any) return out;
+  auto node = std::make_shared<Node>();
+  node->name = name;
+  node->inputs = std::move(inputs);
+  node->backward = std::move(backward);
+  out.impl()->grad_fn = std::move(node);
+  out.impl()->requires_grad = true;
+  return out;
+}
+
+void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_graph) {
+  if (!root.requires_grad())
+    throw std::invalid_argument("[backward] tensor does not require grad and has no history");
+  Tensor seed = grad_output;
+  if (!seed.defined()) {
+    if (root.numel() != 1)
+      throw std::invalid_argument("[backward] implicit gradient needs a one-element tensor, got " +
+                                  shape_str(root.shape()));
+    seed = Tensor::ones(root.shape(), root.dtype(), root.device());
+  } else if (seed.shape() != root.shape()) {
+    throw std::invalid_argument("[backward] gradient shape " + shape_str(seed.shape()) +
+                                " does not match tensor shape " + shape_str(root.shape()));
+  }
+
+  // Reverse topological order by iterative depth-first search over tensors.
+  std::vector<std::shared_ptr<TensorImpl>> order;
+  std::unordered_set<TensorImpl*> visited;
+  std::vector<std::pair<std::shared_ptr<TensorImpl>, size_t>> stack{{root.impl_ptr(), 0}};
+  visited.insert(root.impl());
+  while (!stack.empty()) {
+    auto& [impl, next] = stack.back();
+    Node* node = impl->grad_fn.get();
+    if (node && next < node->inputs.size()) {
+      const Tensor& in = node->inputs[next++];
+      if (in.defined() && in.requires_grad() && visited.insert(in.impl()).second)
+        stack.push_back({in.impl_ptr(), 0});
+      continue;
+    }
+    order.push_back(impl);
+    stack.pop_back();
+  }
+
+  std::unordered_map<TensorImpl*, std::shared_ptr<TensorImpl>> grads;
+  grads[root.impl()] = seed.impl_ptr();
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    TensorImpl* impl = it->get();
+    auto found = grads.find(impl);
+    if (found == grads.end()) continue;  // no path carried a gradient here
+    Tensor g(found->second);
+    grads.erase(found);
+    if (!impl->grad_fn) {
+      accumulate_into(impl->grad, g, MemCategory::Grads);
+      Tensor leaf(*it);
+      for (auto& hook : impl->grad_ready_hooks) hook(leaf);
+      continue;
+    }
+    Node* node = impl->grad_fn.get();
+    if (!node->backward)
+      throw std::runtime_error(std::string("[backward] the graph through '") + node->name +
+                               "' was already freed; pass retain_graph=true to backward twice");
+    std::vector<Tensor> in_grads;
+    {
+      NoGradGuard no_grad;  // backward functions compute values, not new graphs
+      in_grads = node->backward(g);
+    }
+    if (in_grads.size() != node->inputs.size())
+      throw std::logic_error(std::string("[backward] op '") + node->name + "' returned " +
+                             std::to_string(in_grads.size()) + " gradients for " +
+                             std::to_string(node->inputs.size()) + " inputs");
+    for (size_t i = 0; i < in_grads.size(); ++i) {
+      const Tensor& in = node->inputs[i];
+      const Tensor& gi = in_grads[i];
+      if (!in.defined() || !in.requires_grad() || !gi.defined()) continue;
+      if (gi.shape() != in.shape() || gi.dtype() != in.dtype())
+        throw std::logic_error(std::string("[backward] op '") + node->name + "' returned " +
+                               gi.str() + " as the gradient of input " + std::to_string(i) +
+                               " which is " + in.str());
+      auto slot = grads.find(in.impl());
+      if (slot == grads.end()) {
+        grads.emplace(in.impl(), gi.impl_ptr());
+      } else {
+        Tensor sum = Tensor(slot->second).clone();
+        kernels::accumulate(sum, gi);
+        slot->second = sum.impl_ptr();
+      }
+    }
+    if (!retain_graph) {
+      node->backward = nullptr;  // frees the saved tensors
+    }
+  }
+}
+
+Tensor checkpoint(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                  const std::vector<Tensor>& inputs) {
+  if (!grad_enabled()) return fn(inputs);
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = fn(inputs);
+  }
+  std::vector<Tensor> saved(inputs);
+  return record("checkpoint", out, inputs, [fn, saved](const Tensor& g) {
+    std::vector<Tensor> detached;
+    detached.reserve(saved.size());
+    for (const Tensor& t : saved) {
+      Tensor d = t.detach();
+      if (t.requires_grad()) d.set_requires_grad(true);
+      detached.push_back(d);
+    }
+    Tensor recomputed;
+    {
+      // Recording is off inside backward functions; turn it back on for the recomputation.
+      struct EnableGrad {
+        bool prev = g_grad_enabled;
+        EnableGrad() { g_grad_enabled = true; }
+        ~EnableGrad() { g_grad_enabled = prev; }
+      } enable;
+      recomputed = fn(detached);
+      if (recomputed.requires_grad()) run_backward(recomputed, g, false);
+    }
+    std::vector<Tensor> grads;
+    for (const Tensor& d : detached) grads.push_back(d.requires_grad() ? d.grad() : Tensor());
+    return grads;
+  });
+}
+
+}  // namespace accel
