@@ -1,0 +1,66 @@
+#include "ops/common.h"
+
+namespace accel {
+
+Backend& backend_for(Device d) { return d.is_cpu() ? cpu_backend() : cuda_backend(); }
+
+namespace detail {
+
+int64_t normalize_dim(const char* op, int64_t dim, int64_t ndim) {
+  if (dim < -ndim || dim >= ndim)
+    op_error(op, "dim " + std::to_string(dim) + " out of range for a " + std::to_string(ndim) +
+                     "-d tensor");
+  return dim < 0 ? dim + ndim : dim;
+}
+
+Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b) {
+  size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (da != db && da != 1 && db != 1)
+      op_error(op, "shapes " + shape_str(a) + " and " + shape_str(b) + " cannot be broadcast");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+Tensor expand_raw(const Tensor& x, const Shape& shape) {
+  if (x.shape() == shape) return x;
+  size_t n = shape.size(), xd = x.shape().size();
+  if (xd > n) op_error("expand", "cannot expand " + shape_str(x.shape()) + " to " + shape_str(shape));
+  Shape strides(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    if (i < n - xd) continue;
+    int64_t sx = x.shape()[i - (n - xd)];
+    if (sx == shape[i]) {
+      strides[i] = x.strides()[i - (n - xd)];
+    } else if (sx != 1) {
+      op_error("expand", "cannot expand " + shape_str(x.shape()) + " to " + shape_str(shape));
+    }
+  }
+  return x.as_strided(shape, strides, x.offset());
+}
+
+void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.device() != b.device())
+    op_error(op, "inputs on different devices: " + a.str() + " and " + b.str());
+}
+
+void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype())
+    op_error(op, "inputs of different dtypes: " + a.str() + " and " + b.str() +
+                     " (cast one of them first)");
+}
+
+void check_defined(const char* op, const Tensor& x, const char* what) {
+  if (!x.defined()) op_error(op, std::string(what) + " is an undefined tensor");
+}
+
+void check_floating(const char* op, const Tensor& x) {
+  if (!is_floating(x.dtype())) op_error(op, "needs a floating-point tensor, got " + x.str());
+}
+
+}  // namespace detail
+}  // namespace accel

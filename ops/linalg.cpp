@@ -1,0 +1,93 @@
+// matmul and linear. Transposed views reach the GEMM as transpose flags, not copies.
+#include "ops/common.h"
+
+namespace accel {
+using detail::op_error;
+
+namespace {
+// A [batch, rows, cols] contiguous operand and whether the GEMM should read it transposed.
+struct GemmOperand {
+  Tensor t;
+  bool trans;
+};
+
+GemmOperand as_gemm_operand(const Tensor& x, int64_t batch) {
+  int64_t r = x.size(-2), c = x.size(-1);
+  if (x.is_contiguous()) return {x.as_strided({batch, r, c}, {r * c, c, 1}, x.offset()), false};
+  // A transposed view of a contiguous [.., c, r] tensor.
+  Shape st = x.strides();
+  int64_t n = x.dim();
+  bool last_two_swapped = st[n - 2] == 1 && st[n - 1] == r;
+  bool batch_ok = true;
+  int64_t expect = r * c;
+  for (int64_t i = n - 3; i >= 0; --i) {
+    if (x.shape()[i] != 1 && st[i] != expect) batch_ok = false;
+    expect *= x.shape()[i];
+  }
+  if (last_two_swapped && batch_ok)
+    return {x.as_strided({batch, c, r}, {r * c, r, 1}, x.offset()), true};
+  Tensor cx = x.clone();
+  return {cx.as_strided({batch, r, c}, {r * c, c, 1}, 0), false};
+}
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  detail::check_defined("matmul", a, "a");
+  detail::check_defined("matmul", b, "b");
+  detail::check_same_device("matmul", a, b);
+  detail::check_same_dtype("matmul", a, b);
+  detail::check_floating("matmul", a);
+  if (a.dim() < 2 || b.dim() < 2)
+    op_error("matmul", "needs at least 2-d inputs, got " + a.str() + " and " + b.str());
+  int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  if (b.size(-2) != K)
+    op_error("matmul", "inner dimensions differ: " + shape_str(a.shape()) + " @ " +
+                           shape_str(b.shape()));
+  Shape batch_a(a.shape().begin(), a.shape().end() - 2);
+  Shape batch_b(b.shape().begin(), b.shape().end() - 2);
+  Shape batch = detail::broadcast_shapes("matmul", batch_a, batch_b);
+  int64_t nb = shape_numel(batch);
+  Tensor ea = a, eb = b;
+  // An operand whose batch is neither the full batch nor a single matrix gets expanded (copied).
+  auto prepare = [&](const Tensor& x, const Shape& xb) -> GemmOperand {
+    if (shape_numel(xb) == 1) return as_gemm_operand(x, 1);
+    if (xb == batch) return as_gemm_operand(x, nb);
+    Shape full = batch;
+    full.push_back(x.size(-2));
+    full.push_back(x.size(-1));
+    return as_gemm_operand(detail::expand_raw(x, full).clone(), nb);
+  };
+  GemmOperand ga = prepare(a, batch_a), gb = prepare(b, batch_b);
+  Shape out_shape = batch;
+  out_shape.push_back(M);
+  out_shape.push_back(N);
+  Tensor out = Tensor::empty(out_shape, a.dtype(), a.device());
+  backend_for(a.device())
+      .matmul(out.as_strided({nb, M, N}, {M * N, N, 1}, 0), ga.t, gb.t, ga.trans, gb.trans, 1.0,
+              0.0);
+  bool need_a = a.requires_grad(), need_b = b.requires_grad();
+  return record("matmul", out, {a, b}, [a, b, need_a, need_b](const Tensor& g) {
+    Tensor ad = a.detach(), bd = b.detach();
+    return std::vector<Tensor>{
+        need_a ? sum_to_shape(matmul(g, transpose(bd, -1, -2)), a.shape()) : Tensor(),
+        need_b ? sum_to_shape(matmul(transpose(ad, -1, -2), g), b.shape()) : Tensor()};
+  });
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  detail::check_defined("linear", x, "input");
+  detail::check_defined("linear", weight, "weight");
+  if (weight.dim() != 2) op_error("linear", "weight must be 2-d [out, in], got " + weight.str());
+  if (x.dim() < 1 || x.size(-1) != weight.size(1))
+    op_error("linear", "input " + shape_str(x.shape()) + " does not end in in_features=" +
+                           std::to_string(weight.size(1)) + " of weight " +
+                           shape_str(weight.shape()));
+  Shape out_shape = x.shape();
+  out_shape.back() = weight.size(0);
+  Tensor x2 = reshape(x, {-1, weight.size(1)});
+  Tensor y = matmul(x2, transpose(weight, 0, 1));
+  if (bias.defined()) y = add(y, bias);
+  return reshape(y, out_shape);
+}
+
+}  // namespace accel

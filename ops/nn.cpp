@@ -1,0 +1,178 @@
+// Neural-network ops: each one autograd node with a fused backward in the backend.
+#include <cmath>
+
+#include "ops/common.h"
+
+namespace accel {
+using detail::op_error;
+
+namespace {
+// Moves `dim` last (copying when needed) so a backend can work on contiguous rows.
+Tensor dim_last(const Tensor& x, int64_t dim) {
+  return dim == x.dim() - 1 ? contiguous(x) : contiguous(transpose(x, dim, -1));
+}
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) {
+  detail::check_floating("softmax", x);
+  dim = detail::normalize_dim("softmax", dim, x.dim());
+  if (dim != x.dim() - 1) return transpose(softmax(dim_last(x, dim), -1), dim, -1);
+  Tensor xc = contiguous(x);
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  backend_for(x.device()).softmax(out, xc, false);
+  Tensor y = out.detach();
+  return record("softmax", out, {xc}, [y](const Tensor& g) {
+    return std::vector<Tensor>{mul(y, sub(g, sum(mul(g, y), {-1}, true)))};
+  });
+}
+
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  detail::check_floating("log_softmax", x);
+  dim = detail::normalize_dim("log_softmax", dim, x.dim());
+  if (dim != x.dim() - 1) return transpose(log_softmax(dim_last(x, dim), -1), dim, -1);
+  Tensor xc = contiguous(x);
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  backend_for(x.device()).softmax(out, xc, true);
+  Tensor y = out.detach();
+  return record("log_softmax", out, {xc}, [y](const Tensor& g) {
+    return std::vector<Tensor>{sub(g, mul(exp(y), sum(g, {-1}, true)))};
+  });
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  detail::check_floating("cross_entropy", logits);
+  if (logits.dim() != 2) op_error("cross_entropy", "logits must be [N, V], got " + logits.str());
+  if (targets.dim() != 1 || targets.size(0) != logits.size(0))
+    op_error("cross_entropy", "targets must be [N=" + std::to_string(logits.size(0)) + "], got " +
+                                  targets.str());
+  if (targets.dtype() != DType::I64 && targets.dtype() != DType::I32)
+    op_error("cross_entropy", "targets must be i64 or i32, got " + targets.str());
+  detail::check_same_device("cross_entropy", logits, targets);
+  Backend& be = backend_for(logits.device());
+  Tensor lc = contiguous(logits);
+  DType acc = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  const int64_t n = logits.size(0);
+  // The number of counted rows is read on the host: one sync per call, which the training loop
+  // pays anyway to log the loss.
+  Tensor ignored = equal(targets, Tensor::full({}, static_cast<double>(ignore_index),
+                                               targets.dtype(), targets.device()));
+  double count = static_cast<double>(n) - sum(cast(ignored, DType::F64)).item();
+  Tensor loss_rows = Tensor::empty({n}, acc, logits.device());
+  Tensor grad_logits;
+  if (grad_enabled() && logits.requires_grad())
+    grad_logits = Tensor::empty(logits.shape(), logits.dtype(), logits.device());
+  // The gradient is computed in the same pass as the loss (the logits are read once).
+  be.cross_entropy(loss_rows, grad_logits, lc, contiguous(targets), ignore_index,
+                   count > 0 ? 1.0 / count : 0.0);
+  Tensor loss = mul(sum(loss_rows), 1.0 / count);  // 0/0 = NaN when every target is ignored
+  if (!grad_logits.defined()) return loss;
+  return record("cross_entropy", loss.detach(), {lc}, [grad_logits](const Tensor& g) {
+    if (g.device().is_cpu() && g.item() == 1.0) return std::vector<Tensor>{grad_logits};
+    return std::vector<Tensor>{mul(grad_logits, cast(g, grad_logits.dtype()))};
+  });
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& ids) {
+  detail::check_same_device("embedding", weight, ids);
+  if (weight.dim() != 2) op_error("embedding", "weight must be [V, D], got " + weight.str());
+  if (ids.dtype() != DType::I64 && ids.dtype() != DType::I32)
+    op_error("embedding", "ids must be i64 or i32, got " + ids.str());
+  Shape out_shape = ids.shape();
+  out_shape.push_back(weight.size(1));
+  Tensor out = Tensor::empty(out_shape, weight.dtype(), weight.device());
+  Tensor idc = contiguous(ids);
+  backend_for(weight.device()).embedding(out, contiguous(weight), idc);
+  Shape wshape = weight.shape();
+  DType dtype = weight.dtype();
+  return record("embedding", out, {weight}, [idc, wshape, dtype](const Tensor& g) {
+    Tensor gw = Tensor::zeros(wshape, dtype, g.device(), MemCategory::Grads);
+    backend_for(g.device()).embedding_backward(gw, contiguous(g), idc);
+    return std::vector<Tensor>{gw};
+  });
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  detail::check_floating("rms_norm", x);
+  detail::check_same_device("rms_norm", x, weight);
+  detail::check_same_dtype("rms_norm", x, weight);
+  if (weight.dim() != 1 || x.dim() < 1 || x.size(-1) != weight.size(0))
+    op_error("rms_norm", "weight " + shape_str(weight.shape()) + " does not match the last dim of " +
+                             shape_str(x.shape()));
+  const int64_t d = weight.size(0), rows = d ? x.numel() / d : 0;
+  Tensor xc = contiguous(x);
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  Tensor rstd = Tensor::empty({rows}, x.dtype() == DType::F64 ? DType::F64 : DType::F32,
+                              x.device());
+  Tensor wc = contiguous(weight);
+  backend_for(x.device()).rms_norm(out, rstd, xc, wc, eps);
+  return record("rms_norm", out, {xc, wc}, [xc, wc, rstd](const Tensor& g) {
+    Tensor gx = Tensor::empty(xc.shape(), xc.dtype(), xc.device());
+    Tensor gw = Tensor::empty(wc.shape(), wc.dtype(), wc.device());
+    backend_for(xc.device()).rms_norm_backward(gx, gw, contiguous(g), xc.detach(), wc.detach(), rstd);
+    return std::vector<Tensor>{gx, gw};
+  });
+}
+
+Tensor rope(const Tensor& x, double theta, int64_t position_offset) {
+  detail::check_floating("rope", x);
+  if (x.dim() != 4 || x.size(3) % 2 != 0)
+    op_error("rope", "input must be [B, S, H, D] with D even, got " + x.str());
+  Tensor xc = contiguous(x);
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  backend_for(x.device()).rope(out, xc, theta, position_offset, false);
+  return record("rope", out, {xc}, [theta, position_offset](const Tensor& g) {
+    Tensor gi = Tensor::empty(g.shape(), g.dtype(), g.device());
+    backend_for(g.device()).rope(gi, contiguous(g), theta, position_offset, true);
+    return std::vector<Tensor>{gi};
+  });
+}
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  detail::check_floating("swiglu", gate);
+  detail::check_same_device("swiglu", gate, up);
+  detail::check_same_dtype("swiglu", gate, up);
+  if (gate.shape() != up.shape())
+    op_error("swiglu", "gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
+                           " differ");
+  Tensor gc = contiguous(gate), uc = contiguous(up);
+  Tensor out = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
+  backend_for(gate.device()).swiglu(out, gc, uc);
+  return record("swiglu", out, {gc, uc}, [gc, uc](const Tensor& g) {
+    Tensor gg = Tensor::empty(gc.shape(), gc.dtype(), gc.device());
+    Tensor gu = Tensor::empty(uc.shape(), uc.dtype(), uc.device());
+    backend_for(gc.device()).swiglu_backward(gg, gu, contiguous(g), gc.detach(), uc.detach());
+    return std::vector<Tensor>{gg, gu};
+  });
+}
+
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                 std::optional<double> scale) {
+  detail::check_floating("attention", q);
+  detail::check_same_device("attention", q, k);
+  detail::check_same_device("attention", q, v);
+  detail::check_same_dtype("attention", q, k);
+  detail::check_same_dtype("attention", q, v);
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.shape() != v.shape() ||
+      q.size(0) != k.size(0) || q.size(1) != k.size(1) || q.size(3) != k.size(3) ||
+      k.size(2) == 0 || q.size(2) % k.size(2) != 0)
+    op_error("attention", "expected q [B, S, Hq, D] and k, v [B, S, Hkv, D] with Hq a multiple of "
+                          "Hkv; got q " + shape_str(q.shape()) + ", k " + shape_str(k.shape()) +
+                              ", v " + shape_str(v.shape()));
+  const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  Tensor qc = contiguous(q), kc = contiguous(k), vc = contiguous(v);
+  Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
+  Tensor lse = Tensor::empty({q.size(0), q.size(2), q.size(1)}, DType::F32, q.device());
+  backend_for(q.device()).attention(out, lse, qc, kc, vc, causal, sc);
+  Tensor saved_out = out.detach();
+  return record("attention", out, {qc, kc, vc}, [qc, kc, vc, saved_out, lse, causal, sc](const Tensor& g) {
+    Tensor gq = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
+    Tensor gk = Tensor::empty(kc.shape(), kc.dtype(), kc.device());
+    Tensor gv = Tensor::empty(vc.shape(), vc.dtype(), vc.device());
+    backend_for(qc.device())
+        .attention_backward(gq, gk, gv, contiguous(g), qc.detach(), kc.detach(), vc.detach(),
+                            saved_out, lse, causal, sc);
+    return std::vector<Tensor>{gq, gk, gv};
+  });
+}
+
+}  // namespace accel
