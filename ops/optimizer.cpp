@@ -1,0 +1,97 @@
+#include "ops/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+namespace accel {
+
+Optimizer::Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
+                     std::vector<std::string> names)
+    : opts_(opts), params_(std::move(params)), names_(std::move(names)) {
+  if (opts_.name != "adamw" && opts_.name != "sgd")
+    throw std::invalid_argument("optimizer.name '" + opts_.name + "' is not one of adamw, sgd");
+  if (names_.size() != params_.size())
+    throw std::logic_error("Optimizer: one name per parameter is needed");
+  for (const Tensor& p : params_) {
+    m_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
+    if (opts_.name == "adamw")
+      v_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
+  }
+}
+
+void Optimizer::step(const std::vector<Tensor>& grads, double lr, double grad_scale) {
+  if (grads.size() != params_.size())
+    throw std::logic_error("Optimizer::step: " + std::to_string(grads.size()) + " grads for " +
+                           std::to_string(params_.size()) + " params");
+  ++step_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    if (opts_.name == "adamw") {
+      adamw_step(params_[i], grads[i], m_[i], v_[i],
+                 AdamWParams{lr, opts_.beta1, opts_.beta2, opts_.eps, opts_.weight_decay, step_},
+                 grad_scale);
+    } else {
+      sgd_step(params_[i], grads[i], m_[i], lr, opts_.momentum, opts_.weight_decay, grad_scale);
+    }
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Optimizer::state_tensors() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (opts_.name == "adamw") {
+      out.push_back({names_[i] + ".exp_avg", m_[i]});
+      out.push_back({names_[i] + ".exp_avg_sq", v_[i]});
+    } else {
+      out.push_back({names_[i] + ".momentum_buffer", m_[i]});
+    }
+  }
+  return out;
+}
+
+void Optimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& tensors,
+                           int64_t step) {
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  auto load = [&](const std::string& key, const Tensor& dst) {
+    auto it = by_name.find(key);
+    if (it == by_name.end())
+      throw std::runtime_error("optimizer state has no tensor '" + key + "'");
+    if (it->second.shape() != dst.shape())
+      throw std::runtime_error("optimizer state tensor '" + key + "' has shape " +
+                               shape_str(it->second.shape()) + ", expected " +
+                               shape_str(dst.shape()));
+    dst.copy_(it->second);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (opts_.name == "adamw") {
+      load(names_[i] + ".exp_avg", m_[i]);
+      load(names_[i] + ".exp_avg_sq", v_[i]);
+    } else {
+      load(names_[i] + ".momentum_buffer", m_[i]);
+    }
+  }
+  step_ = step;
+}
+
+double LRSchedule::at(int64_t step) const {
+  if (warmup_steps > 0 && step < warmup_steps)
+    return peak_lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  if (kind == "constant") return peak_lr;
+  const double min_lr = peak_lr * min_lr_ratio;
+  const int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup_steps);
+  const double t =
+      std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps));
+  if (kind == "linear") return peak_lr + (min_lr - peak_lr) * t;
+  if (kind == "cosine") return min_lr + 0.5 * (peak_lr - min_lr) * (1.0 + std::cos(M_PI * t));
+  throw std::invalid_argument("optimizer.lr_schedule '" + kind +
+                              "' is not one of constant, linear, cosine");
+}
+
+double clip_coefficient(double global_norm, double max_norm) {
+  if (max_norm <= 0) return 1.0;
+  return std::min(1.0, max_norm / (global_norm + 1e-6));
+}
+
+}  // namespace accel

@@ -1,0 +1,59 @@
+// Optimizers over fp32 master tensors, learning-rate schedules and gradient clipping.
+//
+// An Optimizer updates a list of tensors (whole parameters on one process, or the shards a rank
+// owns under ZeRO/FSDP) from gradients of the same shapes; it never sees the model.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace accel {
+
+struct OptimizerOptions {
+  std::string name = "adamw";  // adamw | sgd
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, momentum = 0.9;
+};
+
+class Optimizer {
+ public:
+  // `params` are updated in place; state tensors live on `state_device` (the params' device, or
+  // the CPU for optimizer offload, in which case params must be on the CPU too).
+  Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params, std::vector<std::string> names);
+
+  // One update with learning rate lr; each grad is multiplied by grad_scale first.
+  void step(const std::vector<Tensor>& grads, double lr, double grad_scale = 1.0);
+
+  int64_t step_count() const { return step_; }
+  // State for checkpoints: "<name>.exp_avg", "<name>.exp_avg_sq" (adamw) or
+  // "<name>.momentum_buffer" (sgd), plus the step count.
+  std::vector<std::pair<std::string, Tensor>> state_tensors() const;
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step);
+  const std::vector<Tensor>& params() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  OptimizerOptions opts_;
+  std::vector<Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<Tensor> m_, v_;  // adamw moments, or m_ = momentum buffers for sgd
+  int64_t step_ = 0;
+};
+
+struct LRSchedule {
+  std::string kind = "cosine";  // constant | linear | cosine
+  double peak_lr = 3e-4;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+  double min_lr_ratio = 0.1;  // linear and cosine decay to peak_lr * min_lr_ratio
+  // LR for 0-based step index `step`: linear warmup from peak/warmup to peak, then decay.
+  double at(int64_t step) const;
+};
+
+// torch.nn.utils.clip_grad_norm_: scale = min(1, max_norm / (norm + 1e-6)); max_norm <= 0 means
+// no clipping (scale 1).
+double clip_coefficient(double global_norm, double max_norm);
+
+}  // namespace accel
