@@ -1,0 +1,189 @@
+// kernels::cuda: the runtime's own device kernels (strided copy with dtype conversion, fill,
+// gradient accumulation) and the host helpers of device_common.cuh.
+#include <algorithm>
+
+#include "runtime/cuda/device_common.cuh"
+#include "runtime/kernels.h"
+
+namespace accel::cuda {
+
+std::vector<StridedLayout> make_layouts(const Shape& shape, const std::vector<Shape>& strides,
+                                        const char* op) {
+  // Drop size-1 dims, then merge dim d into d+1 where every operand has stride[d] ==
+  // stride[d+1] * size[d+1].
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<int64_t>> st(strides.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 1) continue;
+    sizes.push_back(shape[d]);
+    for (size_t k = 0; k < strides.size(); ++k) st[k].push_back(strides[k][d]);
+  }
+  std::vector<int64_t> ms;
+  std::vector<std::vector<int64_t>> mst(strides.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    bool merge = !ms.empty();
+    for (size_t k = 0; merge && k < strides.size(); ++k)
+      merge = mst[k].back() == st[k][d] * sizes[d];
+    if (merge) {
+      ms.back() *= sizes[d];
+      for (size_t k = 0; k < strides.size(); ++k) mst[k].back() = st[k][d];
+    } else {
+      ms.push_back(sizes[d]);
+      for (size_t k = 0; k < strides.size(); ++k) mst[k].push_back(st[k][d]);
+    }
+  }
+  if (ms.size() > static_cast<size_t>(kMaxDims))
+    throw std::invalid_argument(std::string("[") + op + "] CUDA kernels take at most " +
+                                std::to_string(kMaxDims) + " non-mergeable dims, got shape " +
+                                shape_str(shape));
+  std::vector<StridedLayout> out(strides.size());
+  for (size_t k = 0; k < strides.size(); ++k) {
+    StridedLayout& l = out[k];
+    l.nd = static_cast<int>(ms.size());
+    for (size_t d = 0; d < ms.size(); ++d) {
+      l.sizes[d] = ms[d];
+      l.strides[d] = mst[k][d];
+    }
+    l.contiguous = ms.empty() || (ms.size() == 1 && mst[k][0] == 1);
+  }
+  return out;
+}
+
+int grid_for(int64_t n, int threads, int blocks_per_sm) {
+  int64_t need = (n + threads - 1) / threads;
+  int64_t cap = static_cast<int64_t>(sm_count()) * blocks_per_sm;
+  return static_cast<int>(std::max<int64_t>(1, std::min(need, cap)));
+}
+
+void unsupported_dtype(const char* op, DType t) {
+  throw std::invalid_argument(std::string("[") + op + "] the CUDA backend does not support dtype " +
+                              dtype_name(t) + " here");
+}
+
+namespace {
+
+__global__ void copy_kernel(void* dst, DType dt, StridedLayout dl, const void* src, DType st,
+                            StridedLayout sl, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_from_double(dst, dt, dl.offset(i), load_as_double(src, st, sl.offset(i)));
+}
+
+// The common casts of mixed precision, 4 elements per thread.
+template <class TD, class TS>
+__global__ void cast_contiguous_kernel(TD* __restrict__ dst, const TS* __restrict__ src, int64_t n) {
+  int64_t n4 = n / 4;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    TS a[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) a[k] = src[4 * i + k];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) dst[4 * i + k] = from_f<TD>(to_f<TS>(a[k]));
+  }
+  for (int64_t i = 4 * n4 + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = from_f<TD>(to_f<TS>(src[i]));
+}
+
+__global__ void fill_kernel(void* dst, DType dt, StridedLayout dl, double v, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_from_double(dst, dt, dl.offset(i), v);
+}
+
+__global__ void accumulate_kernel(void* dst, DType t, const void* src, StridedLayout sl,
+                                  int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_from_double(dst, t, i, load_as_double(dst, t, i) + load_as_double(src, t, sl.offset(i)));
+}
+
+template <class T>
+__global__ void accumulate_contiguous_kernel(T* __restrict__ dst, const T* __restrict__ src,
+                                             int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = from_f<T>(to_f<T>(dst[i]) + to_f<T>(src[i]));
+}
+
+constexpr int kThreads = 256;
+
+}  // namespace
+}  // namespace accel::cuda
+
+namespace accel::kernels::cuda {
+using namespace accel::cuda;
+
+void copy(const Tensor& dst, const Tensor& src) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  DeviceGuard g(dst.device().index);
+  cudaStream_t s = current_stream();
+  if (dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous()) {
+    if (dst.data_ptr() != src.data_ptr())
+      ACCEL_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), dst.nbytes(),
+                                       cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  if (dst.is_contiguous() && src.is_contiguous()) {
+    int grid = grid_for(n / 4 + 1, kThreads);
+    auto* d = dst.data_ptr();
+    auto* sp = src.data_ptr();
+    if (dst.dtype() == DType::BF16 && src.dtype() == DType::F32) {
+      cast_contiguous_kernel<<<grid, kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(d),
+                                                       static_cast<const float*>(sp), n);
+      ACCEL_CUDA_CHECK_LAUNCH("cast f32->bf16");
+      return;
+    }
+    if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16) {
+      cast_contiguous_kernel<<<grid, kThreads, 0, s>>>(static_cast<float*>(d),
+                                                       static_cast<const __nv_bfloat16*>(sp), n);
+      ACCEL_CUDA_CHECK_LAUNCH("cast bf16->f32");
+      return;
+    }
+  }
+  auto l = make_layouts(dst.shape(), {dst.strides(), src.strides()}, "copy");
+  copy_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(dst.data_ptr(), dst.dtype(), l[0],
+                                                         src.data_ptr(), src.dtype(), l[1], n);
+  ACCEL_CUDA_CHECK_LAUNCH("copy");
+}
+
+void fill(const Tensor& dst, double value) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  DeviceGuard g(dst.device().index);
+  cudaStream_t s = current_stream();
+  if (value == 0.0 && !std::signbit(value) && dst.is_contiguous()) {
+    ACCEL_CUDA_CHECK(cudaMemsetAsync(dst.data_ptr(), 0, dst.nbytes(), s));
+    return;
+  }
+  auto l = make_layouts(dst.shape(), {dst.strides()}, "fill");
+  fill_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(dst.data_ptr(), dst.dtype(), l[0], value,
+                                                         n);
+  ACCEL_CUDA_CHECK_LAUNCH("fill");
+}
+
+void accumulate(const Tensor& dst, const Tensor& src) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  DeviceGuard g(dst.device().index);
+  cudaStream_t s = current_stream();
+  int grid = grid_for(n, kThreads);
+  if (src.is_contiguous() && dst.dtype() == DType::F32) {
+    accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(static_cast<float*>(dst.data_ptr()),
+                                                           static_cast<const float*>(src.data_ptr()),
+                                                           n);
+  } else if (src.is_contiguous() && dst.dtype() == DType::BF16) {
+    accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(
+        static_cast<__nv_bfloat16*>(dst.data_ptr()),
+        static_cast<const __nv_bfloat16*>(src.data_ptr()), n);
+  } else {
+    auto l = make_layouts(dst.shape(), {src.strides()}, "accumulate");
+    accumulate_kernel<<<grid, kThreads, 0, s>>>(dst.data_ptr(), dst.dtype(), src.data_ptr(), l[0],
+                                                n);
+  }
+  ACCEL_CUDA_CHECK_LAUNCH("accumulate");
+}
+
+}  // namespace accel::kernels::cuda
