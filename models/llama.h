@@ -1,0 +1,149 @@
+// Llama (Hugging Face LlamaForCausalLM) in C++: the same architecture, the same parameter names,
+// loadable from and savable to a Hugging Face model folder.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ops/ops.h"
+#include "runtime/module.h"
+
+namespace accel {
+
+struct LlamaConfig {
+  int64_t hidden_size = 256;
+  int64_t intermediate_size = 688;
+  int64_t num_hidden_layers = 4;
+  int64_t num_attention_heads = 4;
+  int64_t num_key_value_heads = 4;
+  int64_t head_dim = 64;  // hidden_size / num_attention_heads unless set
+  int64_t vocab_size = 256;
+  int64_t max_position_embeddings = 2048;
+  double rope_theta = 10000.0;
+  double rms_norm_eps = 1e-5;
+  double initializer_range = 0.02;
+  bool tie_word_embeddings = false;
+
+  // Throws std::invalid_argument naming the field when the shape is impossible.
+  void validate() const;
+  int64_t num_parameters() const;
+  // Training FLOPs per token: 6 * (non-embedding params + lm_head) + attention
+  // 12 * layers * seq * hidden (causal attention counted as the full matrix, like nanoGPT/PaLM).
+  double flops_per_token(int64_t seq_len) const;
+};
+
+// Reads a Hugging Face config.json (rope theta either top-level `rope_theta` or transformers 5's
+// `rope_parameters.rope_theta`). Throws naming the file and the field on bad input.
+LlamaConfig read_hf_llama_config(const std::string& path);
+void write_hf_llama_config(const LlamaConfig& c, const std::string& path,
+                           const std::string& torch_dtype = "float32");
+
+class Linear : public Module {
+ public:
+  Linear(int64_t in, int64_t out, DType dtype, Device device);
+  std::string type_name() const override { return "Linear"; }
+  Tensor forward(const Tensor& x);
+  Parameter& weight;
+};
+
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num, int64_t dim, DType dtype, Device device);
+  std::string type_name() const override { return "Embedding"; }
+  Tensor forward(const Tensor& ids);
+  Parameter& weight;
+};
+
+class RMSNorm : public Module {
+ public:
+  RMSNorm(int64_t dim, double eps, DType dtype, Device device);
+  std::string type_name() const override { return "LlamaRMSNorm"; }
+  Tensor forward(const Tensor& x);
+  Parameter& weight;
+  double eps;
+};
+
+class LlamaAttention : public Module {
+ public:
+  LlamaAttention(const LlamaConfig& c, DType dtype, Device device);
+  std::string type_name() const override { return "LlamaAttention"; }
+  Tensor forward(const Tensor& x);  // [B, S, hidden] -> [B, S, hidden]
+  Linear &q_proj, &k_proj, &v_proj, &o_proj;
+  const LlamaConfig config;
+};
+
+class LlamaMLP : public Module {
+ public:
+  LlamaMLP(const LlamaConfig& c, DType dtype, Device device);
+  std::string type_name() const override { return "LlamaMLP"; }
+  Tensor forward(const Tensor& x);
+  Linear &gate_proj, &up_proj, &down_proj;
+};
+
+class LlamaDecoderLayer : public Module {
+ public:
+  LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device device);
+  std::string type_name() const override { return "LlamaDecoderLayer"; }
+  Tensor forward(const Tensor& x);
+  LlamaAttention& self_attn;
+  LlamaMLP& mlp;
+  RMSNorm &input_layernorm, &post_attention_layernorm;
+};
+
+class ModuleList : public Module {
+ public:
+  std::string type_name() const override { return "ModuleList"; }
+  template <class M>
+  M& append(std::unique_ptr<M> m) {
+    return register_module(std::to_string(size_++), std::move(m));
+  }
+
+ private:
+  int64_t size_ = 0;
+};
+
+class LlamaModel : public Module {
+ public:
+  LlamaModel(const LlamaConfig& c, DType dtype, Device device);
+  std::string type_name() const override { return "LlamaModel"; }
+  Embedding& embed_tokens;
+  ModuleList& layers_list;
+  std::vector<LlamaDecoderLayer*> layers;
+  RMSNorm& norm;
+};
+
+class LlamaForCausalLM : public Module {
+ public:
+  // Parameters are created with dtype on device and initialized like Hugging Face does
+  // (normal(0, initializer_range) for linear and embedding weights, ones for norms), from `seed`.
+  LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device device, uint64_t seed);
+  std::string type_name() const override { return "LlamaForCausalLM"; }
+
+  // ids [B, S] -> logits [B, S, vocab]
+  Tensor forward(const Tensor& ids);
+  // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
+  // targets[b, t] is the token after ids[b, t]; -100 is ignored).
+  static Tensor loss(const Tensor& logits, const Tensor& targets);
+  // Recompute each decoder layer in backward instead of keeping its activations.
+  void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
+
+  const LlamaConfig config;
+  LlamaModel& model;
+  Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
+
+ private:
+  bool checkpoint_layers_ = false;
+};
+
+// Hugging Face targets for a causal LM: targets[b, t] = ids[b, t + 1], the last one ignored.
+Tensor shift_labels(const Tensor& labels);
+
+// Loads weights by Hugging Face name from a folder holding model.safetensors or a sharded
+// model.safetensors.index.json. Every parameter must be found with the right shape (errors name
+// the tensor and both shapes); tensors the model lacks are an error too, except a tied lm_head.
+void load_hf_weights(Module& model, const std::string& dir);
+// Writes config.json + model.safetensors (dtype as the parameters) that transformers loads.
+void save_hf_model(Module& model, const LlamaConfig& config, const std::string& dir);
+
+}  // namespace accel
