@@ -1,0 +1,53 @@
+// Helpers shared by the ops/cuda kernels: dtype dispatch to storage types, argument checks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "ops/cuda/cuda_backend.h"
+#include "runtime/cuda/device_common.cuh"
+
+namespace accel::cuda {
+
+// Calls f(T{}) with T = float, __nv_bfloat16 or __half for the dtype; other dtypes are an error.
+template <class F>
+void dispatch_float(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); break;
+    case DType::BF16: f(__nv_bfloat16{}); break;
+    case DType::F16: f(__half{}); break;
+    default: unsupported_dtype(op, t);
+  }
+}
+
+inline void require(bool ok, const char* op, const std::string& msg) {
+  if (!ok) throw std::logic_error(std::string("[") + op + "] CUDA backend: " + msg);
+}
+
+inline void require_cuda(const Tensor& t, const char* op, const char* what) {
+  if (t.defined() && !t.device().is_cuda())
+    throw std::invalid_argument(std::string("[") + op + "] " + what + " is on " +
+                                t.device().str() + ", not a CUDA device");
+}
+
+// Sets the device of `t` current for the scope of a backend call.
+struct OpScope {
+  DeviceGuard guard;
+  cudaStream_t stream;
+  explicit OpScope(const Tensor& t) : guard(t.device().index), stream(current_stream()) {}
+};
+
+template <class T>
+__device__ __forceinline__ T round_to(float v) {
+  return from_f<T>(v);
+}
+// Rounds v through T and back (identity for float): where HF rounds an intermediate.
+template <class T>
+__device__ __forceinline__ float rnd(float v) {
+  return to_f<T>(from_f<T>(v));
+}
+
+}  // namespace accel::cuda

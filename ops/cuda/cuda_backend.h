@@ -1,0 +1,75 @@
+// The CUDA backend (ops/backend.h) and the CUDA-only knobs around it. Kernels live in the files
+// named after the ops: elementwise.cu, reduce.cu, matmul.cpp, norm.cu, embedding.cu, attention.cu,
+// optim.cu. Every kernel runs on cuda::current_stream() of the tensors' device.
+#pragma once
+
+#include "ops/backend.h"
+
+namespace accel {
+
+class CudaBackend final : public Backend {
+ public:
+  const char* name() const override { return "cuda"; }
+
+  void unary(UnaryOp op, const Tensor& out, const Tensor& x) override;
+  void add_scalar(const Tensor& out, const Tensor& x, double s) override;
+  void mul_scalar(const Tensor& out, const Tensor& x, double s) override;
+  void pow_scalar(const Tensor& out, const Tensor& x, double e) override;
+  void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override;
+  void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) override;
+  void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+              const std::vector<int64_t>& dims) override;
+  void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
+                    const Tensor& grad_keepdim, int64_t dim) override;
+  void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+              double alpha, double beta) override;
+  void softmax(const Tensor& out, const Tensor& x, bool log) override;
+  void cross_entropy(const Tensor& loss_per_row, const Tensor& grad_logits, const Tensor& logits,
+                     const Tensor& targets, int64_t ignore_index, double grad_scale) override;
+  void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) override;
+  void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
+                          const Tensor& ids) override;
+  void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& weight,
+                double eps) override;
+  void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
+                         const Tensor& x, const Tensor& weight, const Tensor& rstd) override;
+  void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
+            bool inverse) override;
+  void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
+  void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
+                       const Tensor& gate, const Tensor& up) override;
+  void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                 const Tensor& v, bool causal, double scale) override;
+  void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
+                          const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
+                          double scale) override;
+  void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
+                    double high) override;
+  void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
+                   double stddev) override;
+  void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const AdamWParams& p, double grad_scale) override;
+  void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
+                double momentum, double weight_decay, double grad_scale) override;
+  double sum_of_squares(const std::vector<Tensor>& xs) override;
+  bool has_non_finite(const Tensor& x) override;
+};
+
+namespace cuda {
+// fp32 GEMMs use TF32 tensor cores when allowed (off by default; `mixed_precision: no` with tf32
+// configured turns it on). The environment variable ACCEL_ALLOW_TF32=1 sets the initial value.
+void set_allow_tf32(bool allow);
+bool allow_tf32();
+
+// Which attention kernels run: "auto" picks the tensor-core flash kernel for bf16/f16 with head
+// dim 64 or 128 and the generic tiled kernel otherwise; "generic" forces the latter (tests).
+void set_attention_impl(const char* impl);
+
+// AdamW over many tensors in one launch per (dtype pair): the same math as adamw_step for each i.
+void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
+                      const AdamWParams& p, double grad_scale);
+}  // namespace cuda
+
+}  // namespace accel

@@ -1,0 +1,434 @@
+// Elementwise kernels: unary, scalar, binary, where, swiglu (fwd/bwd) and the Philox generators.
+// Contiguous float tensors take a vectorized path (16 bytes per thread and access); everything
+// else (broadcast views, integer dtypes) takes a strided path with run-time dtypes, computing in
+// float for the float dtypes and in double for f64 and the integers.
+#include "ops/cuda/common.cuh"
+#include "runtime/random.h"
+
+namespace accel {
+namespace {
+using namespace cuda;
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float d_exp(float v) { return expf(v); }
+__device__ __forceinline__ double d_exp(double v) { return ::exp(v); }
+__device__ __forceinline__ float d_log(float v) { return logf(v); }
+__device__ __forceinline__ double d_log(double v) { return ::log(v); }
+__device__ __forceinline__ float d_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double d_sqrt(double v) { return ::sqrt(v); }
+__device__ __forceinline__ float d_tanh(float v) { return tanhf(v); }
+__device__ __forceinline__ double d_tanh(double v) { return ::tanh(v); }
+__device__ __forceinline__ float d_pow(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double d_pow(double a, double b) { return ::pow(a, b); }
+
+struct UnaryF {
+  UnaryOp op;
+  template <class C>
+  __device__ __forceinline__ C operator()(C v) const {
+    switch (op) {
+      case UnaryOp::Neg: return -v;
+      case UnaryOp::Exp: return d_exp(v);
+      case UnaryOp::Log: return d_log(v);
+      case UnaryOp::Sqrt: return d_sqrt(v);
+      case UnaryOp::Rsqrt: return C(1) / d_sqrt(v);
+      case UnaryOp::Abs: return v < C(0) ? -v : v;
+      case UnaryOp::Sigmoid: return C(1) / (C(1) + d_exp(-v));
+      case UnaryOp::Silu: return v * (C(1) / (C(1) + d_exp(-v)));
+      case UnaryOp::Gelu: {
+        const C k0 = C(0.7978845608028654), k1 = C(0.044715);
+        return C(0.5) * v * (C(1) + d_tanh(k0 * (v + k1 * v * v * v)));
+      }
+      case UnaryOp::Tanh: return d_tanh(v);
+      case UnaryOp::Square: return v * v;
+    }
+    return v;
+  }
+};
+
+enum class ScalarKind { Add, Mul, Pow };
+struct ScalarF {
+  ScalarKind kind;
+  double s;
+  template <class C>
+  __device__ __forceinline__ C operator()(C v) const {
+    const C c = static_cast<C>(s);
+    switch (kind) {
+      case ScalarKind::Add: return v + c;
+      case ScalarKind::Mul: return v * c;
+      case ScalarKind::Pow:
+        if (s == 2.0) return v * v;
+        if (s == 1.0) return v;
+        if (s == 0.5) return d_sqrt(v);
+        return d_pow(v, c);
+    }
+    return v;
+  }
+};
+
+struct BinaryF {
+  BinaryOp op;
+  template <class C>
+  __device__ __forceinline__ C operator()(C x, C y) const {
+    switch (op) {
+      case BinaryOp::Add: return x + y;
+      case BinaryOp::Sub: return x - y;
+      case BinaryOp::Mul: return x * y;
+      case BinaryOp::Div: return x / y;
+      case BinaryOp::Maximum: return (x != x || x > y) ? x : y;
+      case BinaryOp::Greater: return x > y ? C(1) : C(0);
+      case BinaryOp::Equal: return x == y ? C(1) : C(0);
+    }
+    return x;
+  }
+};
+
+// ---- strided paths --------------------------------------------------------------------------
+template <class C>
+__device__ __forceinline__ C load_c(const void* p, DType t, int64_t i);
+template <>
+__device__ __forceinline__ float load_c<float>(const void* p, DType t, int64_t i) {
+  return load_f(p, t, i);
+}
+template <>
+__device__ __forceinline__ double load_c<double>(const void* p, DType t, int64_t i) {
+  return load_as_double(p, t, i);
+}
+__device__ __forceinline__ void store_c(void* p, DType t, int64_t i, float v) { store_f(p, t, i, v); }
+__device__ __forceinline__ void store_c(void* p, DType t, int64_t i, double v) {
+  store_from_double(p, t, i, v);
+}
+
+struct Operand {
+  const void* p;
+  DType t;
+  StridedLayout l;
+};
+
+template <class C, class F>
+__global__ void map1_strided(void* out, DType ot, StridedLayout ol, Operand a, int64_t n, F f) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_c(out, ot, ol.offset(i), f(load_c<C>(a.p, a.t, a.l.offset(i))));
+}
+
+template <class C, class F>
+__global__ void map2_strided(void* out, DType ot, StridedLayout ol, Operand a, Operand b, int64_t n,
+                             F f) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    store_c(out, ot, ol.offset(i),
+            f(load_c<C>(a.p, a.t, a.l.offset(i)), load_c<C>(b.p, b.t, b.l.offset(i))));
+}
+
+__global__ void where_strided(void* out, DType ot, StridedLayout ol, Operand c, Operand a,
+                              Operand b, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    bool cond = static_cast<const uint8_t*>(c.p)[c.l.offset(i)] != 0;
+    const Operand& s = cond ? a : b;
+    store_from_double(out, ot, ol.offset(i), load_as_double(s.p, s.t, s.l.offset(i)));
+  }
+}
+
+// ---- vectorized contiguous paths ------------------------------------------------------------
+template <class T>
+struct Vec {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+template <class T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p, int64_t i) {
+  Vec<T> r;
+  *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(p + i);
+  return r;
+}
+template <class T>
+__device__ __forceinline__ void store_vec(T* p, int64_t i, const Vec<T>& r) {
+  *reinterpret_cast<uint4*>(p + i) = *reinterpret_cast<const uint4*>(r.v);
+}
+
+template <class T, class F>
+__global__ void map1_vec(T* __restrict__ out, const T* __restrict__ a, int64_t n, F f) {
+  constexpr int N = Vec<T>::N;
+  const int64_t nv = n / N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    Vec<T> x = load_vec(a, i * N), y;
+#pragma unroll
+    for (int k = 0; k < N; ++k) y.v[k] = from_f<T>(f(to_f(x.v[k])));
+    store_vec(out, i * N, y);
+  }
+  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_f<T>(f(to_f(a[i])));
+}
+
+template <class T, class F>
+__global__ void map2_vec(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
+                         int64_t n, F f) {
+  constexpr int N = Vec<T>::N;
+  const int64_t nv = n / N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    Vec<T> x = load_vec(a, i * N), y = load_vec(b, i * N), z;
+#pragma unroll
+    for (int k = 0; k < N; ++k) z.v[k] = from_f<T>(f(to_f(x.v[k]), to_f(y.v[k])));
+    store_vec(out, i * N, z);
+  }
+  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_f<T>(f(to_f(a[i]), to_f(b[i])));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+bool is_float_compute(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+Operand operand(const Tensor& t, const StridedLayout& l) { return Operand{t.data_ptr(), t.dtype(), l}; }
+
+template <class F>
+void launch_map1(const char* op, const Tensor& out, const Tensor& x, F f) {
+  require_cuda(x, op, "input");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OpScope sc(out);
+  if (out.dtype() == x.dtype() && x.is_contiguous() && out.is_contiguous() &&
+      is_float_compute(x.dtype()) && aligned16(x.data_ptr()) && aligned16(out.data_ptr())) {
+    dispatch_float(x.dtype(), op, [&](auto t) {
+      using T = decltype(t);
+      map1_vec<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
+          static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), n, f);
+    });
+  } else {
+    auto l = make_layouts(out.shape(), {out.strides(), x.strides()}, op);
+    if (is_float_compute(x.dtype()) && is_float_compute(out.dtype()))
+      map1_strided<float><<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
+          out.data_ptr(), out.dtype(), l[0], operand(x, l[1]), n, f);
+    else
+      map1_strided<double><<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
+          out.data_ptr(), out.dtype(), l[0], operand(x, l[1]), n, f);
+  }
+  ACCEL_CUDA_CHECK_LAUNCH("elementwise");
+}
+
+bool is_integer(DType t) {
+  return t == DType::I32 || t == DType::I64 || t == DType::U8 || t == DType::Bool;
+}
+
+}  // namespace
+
+void CudaBackend::unary(UnaryOp op, const Tensor& out, const Tensor& x) {
+  require(out.dtype() == x.dtype(), "unary", "out and x dtypes differ");
+  if (is_integer(x.dtype()) && op != UnaryOp::Neg && op != UnaryOp::Abs && op != UnaryOp::Square)
+    unsupported_dtype("unary", x.dtype());
+  launch_map1("unary", out, x, UnaryF{op});
+}
+
+void CudaBackend::add_scalar(const Tensor& out, const Tensor& x, double s) {
+  launch_map1("add", out, x, ScalarF{ScalarKind::Add, s});
+}
+void CudaBackend::mul_scalar(const Tensor& out, const Tensor& x, double s) {
+  launch_map1("mul", out, x, ScalarF{ScalarKind::Mul, s});
+}
+void CudaBackend::pow_scalar(const Tensor& out, const Tensor& x, double e) {
+  if (!is_floating(x.dtype())) unsupported_dtype("pow", x.dtype());
+  launch_map1("pow", out, x, ScalarF{ScalarKind::Pow, e});
+}
+
+void CudaBackend::binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const char* name = "binary";
+  require_cuda(a, name, "a");
+  require_cuda(b, name, "b");
+  require(a.shape() == out.shape() && b.shape() == out.shape() && a.dtype() == b.dtype(), name,
+          "inputs must be expanded to out's shape and share a dtype: " + a.str() + ", " + b.str() +
+              " -> " + out.str());
+  const bool cmp = op == BinaryOp::Greater || op == BinaryOp::Equal;
+  require(cmp ? out.dtype() == DType::Bool : out.dtype() == a.dtype(), name,
+          "wrong output dtype " + out.str());
+  if (op == BinaryOp::Div && is_integer(a.dtype()))
+    throw std::invalid_argument(std::string("[div] integer division is not supported (") +
+                                dtype_name(a.dtype()) + "); cast to a float dtype first");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OpScope sc(out);
+  BinaryF f{op};
+  if (!cmp && a.is_contiguous() && b.is_contiguous() && is_float_compute(a.dtype()) &&
+      aligned16(a.data_ptr()) && aligned16(b.data_ptr()) && aligned16(out.data_ptr())) {
+    dispatch_float(a.dtype(), name, [&](auto t) {
+      using T = decltype(t);
+      map2_vec<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
+          static_cast<T*>(out.data_ptr()), static_cast<const T*>(a.data_ptr()),
+          static_cast<const T*>(b.data_ptr()), n, f);
+    });
+  } else {
+    auto l = make_layouts(out.shape(), {out.strides(), a.strides(), b.strides()}, name);
+    if (is_float_compute(a.dtype()))
+      map2_strided<float><<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
+          out.data_ptr(), out.dtype(), l[0], operand(a, l[1]), operand(b, l[2]), n, f);
+    else
+      map2_strided<double><<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
+          out.data_ptr(), out.dtype(), l[0], operand(a, l[1]), operand(b, l[2]), n, f);
+  }
+  ACCEL_CUDA_CHECK_LAUNCH("binary");
+}
+
+void CudaBackend::where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) {
+  require_cuda(cond, "where", "condition");
+  require(cond.shape() == out.shape() && a.shape() == out.shape() && b.shape() == out.shape(),
+          "where", "inputs must be expanded to out's shape");
+  if (cond.dtype() != DType::Bool && cond.dtype() != DType::U8)
+    throw std::invalid_argument("[where] condition must be bool, got " + cond.str());
+  require(a.dtype() == b.dtype() && out.dtype() == a.dtype(), "where", "dtypes differ");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OpScope sc(out);
+  auto l = make_layouts(out.shape(), {out.strides(), cond.strides(), a.strides(), b.strides()},
+                        "where");
+  where_strided<<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
+      out.data_ptr(), out.dtype(), l[0], operand(cond, l[1]), operand(a, l[2]), operand(b, l[3]),
+      n);
+  ACCEL_CUDA_CHECK_LAUNCH("where");
+}
+
+// ---- swiglu -----------------------------------------------------------------------------------
+namespace {
+
+template <class T>
+__global__ void swiglu_kernel(T* __restrict__ out, const T* __restrict__ gate,
+                              const T* __restrict__ up, int64_t n) {
+  constexpr int N = Vec<T>::N;
+  const int64_t nv = n / N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    Vec<T> g = load_vec(gate, i * N), u = load_vec(up, i * N), o;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float gv = to_f(g.v[k]);
+      o.v[k] = from_f<T>(rnd<T>(gv / (1.0f + expf(-gv))) * to_f(u.v[k]));
+    }
+    store_vec(out, i * N, o);
+  }
+  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float gv = to_f(gate[i]);
+    out[i] = from_f<T>(rnd<T>(gv / (1.0f + expf(-gv))) * to_f(up[i]));
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, T& gg, T& gu) {
+  float s = 1.0f / (1.0f + expf(-g));
+  gg = from_f<T>(d * u * s * (1.0f + g * (1.0f - s)));
+  gu = from_f<T>(d * g * s);
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(T* __restrict__ grad_gate, T* __restrict__ grad_up,
+                                       const T* __restrict__ grad_out, const T* __restrict__ gate,
+                                       const T* __restrict__ up, int64_t n) {
+  constexpr int N = Vec<T>::N;
+  const int64_t nv = n / N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    Vec<T> g = load_vec(gate, i * N), u = load_vec(up, i * N), d = load_vec(grad_out, i * N);
+    Vec<T> gg, gu;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), gg.v[k], gu.v[k]);
+    store_vec(grad_gate, i * N, gg);
+    store_vec(grad_up, i * N, gu);
+  }
+  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    swiglu_grad(to_f(gate[i]), to_f(up[i]), to_f(grad_out[i]), grad_gate[i], grad_up[i]);
+}
+
+void require_vec_ready(const char* op, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    require_cuda(*t, op, "operand");
+    require(t->is_contiguous() && aligned16(t->data_ptr()), op,
+            "operands must be contiguous and 16-byte aligned, got " + t->str());
+  }
+}
+
+}  // namespace
+
+void CudaBackend::swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  require(gate.shape() == out.shape() && up.shape() == out.shape() &&
+              gate.dtype() == out.dtype() && up.dtype() == out.dtype(),
+          "swiglu", "gate, up and out must share shape and dtype");
+  Tensor gc = gate.is_contiguous() && aligned16(gate.data_ptr()) ? gate : gate.clone();
+  Tensor uc = up.is_contiguous() && aligned16(up.data_ptr()) ? up : up.clone();
+  require_vec_ready("swiglu", {&out, &gc, &uc});
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OpScope sc(out);
+  dispatch_float(out.dtype(), "swiglu", [&](auto t) {
+    using T = decltype(t);
+    swiglu_kernel<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
+        static_cast<T*>(out.data_ptr()), static_cast<const T*>(gc.data_ptr()),
+        static_cast<const T*>(uc.data_ptr()), n);
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("swiglu");
+}
+
+void CudaBackend::swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
+                                  const Tensor& grad_out, const Tensor& gate, const Tensor& up) {
+  require(grad_gate.shape() == gate.shape() && grad_up.shape() == gate.shape() &&
+              grad_out.shape() == gate.shape() && up.shape() == gate.shape() &&
+              grad_gate.dtype() == gate.dtype() && grad_up.dtype() == gate.dtype() &&
+              grad_out.dtype() == gate.dtype() && up.dtype() == gate.dtype(),
+          "swiglu", "backward: shapes and dtypes must all match gate " + gate.str());
+  auto ready = [](const Tensor& t) {
+    return t.is_contiguous() && aligned16(t.data_ptr()) ? t : t.clone();
+  };
+  Tensor gc = ready(gate), uc = ready(up), dc = ready(grad_out);
+  require_vec_ready("swiglu", {&grad_gate, &grad_up, &gc, &uc, &dc});
+  const int64_t n = gate.numel();
+  if (n == 0) return;
+  OpScope sc(gate);
+  dispatch_float(gate.dtype(), "swiglu", [&](auto t) {
+    using T = decltype(t);
+    swiglu_backward_kernel<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
+        static_cast<T*>(grad_gate.data_ptr()), static_cast<T*>(grad_up.data_ptr()),
+        static_cast<const T*>(dc.data_ptr()), static_cast<const T*>(gc.data_ptr()),
+        static_cast<const T*>(uc.data_ptr()), n);
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("swiglu_backward");
+}
+
+// ---- random -----------------------------------------------------------------------------------
+namespace {
+__global__ void rand_kernel(void* out, DType t, int64_t n, uint64_t seed, uint64_t offset,
+                            double a, double b, bool normal) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    double r = normal ? philox::normal(seed, offset, i) : philox::uniform(seed, offset, i);
+    store_from_double(out, t, i, normal ? a + b * r : a + (b - a) * r);
+  }
+}
+
+void launch_rand(const char* op, const Tensor& out, uint64_t seed, uint64_t offset, double a,
+                 double b, bool normal) {
+  require(out.is_contiguous(), op, "out must be contiguous");
+  if (!is_floating(out.dtype())) unsupported_dtype(op, out.dtype());
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OpScope sc(out);
+  rand_kernel<<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(out.data_ptr(), out.dtype(), n,
+                                                                 seed, offset, a, b, normal);
+  check(cudaGetLastError(), op, __FILE__, __LINE__);
+}
+}  // namespace
+
+void CudaBackend::rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
+                               double high) {
+  launch_rand("rand_uniform", out, seed, offset, low, high, false);
+}
+void CudaBackend::rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
+                              double stddev) {
+  launch_rand("rand_normal", out, seed, offset, mean, stddev, true);
+}
+
+}  // namespace accel
