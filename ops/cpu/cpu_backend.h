@@ -1,0 +1,70 @@
+// The CPU backend: one class, its methods implemented in files named after the op groups
+// (elementwise.cpp, reduce.cpp, matmul.cpp, nn.cpp, attention.cpp, random.cpp, optim.cpp).
+#pragma once
+
+#include "ops/backend.h"
+
+namespace accel {
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+
+  // elementwise.cpp
+  void unary(UnaryOp op, const Tensor& out, const Tensor& x) override;
+  void add_scalar(const Tensor& out, const Tensor& x, double s) override;
+  void mul_scalar(const Tensor& out, const Tensor& x, double s) override;
+  void pow_scalar(const Tensor& out, const Tensor& x, double e) override;
+  void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override;
+  void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) override;
+
+  // reduce.cpp
+  void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+              const std::vector<int64_t>& dims) override;
+  void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
+                    const Tensor& grad_keepdim, int64_t dim) override;
+
+  // matmul.cpp
+  void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+              double alpha, double beta) override;
+
+  // nn.cpp
+  void softmax(const Tensor& out, const Tensor& x, bool log) override;
+  void cross_entropy(const Tensor& loss_per_row, const Tensor& grad_logits, const Tensor& logits,
+                     const Tensor& targets, int64_t ignore_index, double grad_scale) override;
+  void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) override;
+  void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
+                          const Tensor& ids) override;
+  void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& weight,
+                double eps) override;
+  void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
+                         const Tensor& x, const Tensor& weight, const Tensor& rstd) override;
+  void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
+            bool inverse) override;
+  void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
+  void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
+                       const Tensor& gate, const Tensor& up) override;
+
+  // attention.cpp
+  void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                 const Tensor& v, bool causal, double scale) override;
+  void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
+                          const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& out, const Tensor& lse, bool causal, double scale) override;
+
+  // random.cpp
+  void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
+                    double high) override;
+  void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
+                   double stddev) override;
+
+  // optim.cpp
+  void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const AdamWParams& p, double grad_scale) override;
+  void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
+                double momentum, double weight_decay, double grad_scale) override;
+  double sum_of_squares(const std::vector<Tensor>& xs) override;
+  bool has_non_finite(const Tensor& x) override;
+};
+
+}  // namespace accel

@@ -1,0 +1,187 @@
+// Optimizer kernels and gradient statistics. AdamW and SGD follow torch.optim's single-tensor
+// code path operation by operation (each torch op rounds to the parameter dtype, and so do we).
+#include <cmath>
+
+#include "ops/cpu/cpu_backend.h"
+#include "ops/cpu/cpu_common.h"
+
+namespace accel {
+namespace {
+using namespace cpu;
+
+// Calls f(param traits, grad traits): param f32 or f64; grad the param's dtype or, for an f32
+// param, bf16/f16.
+template <class F>
+void dispatch_param_grad(const char* op, const Tensor& param, const Tensor& grad, F&& f) {
+  auto with_grad = [&](auto tr_p) {
+    using TrP = decltype(tr_p);
+    switch (grad.dtype()) {
+      case DType::F32:
+        if constexpr (std::is_same_v<typename TrP::C, float>) return f(tr_p, Traits<DType::F32>{});
+        break;
+      case DType::F64:
+        if constexpr (std::is_same_v<typename TrP::C, double>) return f(tr_p, Traits<DType::F64>{});
+        break;
+      case DType::BF16:
+        if constexpr (std::is_same_v<typename TrP::C, float>) return f(tr_p, Traits<DType::BF16>{});
+        break;
+      case DType::F16:
+        if constexpr (std::is_same_v<typename TrP::C, float>) return f(tr_p, Traits<DType::F16>{});
+        break;
+      default:
+        break;
+    }
+    throw std::invalid_argument(std::string("[") + op + "] gradient " + grad.str() +
+                                " does not fit parameter " + param.str() +
+                                " (f32 params take f32/bf16/f16 gradients, f64 params f64)");
+  };
+  if (param.dtype() == DType::F32)
+    with_grad(Traits<DType::F32>{});
+  else if (param.dtype() == DType::F64)
+    with_grad(Traits<DType::F64>{});
+  else
+    throw std::invalid_argument(std::string("[") + op + "] parameter " + param.str() +
+                                " must be f32 or f64 (keep fp32 master weights)");
+}
+
+void check_state(const char* op, const Tensor& param, const Tensor& grad, const Tensor& state) {
+  if (!state.defined()) return;
+  if (state.dtype() != param.dtype() || state.shape() != param.shape() || !state.is_contiguous() ||
+      !param.is_contiguous() || !grad.is_contiguous() || grad.shape() != param.shape())
+    throw std::invalid_argument(std::string("[") + op + "] param " + param.str() + ", grad " +
+                                grad.str() + " and state " + state.str() +
+                                " must be contiguous with one shape (state in the param dtype)");
+}
+
+}  // namespace
+
+void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m,
+                            const Tensor& v, const AdamWParams& p, double grad_scale) {
+  if (!m.defined() || !v.defined())
+    throw std::invalid_argument("[adamw_step] moment tensors must be defined");
+  check_state("adamw_step", param, grad, m);
+  check_state("adamw_step", param, grad, v);
+  if (p.step < 1)
+    throw std::invalid_argument("[adamw_step] step is 1-based, got " + std::to_string(p.step));
+  dispatch_param_grad("adamw_step", param, grad, [&](auto tr_p, auto tr_g) {
+    using TrP = decltype(tr_p);
+    using TrG = decltype(tr_g);
+    using T = typename TrP::C;
+    // Scalars as torch computes them in Python (double), then used as the tensor's dtype.
+    const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(p.step));
+    const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(p.step));
+    const T decay = static_cast<T>(1.0 - p.lr * p.weight_decay);
+    const T w1 = static_cast<T>(1.0 - p.beta1);
+    const T b2 = static_cast<T>(p.beta2);
+    const T w2 = static_cast<T>(1.0 - p.beta2);
+    const T neg_step = static_cast<T>(-(p.lr / bc1));
+    const T bc2_sqrt = static_cast<T>(std::sqrt(bc2));
+    const T eps = static_cast<T>(p.eps);
+    const T gs = static_cast<T>(grad_scale);
+    const bool scale_grad = grad_scale != 1.0;
+    T* pp = ptr<TrP>(param);
+    T* mp = ptr<TrP>(m);
+    T* vp = ptr<TrP>(v);
+    const auto* gp = ptr<TrG>(grad);
+    parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        T g = static_cast<T>(TrG::load(gp[i]));
+        if (scale_grad) g *= gs;
+        pp[i] *= decay;  // param.mul_(1 - lr * weight_decay)
+        // exp_avg.lerp_(grad, 1 - beta1), torch's lerp formula for weight < 0.5
+        mp[i] = w1 < T(0.5) ? mp[i] + w1 * (g - mp[i]) : g - (g - mp[i]) * (T(1) - w1);
+        vp[i] *= b2;          // exp_avg_sq.mul_(beta2)
+        vp[i] += w2 * g * g;  // .addcmul_(grad, grad, value=1 - beta2)
+        const T denom = std::sqrt(vp[i]) / bc2_sqrt + eps;
+        pp[i] += neg_step * mp[i] / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
+      }
+    });
+  });
+}
+
+void CpuBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
+                          double momentum, double weight_decay, double grad_scale) {
+  check_state("sgd_step", param, grad, buf);
+  if (momentum != 0.0 && !buf.defined())
+    throw std::invalid_argument("[sgd_step] momentum " + std::to_string(momentum) +
+                                " needs a (zero-initialised) momentum buffer");
+  dispatch_param_grad("sgd_step", param, grad, [&](auto tr_p, auto tr_g) {
+    using TrP = decltype(tr_p);
+    using TrG = decltype(tr_g);
+    using T = typename TrP::C;
+    const T wd = static_cast<T>(weight_decay), mom = static_cast<T>(momentum);
+    const T neg_lr = static_cast<T>(-lr), gs = static_cast<T>(grad_scale);
+    const bool use_wd = weight_decay != 0.0, use_mom = momentum != 0.0,
+               scale_grad = grad_scale != 1.0;
+    T* pp = ptr<TrP>(param);
+    T* bp = use_mom ? ptr<TrP>(buf) : nullptr;
+    const auto* gp = ptr<TrG>(grad);
+    parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        T d = static_cast<T>(TrG::load(gp[i]));
+        if (scale_grad) d *= gs;
+        if (use_wd) d += wd * pp[i];  // grad.add(param, alpha=weight_decay)
+        if (use_mom) {
+          // buf.mul_(momentum).add_(d); a zero buffer gives torch's first step (buf = grad).
+          bp[i] = bp[i] * mom + d;
+          d = bp[i];
+        }
+        pp[i] += neg_lr * d;  // param.add_(d_p, alpha=-lr)
+      }
+    });
+  });
+}
+
+double CpuBackend::sum_of_squares(const std::vector<Tensor>& xs) {
+  double total = 0.0;
+  for (const Tensor& x : xs) {
+    if (!x.defined() || x.numel() == 0) continue;
+    dispatch_float(x.dtype(), "sum_of_squares", [&](auto tr) {
+      using Tr = decltype(tr);
+      const auto* xp = ptr<Tr>(x);
+      std::vector<double> partial(static_cast<size_t>(max_threads()) + 1, 0.0);
+      StridedWalk<1> walk(x.shape(), {&x.strides()});
+      const int64_t n = x.numel();
+      const int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, n / kGrain));
+      const int64_t per = (n + chunks - 1) / chunks;
+      parallel_for(chunks, 0, [&](int64_t cb, int64_t ce) {
+        for (int64_t c = cb; c < ce; ++c) {
+          double s = 0.0;
+          walk.run(c * per, std::min(n, (c + 1) * per),
+                   [&](int64_t, const std::array<int64_t, 1>& off) {
+                     const double v = Tr::load(xp[off[0]]);
+                     s += v * v;
+                   });
+          partial[c] = s;
+        }
+      });
+      for (double s : partial) total += s;
+    });
+  }
+  return total;
+}
+
+bool CpuBackend::has_non_finite(const Tensor& x) {
+  if (!x.defined() || x.numel() == 0 || !is_floating(x.dtype())) return false;
+  bool found = false;
+  dispatch_float(x.dtype(), "has_non_finite", [&](auto tr) {
+    using Tr = decltype(tr);
+    const auto* xp = ptr<Tr>(x);
+    StridedWalk<1> walk(x.shape(), {&x.strides()});
+    const int64_t n = x.numel();
+    const int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, n / kGrain));
+    const int64_t per = (n + chunks - 1) / chunks;
+    std::vector<char> hit(static_cast<size_t>(chunks), 0);
+    parallel_for(chunks, 0, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        walk.run(c * per, std::min(n, (c + 1) * per),
+                 [&](int64_t, const std::array<int64_t, 1>& off) {
+                   if (!std::isfinite(static_cast<double>(Tr::load(xp[off[0]])))) hit[c] = 1;
+                 });
+    });
+    for (char h : hit) found = found || h;
+  });
+  return found;
+}
+
+}  // namespace accel
