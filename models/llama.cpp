@@ -109,14 +109,14 @@ void write_hf_llama_config(const LlamaConfig& c, const std::string& path,
       {"vocab_size", c.vocab_size},
       {"max_position_embeddings", c.max_position_embeddings},
       {"rms_norm_eps", c.rms_norm_eps},
-      {"rope_theta", c.rope_theta},
+      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
       {"initializer_range", c.initializer_range},
       {"tie_word_embeddings", c.tie_word_embeddings},
       {"hidden_act", "silu"},
       {"attention_bias", false},
       {"mlp_bias", false},
       {"attention_dropout", 0.0},
-      {"torch_dtype", torch_dtype},
+      {"dtype", torch_dtype},
   };
   std::ofstream out(path);
   if (!out) throw std::runtime_error(path + ": cannot write config.json");

@@ -1,0 +1,85 @@
+#include "parallel/strategy.h"
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+namespace accel {
+
+void SingleProcessStrategy::setup(Module& model, const OptimizerOptions& opts) {
+  params_ = model.parameters();
+  std::vector<std::string> names;
+  NoGradGuard no_grad;
+  for (Parameter* p : params_) {
+    if (p->value.dtype() != DType::F32)
+      throw std::logic_error("strategy setup expects fp32 parameters, " + p->name + " is " +
+                             dtype_name(p->value.dtype()));
+    master_.push_back(p->value);
+    names.push_back(p->name);
+    if (compute_dtype_ != DType::F32) {
+      Tensor copy = Tensor::empty(p->value.shape(), compute_dtype_, p->value.device(),
+                                  MemCategory::Params);
+      copy.copy_(p->value);
+      copy.set_requires_grad(true);
+      copy.set_name(p->name);
+      master_.back().set_requires_grad(false);
+      p->value = copy;
+    }
+  }
+  optimizer_ = std::make_unique<Optimizer>(opts, master_, names);
+}
+
+StepResult SingleProcessStrategy::step(double lr, double max_grad_norm, double grad_scale) {
+  std::vector<Tensor> grads;
+  for (Parameter* p : params_) grads.push_back(p->value.grad());
+  std::vector<Tensor> present;
+  for (const Tensor& g : grads)
+    if (g.defined()) present.push_back(g);
+  StepResult r;
+  double sq = sum_of_squares(present) * grad_scale * grad_scale;
+  r.grad_norm = std::sqrt(sq);
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+  } else {
+    optimizer_->step(grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
+    if (compute_dtype_ != DType::F32) {
+      NoGradGuard no_grad;
+      for (size_t i = 0; i < params_.size(); ++i) params_[i]->value.copy_(master_[i]);
+    }
+  }
+  for (Parameter* p : params_) p->value.zero_grad();
+  return r;
+}
+
+std::vector<std::pair<std::string, Tensor>> SingleProcessStrategy::full_state_dict() {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) out.push_back({params_[i]->name, master_[i]});
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> SingleProcessStrategy::optimizer_state() {
+  return optimizer_->state_tensors();
+}
+
+int64_t SingleProcessStrategy::optimizer_steps() const { return optimizer_->step_count(); }
+
+void SingleProcessStrategy::load_state(
+    const std::vector<std::pair<std::string, Tensor>>& full_weights,
+    const std::vector<std::pair<std::string, Tensor>>& optimizer_state, int64_t optimizer_steps) {
+  std::map<std::string, Tensor> by_name(full_weights.begin(), full_weights.end());
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto it = by_name.find(params_[i]->name);
+    if (it == by_name.end())
+      throw std::runtime_error("checkpoint has no weight '" + params_[i]->name + "'");
+    if (it->second.shape() != master_[i].shape())
+      throw std::runtime_error("checkpoint weight '" + params_[i]->name + "' has shape " +
+                               shape_str(it->second.shape()) + ", the model expects " +
+                               shape_str(master_[i].shape()));
+    master_[i].copy_(it->second);
+    if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
+  }
+  optimizer_->load_state(optimizer_state, optimizer_steps);
+}
+
+}  // namespace accel

@@ -1,0 +1,71 @@
+// How a training step updates the model: precision handling, gradient communication, optimizer
+// state placement. One interface for every distributed_type; the trainer never branches on it.
+//
+// The model is built with fp32 parameters on the compute device. setup() turns them into what the
+// strategy needs: fp32 master weights (whole or sharded) plus compute copies in the compute dtype
+// that the model's Parameter slots then hold.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops/optimizer.h"
+#include "runtime/module.h"
+
+namespace accel {
+
+struct StepResult {
+  double grad_norm = 0;  // global norm before clipping (over all ranks and shards)
+  bool skipped = false;  // non-finite gradients: no update was applied
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual std::string name() const = 0;
+
+  virtual void setup(Module& model, const OptimizerOptions& opts) = 0;
+  // Around each micro-batch's forward+backward; `last` marks the micro-batch after which the
+  // step's gradient communication must happen (earlier ones only accumulate locally).
+  virtual void begin_micro_batch(bool last) { (void)last; }
+  virtual void end_micro_batch() {}
+  // Finish gradient communication, multiply gradients by grad_scale (1/loss_scale), clip to
+  // max_grad_norm (<= 0: off), update, refresh compute copies and clear gradients.
+  virtual StepResult step(double lr, double max_grad_norm, double grad_scale) = 0;
+
+  // Full fp32 weights by Hugging Face name (gathered where sharded; every rank calls this).
+  virtual std::vector<std::pair<std::string, Tensor>> full_state_dict() = 0;
+  // Optimizer state this rank holds, by "<param>.exp_avg" names, and the step count.
+  virtual std::vector<std::pair<std::string, Tensor>> optimizer_state() = 0;
+  virtual int64_t optimizer_steps() const = 0;
+  // Restores weights (full, by name) and this rank's optimizer state.
+  virtual void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                          const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                          int64_t optimizer_steps) = 0;
+};
+
+// One process: fp32 master weights and optimizer state for every parameter; with a 16-bit
+// compute dtype the model holds compute copies refreshed after each step.
+class SingleProcessStrategy : public Strategy {
+ public:
+  explicit SingleProcessStrategy(DType compute_dtype) : compute_dtype_(compute_dtype) {}
+  std::string name() const override { return "single"; }
+  void setup(Module& model, const OptimizerOptions& opts) override;
+  StepResult step(double lr, double max_grad_norm, double grad_scale) override;
+  std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
+  std::vector<std::pair<std::string, Tensor>> optimizer_state() override;
+  int64_t optimizer_steps() const override;
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                  const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                  int64_t optimizer_steps) override;
+
+ private:
+  DType compute_dtype_;
+  std::vector<Parameter*> params_;
+  std::vector<Tensor> master_;  // fp32; the same tensors as params_ when computing in fp32
+  std::unique_ptr<Optimizer> optimizer_;
+};
+
+}  // namespace accel

@@ -1,0 +1,116 @@
+// Llama against fixtures made by Hugging Face transformers (shared/reference/make_hf_fixture.py):
+// logits, loss, every parameter gradient, and the losses of five AdamW steps, all in fp32.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "models/llama.h"
+#include "ops/optimizer.h"
+#include "runtime/safetensors.h"
+
+namespace accel {
+namespace {
+
+std::string fixture_dir(const std::string& name) {
+  return std::string(ACCEL_TEST_DATA_DIR) + "/hf/" + name;
+}
+
+// max |a - b| / max |b|: a relative error over the whole tensor, robust to tiny elements.
+double rel_error(const Tensor& a, const Tensor& b) {
+  std::vector<double> va = a.to_vector(), vb = b.to_vector();
+  EXPECT_EQ(va.size(), vb.size());
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < va.size() && i < vb.size(); ++i) {
+    diff = std::max(diff, std::abs(va[i] - vb[i]));
+    ref = std::max(ref, std::abs(vb[i]));
+  }
+  return diff / std::max(ref, 1e-30);
+}
+
+class LlamaFixture : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
+  const std::string dir = fixture_dir(GetParam());
+  LlamaConfig cfg = read_hf_llama_config(dir + "/config.json");
+  LlamaForCausalLM model(cfg, DType::F32, Device::cpu(), /*seed=*/123);
+  load_hf_weights(model, dir);
+
+  SafetensorsReader batch(dir + "/batch.safetensors");
+  SafetensorsReader expected(dir + "/expected.safetensors");
+  Tensor ids = batch.load("input_ids");
+  Tensor targets = shift_labels(ids);
+
+  Tensor logits = model.forward(ids);
+  EXPECT_LT(rel_error(logits, expected.load("logits")), 1e-4);
+  Tensor loss = LlamaForCausalLM::loss(logits, targets);
+  EXPECT_NEAR(loss.item(), expected.load("loss").item(), 1e-4 * std::abs(expected.load("loss").item()));
+  loss.backward();
+  int checked = 0;
+  for (Parameter* p : model.parameters()) {
+    ASSERT_TRUE(expected.contains("grad." + p->name)) << p->name;
+    ASSERT_TRUE(p->value.grad().defined()) << p->name << " got no gradient";
+    EXPECT_LT(rel_error(p->value.grad(), expected.load("grad." + p->name)), 1e-4) << p->name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, static_cast<int>(model.parameters().size()));
+
+  // Five AdamW steps on the same batch, from the same initial weights.
+  std::ifstream in(dir + "/train.json");
+  nlohmann::json train;
+  in >> train;
+  load_hf_weights(model, dir);
+  std::vector<Tensor> params;
+  std::vector<std::string> names;
+  for (Parameter* p : model.parameters()) {
+    p->value.zero_grad();
+    params.push_back(p->value);
+    names.push_back(p->name);
+  }
+  const auto& o = train["optimizer"];
+  OptimizerOptions opts;
+  opts.beta1 = o["betas"][0];
+  opts.beta2 = o["betas"][1];
+  opts.eps = o["eps"];
+  opts.weight_decay = o["weight_decay"];
+  Optimizer opt(opts, params, names);
+  for (size_t step = 0; step < train["losses_before_each_step"].size(); ++step) {
+    Tensor l = LlamaForCausalLM::loss(model.forward(ids), targets);
+    double want = train["losses_before_each_step"][step];
+    EXPECT_NEAR(l.item(), want, 1e-4) << "step " << step;
+    l.backward();
+    std::vector<Tensor> grads;
+    for (const Tensor& p : params) grads.push_back(p.grad());
+    opt.step(grads, o["lr"].get<double>());
+    for (const Tensor& p : params) p.zero_grad();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HuggingFace, LlamaFixture,
+                         ::testing::Values("llama_default", "llama_tied_mha", "llama_gqa4_theta"));
+
+TEST(LlamaConfigFile, RopeThetaFromEitherSpelling) {
+  LlamaConfig c = read_hf_llama_config(fixture_dir("llama_gqa4_theta") + "/config.json");
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.num_attention_heads, 8);
+  EXPECT_EQ(c.num_key_value_heads, 2);
+}
+
+TEST(LlamaWeights, ShapeMismatchNamesTensorAndBothShapes) {
+  LlamaConfig cfg = read_hf_llama_config(fixture_dir("llama_default") + "/config.json");
+  cfg.intermediate_size = 96;
+  LlamaForCausalLM model(cfg, DType::F32, Device::cpu(), 0);
+  try {
+    load_hf_weights(model, fixture_dir("llama_default"));
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("model.layers.0.mlp.gate_proj.weight"), std::string::npos) << m;
+    EXPECT_NE(m.find("[128, 64]"), std::string::npos) << m;
+    EXPECT_NE(m.find("[96, 64]"), std::string::npos) << m;
+  }
+}
+
+}  // namespace
+}  // namespace accel
