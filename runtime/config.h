@@ -1,0 +1,199 @@
+// The run configuration: one YAML file (which may `extends:` others), then ACCEL_* environment
+// variables, then `--set key.path=value` overrides, over built-in defaults.
+//
+// Top-level keys and the fsdp_config / deepspeed_config / fp8_config sections are Accelerate's,
+// with Accelerate's names and meanings, so an Accelerate default_config.yaml loads as is. Our own
+// sections (model, training, optimizer, data, checkpoint, logging, distributed) follow. Validation
+// is strict: unknown keys (with the closest valid key suggested), wrong types, bad enum values and
+// impossible combinations all throw ConfigError naming the file (and line), the key path and what
+// was expected. Accelerate keys that accel-train accepts but does not act on are kept and listed in
+// Config::notices. docs/config.md documents every key.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace accel {
+
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Hugging Face LlamaConfig names.
+struct ModelConfig {
+  std::string name = "llama";
+  int64_t hidden_size = 256, num_hidden_layers = 4, num_attention_heads = 4,
+          num_key_value_heads = 0 /* 0 = same as num_attention_heads */, intermediate_size = 688,
+          vocab_size = 256, max_position_embeddings = 2048,
+          head_dim = 0 /* 0 = hidden_size / num_attention_heads */;
+  double rope_theta = 10000, rms_norm_eps = 1e-5, initializer_range = 0.02;
+  bool tie_word_embeddings = false;
+  std::string init_from;  // a Hugging Face model folder; its config.json gives the shape
+};
+
+struct TrainingConfig {
+  uint64_t seed = 0;
+  int64_t max_steps = 100, micro_batch_size = 8, seq_len = 128, eval_every = 0 /* 0 = off */,
+          eval_batches = 4, log_every = 1, sample_tokens = 0;
+  std::string sample_prompt;
+  std::string device = "auto";  // auto | cpu | cuda
+  bool allow_tf32 = false;
+  bool activation_checkpointing = false;
+  std::string nan_policy = "stop";  // stop | skip
+  double loss_scale_init = 65536;   // fp16 dynamic loss scaling
+  int64_t loss_scale_window = 1000;
+  std::string output_dir = "out";
+  std::string progress = "auto";  // auto | bar | plain | none
+};
+
+struct OptimizerConfig {
+  std::string name = "adamw";  // adamw | sgd
+  double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, momentum = 0.9,
+         grad_clip = 1.0 /* 0 = off */;
+  std::string lr_schedule = "cosine";  // constant | linear | cosine
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.1;
+};
+
+struct DataConfig {
+  std::string source = "text";  // text | shards | synthetic
+  std::vector<std::string> text_files;
+  std::string train_path, eval_path;
+  std::string tokenizer = "byte";  // "byte" or a path to a tokenizer.json
+  double eval_fraction = 0.05;
+  bool shuffle = true;
+};
+
+struct CheckpointConfig {
+  int64_t every_steps = 0;  // 0 = only at the end
+  int64_t keep_last = 3;    // 0 = keep all
+  bool save_optimizer = true;
+  bool at_end = true;
+};
+
+struct LoggingConfig {
+  std::string metrics_file = "metrics.jsonl";
+};
+
+// Our `distributed:` section.
+struct DistributedConfig {
+  std::string backend = "auto";  // auto | nccl | cpu
+  double timeout_s = 300;
+  double ddp_bucket_cap_mb = 25;
+  bool find_unused_parameters = false;
+};
+
+// Accelerate's fsdp_config. FSDP1-only keys are accepted and kept in Config::inert.
+struct FsdpConfig {
+  int fsdp_version = 2;
+  bool fsdp_reshard_after_forward = true, fsdp_offload_params = false,
+       fsdp_activation_checkpointing = false, fsdp_cpu_ram_efficient_loading = false;
+  std::string fsdp_auto_wrap_policy = "TRANSFORMER_BASED_WRAP";  // | SIZE_BASED_WRAP | NO_WRAP
+  std::string fsdp_transformer_layer_cls_to_wrap = "LlamaDecoderLayer";
+  std::string fsdp_state_dict_type = "SHARDED_STATE_DICT";  // | FULL_STATE_DICT
+  int64_t fsdp_min_num_params = 100000000;
+  bool present = false;  // any fsdp_config key was given
+};
+
+// Accelerate's deepspeed_config. gradient_clipping and gradient_accumulation_steps mirror
+// optimizer.grad_clip and the top-level gradient_accumulation_steps (the loader keeps them equal).
+struct DeepSpeedConfig {
+  int zero_stage = 2;
+  std::string offload_optimizer_device = "none";  // none | cpu
+  std::string offload_param_device = "none";      // none | cpu (ZeRO-3 only)
+  double gradient_clipping = 1.0;
+  int64_t gradient_accumulation_steps = 1;
+  bool zero3_save_16bit_model = false;
+  std::string deepspeed_config_file;  // a DeepSpeed JSON whose known keys were applied
+  bool present = false;               // any deepspeed_config key was given
+};
+
+// Accelerate's fp8_config (TransformerEngine-style delayed scaling, torchao-style dynamic).
+struct Fp8Config {
+  std::string backend = "TE";                     // TE | AO
+  std::string fp8_format = "HYBRID";              // HYBRID | E4M3
+  std::string amax_compute_algo = "most_recent";  // max | most_recent
+  int64_t amax_history_len = 1024, margin = 0, interval = 1;
+  // YAML: override_linear_precision: [fprop, dgrad, wgrad]; true runs that GEMM in bf16.
+  bool override_linear_precision_fprop = false, override_linear_precision_dgrad = false,
+       override_linear_precision_wgrad = false;
+  bool use_autocast_during_eval = false, use_mxfp8_block_scaling = false, pad_inner_dim = false,
+       enable_fsdp_float8_all_gather = false;
+  std::vector<std::string> exclude_modules;  // name patterns kept in bf16 (AO)
+  bool present = false;                      // any fp8_config key was given
+};
+
+struct Config {
+  // Accelerate's top-level keys.
+  std::string compute_environment = "LOCAL_MACHINE";
+  std::string distributed_type = "NO";  // NO | MULTI_CPU | MULTI_GPU | FSDP | DEEPSPEED
+  std::string mixed_precision = "no";   // no | fp16 | bf16 | fp8
+  int64_t num_processes = 1, num_machines = 1, machine_rank = 0, gradient_accumulation_steps = 1;
+  std::string main_process_ip = "127.0.0.1";
+  int main_process_port = 29500;
+  bool use_cpu = false;          // true forces training.device = cpu
+  std::string gpu_ids = "all";   // "all" or a comma list; see gpu_id_list
+  std::vector<int> gpu_id_list;  // parsed gpu_ids (empty = all): local rank r uses gpu_id_list[r]
+
+  ModelConfig model;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  DataConfig data;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  DistributedConfig distributed;
+  FsdpConfig fsdp;
+  DeepSpeedConfig deepspeed;
+  Fp8Config fp8;
+
+  // Accelerate keys accepted without effect, by dotted path, as YAML flow text (kept so that
+  // config_to_yaml writes them back).
+  std::map<std::string, std::string> inert;
+  // "key X=value has no effect in accel-train (why)" and similar; the trainer prints them.
+  std::vector<std::string> notices;
+  std::string source_path;  // the --config file ("" when none)
+  // Where each key that is not at its default was set: "file.yaml:12", "environment variable
+  // ACCEL_X", "--set a.b=c".
+  std::map<std::string, std::string> origins;
+};
+
+// Built-in defaults (already validated).
+Config default_config();
+
+// defaults < `path` (and the files it extends) < env (ACCEL_<SECTION>__<KEY>, see docs/config.md)
+// < set_overrides ("a.b=c"). `path` may be empty (no file). Pass environment_variables() as env
+// in tools; tests pass a map. Throws ConfigError.
+Config load_config(const std::string& path, const std::vector<std::string>& set_overrides = {},
+                   const std::map<std::string, std::string>& env = {});
+
+// The process environment as a map (for load_config).
+std::map<std::string, std::string> environment_variables();
+
+// The effective configuration as YAML: every key with its resolved value, plus the inert
+// Accelerate keys. load_config() on the result gives the same configuration back.
+std::string config_to_yaml(const Config& c);
+
+// Re-checks a Config changed in code (cross-key rules only; the same checks load_config runs).
+// Throws ConfigError.
+void validate_config(const Config& c);
+
+// Every key the loader knows, for documentation and `--help`-style listings.
+struct ConfigKeyInfo {
+  std::string path;           // "training.max_steps"
+  std::string type;           // "integer", "boolean", "one of: stop, skip", ...
+  std::string default_value;  // as YAML text
+  std::string doc;
+  bool accelerate = false;  // defined by Accelerate
+  bool inert = false;       // accepted but without effect
+  bool alias = false;       // another spelling of a key listed elsewhere
+};
+std::vector<ConfigKeyInfo> config_keys();
+
+// The per-section key tables of docs/config.md, generated from config_keys().
+std::string config_reference_markdown();
+
+}  // namespace accel
