@@ -1,0 +1,232 @@
+#include "parallel/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace accel {
+namespace {
+
+std::string random_token() {
+  unsigned char b[16];
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::read(fd, b, sizeof b) != static_cast<ssize_t>(sizeof b)) {
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("local launcher: cannot read /dev/urandom for the job token");
+  }
+  ::close(fd);
+  char hex[33];
+  for (int i = 0; i < 16; ++i) std::snprintf(hex + 2 * i, 3, "%02x", b[i]);
+  return hex;
+}
+
+int free_port(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(addr.c_str(), "0", &hints, &res) != 0 || !res)
+    throw std::invalid_argument("local launcher: cannot resolve master address '" + addr + "'");
+  int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int port = -1;
+  if (fd >= 0 && bind(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+    port = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  freeaddrinfo(res);
+  if (port <= 0)
+    throw std::invalid_argument("local launcher: cannot bind to master address '" + addr +
+                                "': " + std::strerror(errno));
+  return port;
+}
+
+bool is_launch_var(const char* kv) {
+  static const char* names[] = {
+      "RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=",     "LOCAL_WORLD_SIZE=",
+      "MASTER_ADDR=", "MASTER_PORT=", "ACCEL_JOB_TOKEN="};
+  for (const char* n : names)
+    if (std::strncmp(kv, n, std::strlen(n)) == 0) return true;
+  return false;
+}
+
+std::string describe_status(int status) {
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")";
+  }
+  return "exited with status " + std::to_string(WEXITSTATUS(status));
+}
+
+timespec to_timespec(std::chrono::milliseconds d) {
+  if (d.count() < 0) d = std::chrono::milliseconds(0);
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(d.count() / 1000);
+  ts.tv_nsec = static_cast<long>((d.count() % 1000) * 1000000);
+  return ts;
+}
+
+}  // namespace
+
+bool should_spawn_local_ranks(int launched_world_size, int num_processes, int num_machines) {
+  return launched_world_size <= 1 && num_processes > 1 && num_machines <= 1;
+}
+
+int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  if (nprocs < 1)
+    throw std::invalid_argument("local launcher: num_processes must be at least 1, got " +
+                                std::to_string(nprocs));
+  const char* existing = std::getenv("ACCEL_JOB_TOKEN");
+  const std::string token = existing && *existing ? existing : random_token();
+  const int port = options.master_port > 0 ? options.master_port : free_port(options.master_addr);
+  const std::string prog = argc > 0 ? argv[0] : "accel-train";
+
+  // Everything the children need is built before fork(): after it only async-signal-safe calls.
+  std::vector<std::string> base_env;
+  for (char** e = environ; e && *e; ++e)
+    if (!is_launch_var(*e)) base_env.emplace_back(*e);
+  std::vector<std::vector<std::string>> env_strings(nprocs);
+  std::vector<std::vector<char*>> envps(nprocs);
+  for (int r = 0; r < nprocs; ++r) {
+    auto& s = env_strings[r];
+    s = base_env;
+    s.push_back("RANK=" + std::to_string(r));
+    s.push_back("WORLD_SIZE=" + std::to_string(nprocs));
+    s.push_back("LOCAL_RANK=" + std::to_string(r));
+    s.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nprocs));
+    s.push_back("MASTER_ADDR=" + options.master_addr);
+    s.push_back("MASTER_PORT=" + std::to_string(port));
+    s.push_back("ACCEL_JOB_TOKEN=" + token);
+    for (auto& x : s) envps[r].push_back(x.data());
+    envps[r].push_back(nullptr);
+  }
+  std::vector<char*> args(argv, argv + argc);
+  args.push_back(nullptr);
+  const char* exe = options.executable.c_str();
+
+  // The signals we act on are blocked and read with sigtimedwait; the children get the old mask.
+  sigset_t handled, old_mask;
+  sigemptyset(&handled);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&handled, s);
+  sigprocmask(SIG_BLOCK, &handled, &old_mask);
+
+  const pid_t parent = getpid();
+  std::vector<pid_t> pids(nprocs, -1);
+  std::vector<bool> alive(nprocs, false);
+  int num_alive = 0;
+  bool stopping = false;
+  int failed_rank = -1, failed_status = 0, got_signal = 0;
+  Clock::time_point kill_at{};
+
+  auto signal_all = [&](int sig) {
+    for (int r = 0; r < nprocs; ++r)
+      if (alive[r]) kill(pids[r], sig);
+  };
+  auto start_stopping = [&] {
+    if (stopping) return;
+    stopping = true;
+    signal_all(SIGTERM);
+    kill_at = Clock::now() + options.grace;
+  };
+
+  for (int r = 0; r < nprocs; ++r) {
+    pid_t pid = fork();
+    if (pid < 0) {
+      std::fprintf(stderr, "%s: local launcher: fork failed for rank %d: %s\n", prog.c_str(), r,
+                   std::strerror(errno));
+      failed_rank = r;
+      failed_status = 1 << 8;
+      start_stopping();
+      break;
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);   // never outlive the launcher
+      if (getppid() != parent) _exit(1);  // it died before prctl took effect
+      setpgid(0, 0);                      // terminal signals reach us once, through the launcher
+      sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+      execve(exe, args.data(), envps[r].data());
+      const char msg[] = "local launcher: execve failed\n";
+      ssize_t ignored = write(2, msg, sizeof msg - 1);
+      (void)ignored;
+      _exit(127);
+    }
+    pids[r] = pid;
+    alive[r] = true;
+    ++num_alive;
+  }
+
+  while (num_alive > 0) {
+    // Reap whoever has exited.
+    for (int r = 0; r < nprocs; ++r) {
+      if (!alive[r]) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
+      alive[r] = false;
+      --num_alive;
+      bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && failed_rank < 0 && got_signal == 0) {
+        failed_rank = r;
+        failed_status = status;
+        std::fprintf(stderr, "%s: rank %d (pid %d) %s; stopping the other ranks\n", prog.c_str(), r,
+                     static_cast<int>(pids[r]), describe_status(status).c_str());
+        start_stopping();
+      }
+    }
+    if (num_alive == 0) break;
+    if (stopping && Clock::now() >= kill_at) {
+      std::fprintf(stderr, "%s: ranks still running %lld ms after SIGTERM; sending SIGKILL\n",
+                   prog.c_str(), static_cast<long long>(options.grace.count()));
+      signal_all(SIGKILL);
+      kill_at = Clock::now() + std::chrono::hours(24);
+    }
+    auto wait_for =
+        stopping ? std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now())
+                 : std::chrono::milliseconds(1000);
+    wait_for = std::min(wait_for, std::chrono::milliseconds(1000));
+    timespec ts = to_timespec(wait_for);
+    siginfo_t info;
+    int sig = sigtimedwait(&handled, &info, &ts);
+    if (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) {
+      if (got_signal && sig == SIGINT) {
+        signal_all(SIGKILL);  // a second Ctrl-C: no more waiting
+      } else {
+        signal_all(sig);
+      }
+      if (!got_signal) got_signal = sig;
+      if (!stopping) {
+        stopping = true;
+        kill_at = Clock::now() + options.grace;
+      }
+    }
+  }
+  sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+
+  if (failed_rank >= 0) {
+    std::fprintf(stderr, "%s: failed: rank %d of %d %s\n", prog.c_str(), failed_rank, nprocs,
+                 describe_status(failed_status).c_str());
+    if (WIFSIGNALED(failed_status)) return 128 + WTERMSIG(failed_status);
+    return WEXITSTATUS(failed_status) ? WEXITSTATUS(failed_status) : 1;
+  }
+  if (got_signal) return 128 + got_signal;
+  return 0;
+}
+
+}  // namespace accel
