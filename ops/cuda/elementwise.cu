@@ -404,8 +404,14 @@ __global__ void rand_kernel(void* out, DType t, int64_t n, uint64_t seed, uint64
                             double a, double b, bool normal) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    double r = normal ? philox::normal(seed, offset, i) : philox::uniform(seed, offset, i);
-    store_from_double(out, t, i, normal ? a + b * r : a + (b - a) * r);
+    const float r = normal ? philox::normal(seed, offset, i) : philox::uniform(seed, offset, i);
+    if (t == DType::F64) {
+      store_from_double(out, t, i, normal ? a + b * double(r) : a + (b - a) * double(r));
+    } else {
+      // In float like the CPU backend, without FMA contraction so the results are identical.
+      const float lo = static_cast<float>(a), span = static_cast<float>(normal ? b : b - a);
+      store_f(out, t, i, __fadd_rn(lo, __fmul_rn(span, r)));
+    }
   }
 }
 

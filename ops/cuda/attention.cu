@@ -1,0 +1,414 @@
+// Causal / full attention with grouped KV heads, never an S x S buffer.
+//
+// This file holds the generic kernels (any float dtype, head dim up to 256) and the backend entry
+// points; attention_mma.cu holds the tensor-core forward for bf16/f16 with head dim 64/128.
+// Generic scheme: a block of 4 warps owns 4 rows (query rows for the forward and dQ, key rows for
+// dK/dV); tiles of 32 columns (keys, or queries) are staged in shared memory as fp32 with padded
+// rows, lane j handles column j of the tile, and each lane accumulates output dims lane + 32 t.
+// The backward recomputes probabilities from the saved log-sum-exp (flash-attention style) in two
+// kernels: dQ over key tiles and dK/dV over query tiles, so no atomics are needed.
+// Causal masking is bottom-right aligned when the key count differs from the query count, as in
+// the CPU reference: query i sees keys j < i + 1 + (Sk - Sq).
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/common.cuh"
+#include "runtime/kernels.h"
+
+namespace accel {
+namespace cuda {
+namespace {
+
+bool g_force_generic = false;
+
+constexpr int kRows = 4;    // warps (rows) per block
+constexpr int kTile = 32;   // columns per shared-memory tile
+constexpr int kMaxT = 8;    // head dim up to 32 * kMaxT
+
+__device__ __forceinline__ int64_t visible_keys(const AttnParams& p, int64_t i) {
+  if (!p.causal) return p.sk;
+  int64_t n = i + 1 + (p.sk - p.sq);
+  return n < 0 ? 0 : (n > p.sk ? p.sk : n);
+}
+
+template <class T>
+__device__ __forceinline__ void stage_rows(float* dst, int ld, const T* src, int64_t row0,
+                                           int64_t rows_total, int64_t row_stride, int n_rows,
+                                           int d) {
+  for (int idx = threadIdx.x; idx < n_rows * d; idx += blockDim.x) {
+    int r = idx / d, c = idx - r * d;
+    int64_t row = row0 + r;
+    dst[r * ld + c] = row < rows_total ? to_f(src[row * row_stride + c]) : 0.f;
+  }
+}
+
+template <class T>
+__global__ void attn_fwd_generic(AttnParams p, T* __restrict__ out, float* __restrict__ lse,
+                                 const T* __restrict__ q, const T* __restrict__ k,
+                                 const T* __restrict__ v) {
+  extern __shared__ float smem[];
+  const int d = p.d, ld = d + 1;
+  float* ks = smem;                   // [kTile][ld]
+  float* vs = ks + kTile * ld;        // [kTile][ld]
+  float* qs = vs + kTile * ld;        // [kRows][d]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+  const int64_t i0 = int64_t(blockIdx.x) * kRows, i = i0 + warp;
+  const bool row_ok = i < p.sq;
+  const int64_t q_stride = p.hq * d, kv_stride = p.hkv * d;
+  const T* qb = q + (b * p.sq * p.hq + h) * d;
+  const T* kb = k + (b * p.sk * p.hkv + hk) * d;
+  const T* vb = v + (b * p.sk * p.hkv + hk) * d;
+  stage_rows(qs, d, qb, i0, p.sq, q_stride, kRows, d);
+  const int64_t n_i = row_ok ? visible_keys(p, i) : 0;
+  const int64_t n_max = visible_keys(p, (i0 + kRows < p.sq ? i0 + kRows : p.sq) - 1);
+  const int nt = (d + 31) / 32;
+  float acc[kMaxT];
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) acc[t] = 0.f;
+  float m = -INFINITY, l = 0.f;
+  for (int64_t j0 = 0; j0 < n_max; j0 += kTile) {
+    __syncthreads();
+    stage_rows(ks, ld, kb, j0, p.sk, kv_stride, kTile, d);
+    stage_rows(vs, ld, vb, j0, p.sk, kv_stride, kTile, d);
+    __syncthreads();
+    if (j0 >= n_i) continue;
+    float s = -INFINITY;
+    if (j0 + lane < n_i) {
+      float dot = 0.f;
+      const float* kr = ks + lane * ld;
+      const float* qr = qs + warp * d;
+      for (int c = 0; c < d; ++c) dot += qr[c] * kr[c];
+      s = dot * p.scale;
+    }
+    const float m_new = fmaxf(m, warp_max(s));
+    const float alpha = __expf(m - m_new);  // m == -inf on the first tile: 0
+    const float pj = s == -INFINITY ? 0.f : __expf(s - m_new);
+    l = l * alpha + warp_sum(pj);
+#pragma unroll
+    for (int t = 0; t < kMaxT; ++t) acc[t] *= alpha;
+    for (int jj = 0; jj < kTile; ++jj) {
+      const float pv = __shfl_sync(0xffffffffu, pj, jj);
+      const float* vr = vs + jj * ld;
+#pragma unroll
+      for (int t = 0; t < kMaxT; ++t)
+        if (t < nt && lane + 32 * t < d) acc[t] += pv * vr[lane + 32 * t];
+    }
+    m = m_new;
+  }
+  if (!row_ok) return;
+  T* orow = out + ((b * p.sq + i) * p.hq + h) * d;
+  const float inv = l > 0.f ? 1.0f / l : 0.f;
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t)
+    if (t < nt && lane + 32 * t < d) orow[lane + 32 * t] = from_f<T>(acc[t] * inv);
+  if (lane == 0) lse[(b * p.hq + h) * p.sq + i] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+// delta[b, h, i] = sum_c dO * O, one warp per row.
+template <class T>
+__global__ void attn_delta(AttnParams p, float* __restrict__ delta, const T* __restrict__ dout,
+                           const T* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = p.b * p.hq * p.sq;
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; r < rows;
+       r += (int64_t(gridDim.x) * blockDim.x) >> 5) {
+    const int64_t i = r % p.sq, h = (r / p.sq) % p.hq, b = r / (p.sq * p.hq);
+    const int64_t off = ((b * p.sq + i) * p.hq + h) * p.d;
+    float s = 0.f;
+    for (int c = lane; c < p.d; c += 32) s += to_f(dout[off + c]) * to_f(out[off + c]);
+    s = warp_sum(s);
+    if (lane == 0) delta[r] = s;
+  }
+}
+
+template <class T>
+__global__ void attn_bwd_dq_generic(AttnParams p, T* __restrict__ dq, const T* __restrict__ q,
+                                    const T* __restrict__ k, const T* __restrict__ v,
+                                    const T* __restrict__ dout, const float* __restrict__ lse,
+                                    const float* __restrict__ delta) {
+  extern __shared__ float smem[];
+  const int d = p.d, ld = d + 1;
+  float* ks = smem;
+  float* vs = ks + kTile * ld;
+  float* qs = vs + kTile * ld;     // [kRows][d]
+  float* dos = qs + kRows * d;     // [kRows][d]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+  const int64_t i0 = int64_t(blockIdx.x) * kRows, i = i0 + warp;
+  const bool row_ok = i < p.sq;
+  const int64_t q_stride = p.hq * d, kv_stride = p.hkv * d;
+  const T* kb = k + (b * p.sk * p.hkv + hk) * d;
+  const T* vb = v + (b * p.sk * p.hkv + hk) * d;
+  stage_rows(qs, d, q + (b * p.sq * p.hq + h) * d, i0, p.sq, q_stride, kRows, d);
+  stage_rows(dos, d, dout + (b * p.sq * p.hq + h) * d, i0, p.sq, q_stride, kRows, d);
+  const int64_t n_i = row_ok ? visible_keys(p, i) : 0;
+  const int64_t n_max = visible_keys(p, (i0 + kRows < p.sq ? i0 + kRows : p.sq) - 1);
+  const float row_lse = row_ok ? lse[(b * p.hq + h) * p.sq + i] : 0.f;
+  const float row_delta = row_ok ? delta[(b * p.hq + h) * p.sq + i] : 0.f;
+  const int nt = (d + 31) / 32;
+  float acc[kMaxT];
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) acc[t] = 0.f;
+  for (int64_t j0 = 0; j0 < n_max; j0 += kTile) {
+    __syncthreads();
+    stage_rows(ks, ld, kb, j0, p.sk, kv_stride, kTile, d);
+    stage_rows(vs, ld, vb, j0, p.sk, kv_stride, kTile, d);
+    __syncthreads();
+    if (j0 >= n_i) continue;
+    float ds = 0.f;
+    if (j0 + lane < n_i) {
+      float dot = 0.f, dp = 0.f;
+      const float* kr = ks + lane * ld;
+      const float* vr = vs + lane * ld;
+      const float* qr = qs + warp * d;
+      const float* dr = dos + warp * d;
+      for (int c = 0; c < d; ++c) {
+        dot += qr[c] * kr[c];
+        dp += dr[c] * vr[c];
+      }
+      const float pj = __expf(dot * p.scale - row_lse);
+      ds = pj * (dp - row_delta);
+    }
+    for (int jj = 0; jj < kTile; ++jj) {
+      const float dsj = __shfl_sync(0xffffffffu, ds, jj);
+      const float* kr = ks + jj * ld;
+#pragma unroll
+      for (int t = 0; t < kMaxT; ++t)
+        if (t < nt && lane + 32 * t < d) acc[t] += dsj * kr[lane + 32 * t];
+    }
+  }
+  if (!row_ok) return;
+  T* row = dq + ((b * p.sq + i) * p.hq + h) * d;
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t)
+    if (t < nt && lane + 32 * t < d) row[lane + 32 * t] = from_f<T>(acc[t] * p.scale);
+}
+
+template <class T>
+__global__ void attn_bwd_dkv_generic(AttnParams p, T* __restrict__ dk, T* __restrict__ dv,
+                                     const T* __restrict__ q, const T* __restrict__ k,
+                                     const T* __restrict__ v, const T* __restrict__ dout,
+                                     const float* __restrict__ lse,
+                                     const float* __restrict__ delta) {
+  extern __shared__ float smem[];
+  const int d = p.d, ld = d + 1;
+  float* qs = smem;                // [kTile][ld]
+  float* dos = qs + kTile * ld;    // [kTile][ld]
+  float* kw = dos + kTile * ld;    // [kRows][d]
+  float* vw = kw + kRows * d;      // [kRows][d]
+  float* lse_s = vw + kRows * d;   // [kTile]
+  float* delta_s = lse_s + kTile;  // [kTile]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, hk = blockIdx.y;
+  const int64_t j0b = int64_t(blockIdx.x) * kRows, j = j0b + warp;
+  const bool row_ok = j < p.sk;
+  const int64_t q_stride = p.hq * d, kv_stride = p.hkv * d;
+  stage_rows(kw, d, k + (b * p.sk * p.hkv + hk) * d, j0b, p.sk, kv_stride, kRows, d);
+  stage_rows(vw, d, v + (b * p.sk * p.hkv + hk) * d, j0b, p.sk, kv_stride, kRows, d);
+  const int nt = (d + 31) / 32;
+  float acc_k[kMaxT], acc_v[kMaxT];
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) acc_k[t] = acc_v[t] = 0.f;
+  // First query row that sees key j0b (causal): i + 1 + (sk - sq) > j0b.
+  int64_t i_start = p.causal ? j0b - (p.sk - p.sq) : 0;
+  if (i_start < 0) i_start = 0;
+  i_start = i_start / kTile * kTile;
+  for (int64_t g = 0; g < p.group; ++g) {
+    const int64_t h = hk * p.group + g;
+    const T* qb = q + (b * p.sq * p.hq + h) * d;
+    const T* db = dout + (b * p.sq * p.hq + h) * d;
+    const float* lse_b = lse + (b * p.hq + h) * p.sq;
+    const float* delta_b = delta + (b * p.hq + h) * p.sq;
+    for (int64_t i0 = i_start; i0 < p.sq; i0 += kTile) {
+      __syncthreads();
+      stage_rows(qs, ld, qb, i0, p.sq, q_stride, kTile, d);
+      stage_rows(dos, ld, db, i0, p.sq, q_stride, kTile, d);
+      if (threadIdx.x < kTile) {
+        int64_t ii = i0 + threadIdx.x;
+        lse_s[threadIdx.x] = ii < p.sq ? lse_b[ii] : 0.f;
+        delta_s[threadIdx.x] = ii < p.sq ? delta_b[ii] : 0.f;
+      }
+      __syncthreads();
+      const int64_t i = i0 + lane;
+      float pj = 0.f, ds = 0.f;
+      if (row_ok && i < p.sq && j < visible_keys(p, i)) {
+        float dot = 0.f, dp = 0.f;
+        const float* qr = qs + lane * ld;
+        const float* dr = dos + lane * ld;
+        const float* kr = kw + warp * d;
+        const float* vr = vw + warp * d;
+        for (int c = 0; c < d; ++c) {
+          dot += qr[c] * kr[c];
+          dp += dr[c] * vr[c];
+        }
+        pj = __expf(dot * p.scale - lse_s[lane]);
+        ds = pj * (dp - delta_s[lane]);
+      }
+      for (int ii = 0; ii < kTile; ++ii) {
+        const float pv = __shfl_sync(0xffffffffu, pj, ii);
+        const float dsv = __shfl_sync(0xffffffffu, ds, ii);
+        const float* qr = qs + ii * ld;
+        const float* dr = dos + ii * ld;
+#pragma unroll
+        for (int t = 0; t < kMaxT; ++t)
+          if (t < nt && lane + 32 * t < d) {
+            acc_v[t] += pv * dr[lane + 32 * t];
+            acc_k[t] += dsv * qr[lane + 32 * t];
+          }
+      }
+    }
+  }
+  if (!row_ok) return;
+  const int64_t off = ((b * p.sk + j) * p.hkv + hk) * d;
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t)
+    if (t < nt && lane + 32 * t < d) {
+      dk[off + lane + 32 * t] = from_f<T>(acc_k[t] * p.scale);
+      dv[off + lane + 32 * t] = from_f<T>(acc_v[t]);
+    }
+}
+
+AttnParams make_params(const Tensor& q, const Tensor& k, bool causal, double scale) {
+  AttnParams p;
+  p.b = q.shape()[0];
+  p.sq = q.shape()[1];
+  p.hq = q.shape()[2];
+  p.d = static_cast<int>(q.shape()[3]);
+  p.sk = k.shape()[1];
+  p.hkv = k.shape()[2];
+  p.group = p.hq / p.hkv;
+  p.causal = causal;
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+void check_attention(const char* op, const Tensor& out, const Tensor& lse, const Tensor& q,
+                     const Tensor& k, const Tensor& v) {
+  require_cuda(q, op, "q");
+  require_cuda(k, op, "k");
+  require_cuda(v, op, "v");
+  require(q.dim() == 4 && k.dim() == 4 && k.shape() == v.shape() && q.shape()[0] == k.shape()[0] &&
+              q.shape()[3] == k.shape()[3] && k.shape()[2] > 0 &&
+              q.shape()[2] % k.shape()[2] == 0 && out.shape() == q.shape() &&
+              q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+              out.is_contiguous() && lse.is_contiguous() && lse.dtype() == DType::F32 &&
+              lse.shape() == Shape{q.shape()[0], q.shape()[2], q.shape()[1]},
+          op, "got q " + q.str() + ", k " + k.str() + ", v " + v.str() + ", out " + out.str() +
+                  ", lse " + lse.str());
+  require(k.dtype() == q.dtype() && v.dtype() == q.dtype() && out.dtype() == q.dtype(), op,
+          "q, k, v and out must share a dtype");
+  if (q.shape()[3] > 32 * kMaxT)
+    throw std::invalid_argument(std::string("[") + op + "] the CUDA kernels support head dims up to " +
+                                std::to_string(32 * kMaxT) + ", got " +
+                                std::to_string(q.shape()[3]));
+}
+
+template <class K>
+void set_smem(K kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bytes)));
+}
+
+}  // namespace
+
+void set_attention_impl(const char* impl) {
+  if (std::strcmp(impl, "generic") == 0)
+    g_force_generic = true;
+  else if (std::strcmp(impl, "auto") == 0)
+    g_force_generic = false;
+  else
+    throw std::invalid_argument(std::string("[attention] unknown implementation '") + impl +
+                                "' (use auto or generic)");
+}
+
+}  // namespace cuda
+
+void CudaBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                            const Tensor& v, bool causal, double scale) {
+  using namespace cuda;
+  check_attention("attention", out, lse, q, k, v);
+  if (out.numel() == 0 && lse.numel() == 0) return;
+  OpScope sc(q);
+  AttnParams p = make_params(q, k, causal, scale);
+  if (p.sk == 0) {
+    ::accel::kernels::cuda::fill(out, 0.0);
+    ::accel::kernels::cuda::fill(lse, -INFINITY);
+    return;
+  }
+  if (!g_force_generic && attention_forward_mma(p, out, lse, q, k, v, sc.stream)) return;
+  const size_t smem = (2 * kTile * (p.d + 1) + kRows * p.d) * sizeof(float);
+  dim3 grid(static_cast<unsigned>((p.sq + kRows - 1) / kRows), static_cast<unsigned>(p.hq),
+            static_cast<unsigned>(p.b));
+  dispatch_float(q.dtype(), "attention", [&](auto t) {
+    using T = decltype(t);
+    set_smem(attn_fwd_generic<T>, smem);
+    attn_fwd_generic<T><<<grid, kRows * 32, smem, sc.stream>>>(
+        p, static_cast<T*>(out.data_ptr()), static_cast<float*>(lse.data_ptr()),
+        static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+        static_cast<const T*>(v.data_ptr()));
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("attention");
+}
+
+void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
+                                     const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
+                                     const Tensor& k, const Tensor& v, const Tensor& out,
+                                     const Tensor& lse, bool causal, double scale) {
+  using namespace cuda;
+  check_attention("attention", out, lse, q, k, v);
+  require(grad_q.shape() == q.shape() && grad_k.shape() == k.shape() &&
+              grad_v.shape() == v.shape() && grad_out.shape() == q.shape() &&
+              grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous() &&
+              grad_q.dtype() == q.dtype() && grad_k.dtype() == q.dtype() &&
+              grad_v.dtype() == q.dtype() && grad_out.dtype() == q.dtype(),
+          "attention", "backward: gradients must be contiguous and match q, k, v");
+  OpScope sc(q);
+  AttnParams p = make_params(q, k, causal, scale);
+  if (q.numel() == 0 || k.numel() == 0) {
+    if (grad_q.numel()) ::accel::kernels::cuda::fill(grad_q, 0.0);
+    if (grad_k.numel()) ::accel::kernels::cuda::fill(grad_k, 0.0);
+    if (grad_v.numel()) ::accel::kernels::cuda::fill(grad_v, 0.0);
+    return;
+  }
+  Tensor dout = grad_out.is_contiguous() ? grad_out : grad_out.clone();
+  DeviceBuffer delta(static_cast<size_t>(p.b * p.hq * p.sq) * sizeof(float));
+  if (!g_force_generic &&
+      attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse, delta.as<float>(),
+                             sc.stream))
+    return;
+  dispatch_float(q.dtype(), "attention", [&](auto t) {
+    using T = decltype(t);
+    const int64_t rows = p.b * p.hq * p.sq;
+    attn_delta<T><<<grid_for(rows * 32, 256), 256, 0, sc.stream>>>(
+        p, delta.as<float>(), static_cast<const T*>(dout.data_ptr()),
+        static_cast<const T*>(out.data_ptr()));
+    ACCEL_CUDA_CHECK_LAUNCH("attention_backward (delta)");
+    const size_t smem_q = (2 * kTile * (p.d + 1) + 2 * kRows * p.d) * sizeof(float);
+    set_smem(attn_bwd_dq_generic<T>, smem_q);
+    dim3 grid_q(static_cast<unsigned>((p.sq + kRows - 1) / kRows), static_cast<unsigned>(p.hq),
+                static_cast<unsigned>(p.b));
+    attn_bwd_dq_generic<T><<<grid_q, kRows * 32, smem_q, sc.stream>>>(
+        p, static_cast<T*>(grad_q.data_ptr()), static_cast<const T*>(q.data_ptr()),
+        static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
+        static_cast<const T*>(dout.data_ptr()), static_cast<const float*>(lse.data_ptr()),
+        delta.as<float>());
+    ACCEL_CUDA_CHECK_LAUNCH("attention_backward (dq)");
+    const size_t smem_kv =
+        (2 * kTile * (p.d + 1) + 2 * kRows * p.d + 2 * kTile) * sizeof(float);
+    set_smem(attn_bwd_dkv_generic<T>, smem_kv);
+    dim3 grid_kv(static_cast<unsigned>((p.sk + kRows - 1) / kRows), static_cast<unsigned>(p.hkv),
+                 static_cast<unsigned>(p.b));
+    attn_bwd_dkv_generic<T><<<grid_kv, kRows * 32, smem_kv, sc.stream>>>(
+        p, static_cast<T*>(grad_k.data_ptr()), static_cast<T*>(grad_v.data_ptr()),
+        static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+        static_cast<const T*>(v.data_ptr()), static_cast<const T*>(dout.data_ptr()),
+        static_cast<const float*>(lse.data_ptr()), delta.as<float>());
+    ACCEL_CUDA_CHECK_LAUNCH("attention_backward (dk, dv)");
+  });
+}
+
+}  // namespace accel

@@ -1,0 +1,29 @@
+// Shared between attention.cu (generic kernels, entry points) and attention_mma.cu (tensor-core
+// kernels for bf16/f16).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "runtime/tensor.h"
+
+namespace accel::cuda {
+
+struct AttnParams {
+  int64_t b, sq, sk, hq, hkv, group;
+  int d;
+  bool causal;
+  float scale;
+};
+
+// Run the tensor-core kernels when they support the problem (bf16/f16, head dim 64 or 128);
+// return false to fall back to the generic kernels. `delta` is scratch of B * Hq * Sq floats.
+bool attention_forward_mma(const AttnParams& p, const Tensor& out, const Tensor& lse,
+                           const Tensor& q, const Tensor& k, const Tensor& v, cudaStream_t stream);
+bool attention_backward_mma(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
+                            const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
+                            const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                            float* delta, cudaStream_t stream);
+
+}  // namespace accel::cuda

@@ -1,0 +1,273 @@
+// RMSNorm forward/backward and rotary embeddings. Statistics in fp32; where Hugging Face's Llama
+// rounds an intermediate to the activation dtype (x * rstd before the weight; rope's cos/sin and
+// products) these kernels round there too, as the CPU reference does.
+#include <cmath>
+
+#include "ops/cuda/common.cuh"
+#include "runtime/kernels.h"
+
+namespace accel {
+namespace {
+using namespace cuda;
+
+template <class T>
+__host__ __device__ constexpr int vec_n() {
+  return 16 / sizeof(T);
+}
+
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float* f) {  // vec_n<T>() values
+  constexpr int N = vec_n<T>();
+  T buf[N];
+  *reinterpret_cast<uint4*>(buf) = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) f[k] = to_f(buf[k]);
+}
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float* f) {
+  constexpr int N = vec_n<T>();
+  T buf[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) buf[k] = from_f<T>(f[k]);
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(buf);
+}
+
+// D % vec_n == 0 and 16-byte aligned rows (checked on the host), one block per row.
+template <class T>
+__global__ void rms_norm_kernel(T* __restrict__ out, float* __restrict__ rstd,
+                                const T* __restrict__ x, const T* __restrict__ w, int64_t rows,
+                                int d, float eps) {
+  constexpr int N = vec_n<T>();
+  __shared__ float sm[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * d;
+    float ss = 0.f;
+    for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
+      float v[N];
+      load8(xr + j, v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, sm);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+    if (threadIdx.x == 0) rstd[r] = inv;
+    T* orow = out + r * d;
+    for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
+      float v[N], wv[N];
+      load8(xr + j, v);
+      load8(w + j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = wv[k] * rnd<T>(v[k] * inv);
+      store8(orow + j, v);
+    }
+  }
+}
+
+// Each block handles a contiguous range of rows; grad_weight partials per block go to
+// partial[block][d] and a second kernel sums them.
+template <class T>
+__global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__ partial,
+                                         const T* __restrict__ g, const T* __restrict__ x,
+                                         const T* __restrict__ w, const float* __restrict__ rstd,
+                                         int64_t rows, int d) {
+  constexpr int N = vec_n<T>();
+  extern __shared__ float dw[];  // [d]
+  __shared__ float sm[32];
+  for (int j = threadIdx.x; j < d; j += blockDim.x) dw[j] = 0.f;
+  __syncthreads();
+  const int64_t per = (rows + gridDim.x - 1) / gridDim.x;
+  const int64_t r0 = blockIdx.x * per, r1 = min(rows, r0 + per);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * d;
+    const T* gr = g + r * d;
+    const float inv = rstd[r];
+    float dot = 0.f;
+    for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
+      float xv[N], gv[N], wv[N];
+      load8(xr + j, xv);
+      load8(gr + j, gv);
+      load8(w + j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        dot += xv[k] * wv[k] * gv[k];
+        dw[j + k] += gv[k] * xv[k] * inv;  // this thread owns columns j..j+N-1
+      }
+    }
+    dot = block_sum(dot, sm);
+    if (!gx) continue;
+    const float c2 = inv * inv * dot / static_cast<float>(d);
+    for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
+      float xv[N], gv[N], wv[N], o[N];
+      load8(xr + j, xv);
+      load8(gr + j, gv);
+      load8(w + j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = inv * (wv[k] * gv[k] - xv[k] * c2);
+      store8(gx + r * d + j, o);
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < d; j += blockDim.x) partial[int64_t(blockIdx.x) * d + j] = dw[j];
+}
+
+template <class T>
+__global__ void sum_partials_kernel(T* __restrict__ gw, const float* __restrict__ partial,
+                                    int blocks, int d) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= d) return;
+  float s = 0.f;
+  for (int b = 0; b < blocks; ++b) s += partial[int64_t(b) * d + j];
+  gw[j] = from_f<T>(s);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+void check_norm_layout(const char* op, int64_t d, DType t, std::initializer_list<const Tensor*> ts) {
+  const int n = 16 / static_cast<int>(dtype_size(t));
+  require(d % n == 0, op, "the last dim (" + std::to_string(d) + ") must be a multiple of " +
+                              std::to_string(n) + " for the CUDA kernel");
+  for (const Tensor* p : ts)
+    require(p->is_contiguous() && aligned16(p->data_ptr()), op,
+            "operands must be contiguous and 16-byte aligned: " + p->str());
+}
+
+}  // namespace
+
+void CudaBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
+                           const Tensor& weight, double eps) {
+  require_cuda(x, "rms_norm", "x");
+  require(out.shape() == x.shape() && out.dtype() == x.dtype() && weight.dtype() == x.dtype() &&
+              x.dim() >= 1 && weight.numel() == x.shape().back() && rstd.dtype() == DType::F32,
+          "rms_norm", "x " + x.str() + ", weight " + weight.str() + ", rstd " + rstd.str());
+  const int64_t d = x.shape().back();
+  const int64_t rows = d ? x.numel() / d : 0;
+  if (rows == 0 || d == 0) return;
+  Tensor wc = weight.is_contiguous() ? weight : weight.clone();
+  check_norm_layout("rms_norm", d, x.dtype(), {&out, &x, &wc});
+  OpScope sc(x);
+  const int threads = d >= 4096 ? 256 : 128;
+  const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
+  dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
+    using T = decltype(t);
+    rms_norm_kernel<T><<<grid, threads, 0, sc.stream>>>(
+        static_cast<T*>(out.data_ptr()), static_cast<float*>(rstd.data_ptr()),
+        static_cast<const T*>(x.data_ptr()), static_cast<const T*>(wc.data_ptr()), rows,
+        static_cast<int>(d), static_cast<float>(eps));
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("rms_norm");
+}
+
+void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
+                                    const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                    const Tensor& rstd) {
+  require_cuda(x, "rms_norm", "x");
+  const int64_t d = x.shape().back();
+  const int64_t rows = d ? x.numel() / d : 0;
+  require(grad_out.shape() == x.shape() && grad_out.dtype() == x.dtype() &&
+              weight.numel() == d && weight.dtype() == x.dtype() && rstd.numel() == rows &&
+              rstd.dtype() == DType::F32 && rstd.is_contiguous(),
+          "rms_norm", "backward: grad_out, weight or rstd do not match x " + x.str());
+  if (d == 0) return;
+  OpScope sc(x);
+  if (rows == 0) {
+    if (grad_weight.defined()) ::accel::kernels::cuda::fill(grad_weight, 0.0);
+    return;
+  }
+  Tensor wc = weight.is_contiguous() ? weight : weight.clone();
+  Tensor gc = grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
+  check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
+  if (grad_x.defined()) check_norm_layout("rms_norm", d, x.dtype(), {&grad_x});
+  const int threads = d >= 4096 ? 256 : 128;
+  const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 2));
+  DeviceBuffer partial(static_cast<size_t>(grid) * d * sizeof(float));
+  const size_t smem = static_cast<size_t>(d) * sizeof(float);
+  dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
+    using T = decltype(t);
+    if (smem > 48 * 1024)
+      ACCEL_CUDA_CHECK(cudaFuncSetAttribute(rms_norm_backward_kernel<T>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+    rms_norm_backward_kernel<T><<<grid, threads, smem, sc.stream>>>(
+        grad_x.defined() ? static_cast<T*>(grad_x.data_ptr()) : nullptr, partial.as<float>(),
+        static_cast<const T*>(gc.data_ptr()), static_cast<const T*>(x.data_ptr()),
+        static_cast<const T*>(wc.data_ptr()), static_cast<const float*>(rstd.data_ptr()), rows,
+        static_cast<int>(d));
+    ACCEL_CUDA_CHECK_LAUNCH("rms_norm_backward");
+    if (grad_weight.defined()) {
+      require(grad_weight.is_contiguous() && grad_weight.dtype() == x.dtype(), "rms_norm",
+              "grad_weight must be contiguous of x's dtype");
+      sum_partials_kernel<T><<<static_cast<int>((d + 255) / 256), 256, 0, sc.stream>>>(
+          static_cast<T*>(grad_weight.data_ptr()), partial.as<float>(), grid, static_cast<int>(d));
+      ACCEL_CUDA_CHECK_LAUNCH("rms_norm_backward (weight)");
+    }
+  });
+}
+
+// ---- rope ---------------------------------------------------------------------------------------
+namespace {
+
+constexpr int kMaxRopeHalf = 512;
+struct InvFreq {
+  float v[kMaxRopeHalf];
+};
+
+// One thread per (row, pair i): x[i] and x[i + half].
+template <class T>
+__global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t rows, int s_len,
+                            int h_len, int half, int64_t position_offset, bool inverse,
+                            const InvFreq inv) {
+  const int64_t total = rows * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / half;
+    const int i = static_cast<int>(idx - r * half);
+    const int64_t s = (r / h_len) % s_len;
+    const float angle = static_cast<float>(position_offset + s) * inv.v[i];
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    const T* xr = x + r * 2 * half;
+    T* orow = out + r * 2 * half;
+    const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
+    if (!inverse) {
+      const float c = rnd<T>(cs), sv = rnd<T>(sn);
+      orow[i] = from_f<T>(rnd<T>(x1 * c) + rnd<T>(-x2 * sv));
+      orow[i + half] = from_f<T>(rnd<T>(x2 * c) + rnd<T>(x1 * sv));
+    } else {
+      orow[i] = from_f<T>(x1 * cs + x2 * sn);
+      orow[i + half] = from_f<T>(x2 * cs - x1 * sn);
+    }
+  }
+}
+
+}  // namespace
+
+void CudaBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
+                       bool inverse) {
+  require_cuda(x, "rope", "x");
+  require(x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
+              out.dtype() == x.dtype() && x.shape()[3] % 2 == 0,
+          "rope", "needs contiguous [B, S, H, D] x and out with D even, got " + x.str());
+  const int64_t s_len = x.shape()[1], h_len = x.shape()[2], d = x.shape()[3], half = d / 2;
+  if (x.numel() == 0) return;
+  if (half > kMaxRopeHalf)
+    throw std::invalid_argument("[rope] CUDA kernel supports head dims up to " +
+                                std::to_string(2 * kMaxRopeHalf) + ", got " + std::to_string(d));
+  InvFreq inv{};
+  // Exactly as Hugging Face (and the CPU backend): float32 1 / theta^(float(2i) / D).
+  for (int64_t i = 0; i < half; ++i) {
+    const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
+    inv.v[i] = 1.0f / std::pow(static_cast<float>(theta), expo);
+  }
+  OpScope sc(x);
+  const int64_t rows = x.numel() / d;
+  dispatch_float(x.dtype(), "rope", [&](auto t) {
+    using T = decltype(t);
+    rope_kernel<T><<<grid_for(rows * half, 256), 256, 0, sc.stream>>>(
+        static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), rows,
+        static_cast<int>(s_len), static_cast<int>(h_len), static_cast<int>(half), position_offset,
+        inverse, inv);
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("rope");
+}
+
+}  // namespace accel

@@ -1,0 +1,180 @@
+// CUDA kernel benchmark: each fused kernel's time against its memory floor (bytes moved over the
+// copy bandwidth, 4.3 TB/s on an H200 unless --bw says otherwise), GEMM and attention TFLOP/s.
+// Shapes are Llama-3.2-1B's at 8192 tokens per step (hidden 2048, MLP 8192, 32 q / 8 kv heads of
+// 64, vocab 128256). Plain main: `bench_cuda_kernels [--bw TBps] [--iters N]`.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ops/backend.h"
+#include "runtime/tensor.h"
+#ifdef ACCEL_WITH_CUDA
+#include "runtime/cuda/context.h"
+#endif
+
+using namespace accel;
+
+#ifdef ACCEL_WITH_CUDA
+namespace {
+
+int g_iters = 20;
+double g_bw = 4.3e12;  // bytes per second
+
+double time_ms(const std::function<void()>& f) {
+  for (int i = 0; i < 3; ++i) f();
+  cuda::Event start, stop;
+  start.record();
+  for (int i = 0; i < g_iters; ++i) f();
+  stop.record();
+  stop.synchronize();
+  return start.elapsed_ms(stop) / g_iters;
+}
+
+Tensor randn(const Shape& s, DType t, double std = 1.0) {
+  Tensor x = Tensor::empty(s, t, Device::cuda(0));
+  cuda_backend().rand_normal(x, 1234, 0, 0.0, std);
+  return x;
+}
+
+void row_mem(const char* name, double ms, double bytes) {
+  const double floor_ms = bytes / g_bw * 1e3;
+  std::printf("%-34s %9.3f ms %9.1f GB/s   floor %8.3f ms   %5.1f%% of floor speed\n", name, ms,
+              bytes / (ms * 1e-3) / 1e9, floor_ms, 100.0 * floor_ms / ms);
+}
+
+void row_flops(const char* name, double ms, double flops) {
+  std::printf("%-34s %9.3f ms %9.1f TFLOP/s\n", name, ms, flops / (ms * 1e-3) / 1e12);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (!std::strcmp(argv[i], "--bw")) g_bw = std::atof(argv[i + 1]) * 1e12;
+    if (!std::strcmp(argv[i], "--iters")) g_iters = std::atoi(argv[i + 1]);
+  }
+  if (!cuda::available()) {
+    std::printf("bench_cuda_kernels: no CUDA device visible, nothing to measure\n");
+    return 0;
+  }
+  Backend& be = cuda_backend();
+  const cudaDeviceProp& prop = cuda::device_properties(0);
+  std::printf("device: %s, %d SMs; floor bandwidth %.2f TB/s; %d iterations per kernel\n",
+              prop.name, prop.multiProcessorCount, g_bw / 1e12, g_iters);
+  const int64_t B = 4, S = 2048, N = B * S, H = 2048, I = 8192, HQ = 32, HKV = 8, D = 64;
+  const int64_t V = 128256, VCHUNK = 1024;  // cross-entropy rows per chunk
+  const DType bf = DType::BF16;
+  std::printf("\n-- memory-bound kernels (bf16 activations, N=%lld tokens) --\n", (long long)N);
+  {
+    Tensor a = randn({N, I}, bf), b = Tensor::empty({N, I}, bf, Device::cuda(0));
+    double ms = time_ms([&] { b.copy_(a); });
+    row_mem("copy d2d (cudaMemcpyAsync)", ms, 2.0 * a.nbytes());
+    Tensor c = Tensor::empty({N, I}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.binary(BinaryOp::Add, c, a, b); });
+    row_mem("add bf16", ms, 3.0 * a.nbytes());
+    Tensor f = randn({N, I}, DType::F32);
+    ms = time_ms([&] { c.copy_(f); });
+    row_mem("cast f32->bf16", ms, f.nbytes() + c.nbytes());
+    Tensor up = randn({N, I}, bf), dout = randn({N, I}, bf), gg = Tensor::empty({N, I}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.swiglu(c, a, up); });
+    row_mem("swiglu fwd", ms, 3.0 * a.nbytes());
+    ms = time_ms([&] { be.swiglu_backward(gg, b, dout, a, up); });
+    row_mem("swiglu bwd", ms, 5.0 * a.nbytes());
+  }
+  {
+    Tensor x = randn({N, H}, bf), w = randn({H}, bf), out = Tensor::empty({N, H}, bf, Device::cuda(0));
+    Tensor rstd = Tensor::empty({N}, DType::F32, Device::cuda(0));
+    double ms = time_ms([&] { be.rms_norm(out, rstd, x, w, 1e-5); });
+    row_mem("rms_norm fwd", ms, 2.0 * x.nbytes() + rstd.nbytes());
+    Tensor g = randn({N, H}, bf), gx = Tensor::empty({N, H}, bf, Device::cuda(0));
+    Tensor gw = Tensor::empty({H}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd); });
+    row_mem("rms_norm bwd", ms, 3.0 * x.nbytes() + rstd.nbytes());
+    Tensor ids = Tensor::empty({N}, DType::I64, Device::cuda(0));
+    {
+      std::vector<int64_t> host(N);
+      for (int64_t i = 0; i < N; ++i) host[i] = (i * 7919) % 32000;
+      ids = Tensor::from_vector(host, {N}, DType::I64, Device::cuda(0));
+    }
+    Tensor table = randn({V, H}, bf);
+    ms = time_ms([&] { be.embedding(out, table, ids); });
+    row_mem("embedding fwd", ms, 2.0 * out.nbytes() + ids.nbytes());
+    Tensor gtable = Tensor::zeros({V, H}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.embedding_backward(gtable, g, ids); });
+    row_mem("embedding bwd (sorted)", ms, 3.0 * g.nbytes() + 4.0 * ids.nbytes());
+  }
+  {
+    Tensor q = randn({B, S, HQ, D}, bf), o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
+    double ms = time_ms([&] { be.rope(o, q, 500000.0, 0, false); });
+    row_mem("rope fwd (q)", ms, 2.0 * q.nbytes());
+  }
+  {
+    Tensor logits = randn({VCHUNK, V}, bf, 2.0), grad = Tensor::empty({VCHUNK, V}, bf, Device::cuda(0));
+    std::vector<int64_t> host(VCHUNK);
+    for (int64_t i = 0; i < VCHUNK; ++i) host[i] = (i * 104729) % V;
+    Tensor tg = Tensor::from_vector(host, {VCHUNK}, DType::I64, Device::cuda(0));
+    Tensor loss = Tensor::empty({VCHUNK}, DType::F32, Device::cuda(0));
+    double ms = time_ms([&] { be.cross_entropy(loss, grad, logits, tg, -100, 1.0 / N); });
+    row_mem("cross_entropy fwd+grad (1024 rows)", ms, 2.0 * logits.nbytes());
+    ms = time_ms([&] { be.softmax(grad, logits, true); });
+    row_mem("log_softmax (1024 rows)", ms, 2.0 * logits.nbytes());
+  }
+  {
+    const int64_t P = 64 << 20;  // 64M parameters
+    Tensor p = randn({P}, DType::F32, 0.02), m = randn({P}, DType::F32, 0.01);
+    Tensor v = Tensor::zeros({P}, DType::F32, Device::cuda(0)), g = randn({P}, bf, 0.01);
+    AdamWParams hp{1e-4, 0.9, 0.95, 1e-8, 0.1, 1};
+    double ms = time_ms([&] { be.adamw_step(p, g, m, v, hp, 1.0); });
+    row_mem("adamw (f32 master, bf16 grad)", ms, P * (4.0 * 6 + 2.0));
+    std::vector<Tensor> xs{g};
+    ms = time_ms([&] { (void)be.sum_of_squares(xs); });
+    row_mem("sum_of_squares (bf16, incl. sync)", ms, g.nbytes());
+  }
+  std::printf("\n-- GEMMs (cuBLASLt, bf16 in, fp32 accumulate) --\n");
+  {
+    struct G {
+      const char* name;
+      int64_t m, n, k;
+      bool ta, tb;
+    } gemms[] = {{"qkv proj  [8192x2048]x[3072x2048]^T", N, 3072, H, false, true},
+                 {"mlp up    [8192x2048]x[16384x2048]^T", N, 2 * I, H, false, true},
+                 {"mlp down  [8192x8192]x[2048x8192]^T", N, H, I, false, true},
+                 {"lm head   [8192x2048]x[128256x2048]^T", N, V, H, false, true},
+                 {"dW down   [8192x2048]^T x [8192x8192]", H, I, N, true, false}};
+    for (const G& gm : gemms) {
+      Tensor a = randn(gm.ta ? Shape{1, gm.k, gm.m} : Shape{1, gm.m, gm.k}, bf, 0.02);
+      Tensor b = randn(gm.tb ? Shape{1, gm.n, gm.k} : Shape{1, gm.k, gm.n}, bf, 0.02);
+      Tensor c = Tensor::empty({1, gm.m, gm.n}, bf, Device::cuda(0));
+      double ms = time_ms([&] { be.matmul(c, a, b, gm.ta, gm.tb, 1.0, 0.0); });
+      row_flops(gm.name, ms, 2.0 * gm.m * gm.n * gm.k);
+    }
+  }
+  std::printf("\n-- causal attention (B=%lld S=%lld Hq=%lld Hkv=%lld D=%lld, bf16) --\n",
+              (long long)B, (long long)S, (long long)HQ, (long long)HKV, (long long)D);
+  {
+    Tensor q = randn({B, S, HQ, D}, bf), k = randn({B, S, HKV, D}, bf), v = randn({B, S, HKV, D}, bf);
+    Tensor o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
+    Tensor lse = Tensor::empty({B, HQ, S}, DType::F32, Device::cuda(0));
+    const double fwd_flops = 4.0 * B * HQ * S * S * D / 2;  // causal: half the score matrix
+    double ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    row_flops("attention fwd", ms, fwd_flops);
+    Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)), dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
+    Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
+    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    row_flops("attention bwd", ms, 2.5 * fwd_flops);
+  }
+  const cuda::AllocatorStats st = cuda::allocator_stats(0);
+  std::printf("\nallocator: %lld cudaMalloc calls for %lld requests, %.1f GiB reserved at peak\n",
+              (long long)st.num_device_mallocs, (long long)st.num_allocations,
+              st.peak_reserved_bytes / double(1 << 30));
+  return 0;
+}
+#else
+int main() {
+  std::printf("bench_cuda_kernels: built without CUDA, nothing to measure\n");
+  return 0;
+}
+#endif

@@ -1,0 +1,79 @@
+// cuBLASLt GEMMs against the CPU backend: transposes, batch broadcast, alpha/beta, dtypes.
+#include <gtest/gtest.h>
+
+#include "tests/cuda/cuda_test_util.h"
+#ifdef ACCEL_WITH_CUDA
+#include "ops/cuda/cuda_backend.h"
+#endif
+
+namespace accel {
+namespace {
+using namespace cuda_test;
+
+class CudaMatmul : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CudaMatmul, AllTransposesAndBatchBroadcast) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t m = 67, n = 45, k = 130;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb)
+      for (int64_t ba : {1, 3})
+        for (int64_t bb : {1, 3}) {
+          const int64_t batch = std::max(ba, bb);
+          Tensor a = random_tensor(ta ? Shape{ba, k, m} : Shape{ba, m, k}, t, rng);
+          Tensor b = random_tensor(tb ? Shape{bb, n, k} : Shape{bb, k, n}, t, rng);
+          Tensor c0 = random_tensor({batch, m, n}, t, rng);
+          for (double beta : {0.0, 0.5}) {
+            Tensor want = c0.clone();
+            cpu_backend().matmul(want, a, b, ta, tb, 1.25, beta);
+            Tensor got = beta == 0.0 ? poisoned({batch, m, n}, t) : c0.to(gpu());
+            cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), ta, tb, 1.25, beta);
+            // Sums of 130 products: relative to the output scale.
+            expect_close(got, want, tol_for(t).rtol, (t == DType::F32 ? 1e-5 : 1e-2) * rms(want),
+                         "matmul ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
+                             " batch " + std::to_string(ba) + "x" + std::to_string(bb) +
+                             " beta " + std::to_string(beta));
+          }
+        }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaMatmul,
+                         ::testing::Values(DType::F32, DType::BF16, DType::F16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+#ifdef ACCEL_WITH_CUDA
+TEST(CudaMatmulTf32, CloseToFp32WhenAllowed) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor a = random_tensor({1, 256, 512}, DType::F32, rng);
+  Tensor b = random_tensor({1, 512, 128}, DType::F32, rng);
+  Tensor want = cpu_out({1, 256, 128}, DType::F32);
+  cpu_backend().matmul(want, a, b, false, false, 1.0, 0.0);
+  cuda::set_allow_tf32(true);
+  Tensor got = poisoned({1, 256, 128}, DType::F32);
+  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.0);
+  cuda::set_allow_tf32(false);
+  expect_close(got, want, 5e-3, 5e-3 * rms(want), "tf32 matmul");
+}
+#endif
+
+TEST(CudaMatmulOps, LinearThroughOpsLayer) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor x = random_tensor({2, 9, 64}, DType::F32, rng);
+  Tensor w = random_tensor({48, 64}, DType::F32, rng);
+  Tensor want = linear(x, w);
+  Tensor got = linear(x.to(gpu()), w.to(gpu()));
+  expect_matches(got, want, DType::F32, "linear", 4.0);
+}
+
+}  // namespace
+}  // namespace accel

@@ -1,0 +1,134 @@
+// Reductions, softmax, cross-entropy and gradient statistics against the CPU backend.
+#include <gtest/gtest.h>
+
+#include "tests/cuda/cuda_test_util.h"
+
+namespace accel {
+namespace {
+using namespace cuda_test;
+
+class CudaReduce : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CudaReduce, ReduceOverDims) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor x = random_tensor({6, 5, 700}, t, rng);
+  const std::vector<std::vector<int64_t>> dim_sets = {{2}, {0}, {1}, {0, 2}, {0, 1, 2}};
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::AbsMax})
+    for (const auto& dims : dim_sets) {
+      Shape os = x.shape();
+      for (int64_t d : dims) os[d] = 1;
+      Tensor want = cpu_out(os, t);
+      cpu_backend().reduce(op, want, x, dims);
+      Tensor got = poisoned(os, t);
+      cuda_backend().reduce(op, got, x.to(gpu()), dims);
+      // Sums of 21000 values: order differences scale with the magnitude of the inputs.
+      expect_close(got, want, tol_for(t).rtol, op == ReduceOp::Sum ? 2e-4 * 30 : 0,
+                   "reduce op " + std::to_string(int(op)) + " over " + std::to_string(dims.size()) +
+                       " dims");
+    }
+}
+
+TEST_P(CudaReduce, MaxBackward) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor x = random_tensor({4, 33, 9}, t, rng);
+  Tensor mx = cpu_out({4, 1, 9}, t);
+  cpu_backend().reduce(ReduceOp::Max, mx, x, {1});
+  Tensor g = random_tensor({4, 1, 9}, t, rng);
+  Tensor want = cpu_out(x.shape(), t);
+  cpu_backend().max_backward(want, x, mx, g, 1);
+  Tensor got = poisoned(x.shape(), t);
+  cuda_backend().max_backward(got, x.to(gpu()), mx.to(gpu()), g.to(gpu()), 1);
+  expect_close(got, want, 0, 0, "max_backward");
+}
+
+TEST_P(CudaReduce, SoftmaxAndLogSoftmax) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t len : {17, 1000, 5003}) {
+    Tensor x = random_tensor({7, len}, t, rng, -8, 8);
+    for (bool log : {false, true}) {
+      Tensor want = cpu_out(x.shape(), t);
+      cpu_backend().softmax(want, x, log);
+      Tensor got = poisoned(x.shape(), t);
+      cuda_backend().softmax(got, x.to(gpu()), log);
+      expect_matches(got, want, t, log ? "log_softmax" : "softmax", 2.0);
+    }
+  }
+}
+
+TEST_P(CudaReduce, CrossEntropyWithIgnoredRows) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t v : {1000, 4099}) {
+    const int64_t n = 37;
+    Tensor logits = random_tensor({n, v}, t, rng, -6, 6);
+    Tensor targets = random_ints({n}, 0, v, rng);
+    std::vector<double> tv = targets.to_vector();
+    std::vector<int64_t> ti(tv.begin(), tv.end());
+    ti[3] = ti[20] = -100;
+    targets = Tensor::from_vector(ti, {n});
+    for (DType target_t : {DType::I64, DType::I32}) {
+      Tensor tg = Tensor::empty({n}, target_t);
+      tg.copy_(targets);
+      Tensor wl = cpu_out({n}, DType::F32), wg = cpu_out({n, v}, t);
+      cpu_backend().cross_entropy(wl, wg, logits, tg, -100, 1.0 / 35);
+      Tensor gl = poisoned({n}, DType::F32), gg = poisoned({n, v}, t);
+      cuda_backend().cross_entropy(gl, gg, logits.to(gpu()), tg.to(gpu()), -100, 1.0 / 35);
+      expect_close(gl, wl, t == DType::F32 ? 1e-5 : 1e-3, 1e-5, "cross_entropy loss");
+      expect_matches(gg, wg, t, "cross_entropy grad", 2.0);
+      // Loss only (no gradient buffer).
+      Tensor gl2 = poisoned({n}, DType::F32);
+      cuda_backend().cross_entropy(gl2, Tensor(), logits.to(gpu()), tg.to(gpu()), -100, 1.0);
+      expect_close(gl2, wl, t == DType::F32 ? 1e-5 : 1e-3, 1e-5, "cross_entropy loss only");
+    }
+  }
+}
+
+TEST_P(CudaReduce, SumOfSquaresAndNonFinite) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<Tensor> cpu_xs, gpu_xs;
+  for (int64_t n : {1, 1000, 77777}) {
+    cpu_xs.push_back(random_tensor({n}, t, rng));
+    gpu_xs.push_back(cpu_xs.back().to(gpu()));
+  }
+  // A strided one.
+  Tensor m = random_tensor({30, 40}, t, rng);
+  cpu_xs.push_back(m.as_strided({40, 30}, {1, 40}, 0));
+  gpu_xs.push_back(m.to(gpu()).as_strided({40, 30}, {1, 40}, 0));
+  const double want = cpu_backend().sum_of_squares(cpu_xs);
+  const double got = cuda_backend().sum_of_squares(gpu_xs);
+  EXPECT_NEAR(got, want, 1e-6 * want);
+  EXPECT_FALSE(cuda_backend().has_non_finite(gpu_xs[2]));
+  for (double bad : {double(NAN), double(INFINITY), -double(INFINITY)}) {
+    Tensor y = cpu_xs[2].clone();
+    std::vector<double> v = y.to_vector();
+    v[54321] = bad;
+    Tensor yb = Tensor::from_vector(v, y.shape(), t).to(gpu());
+    EXPECT_TRUE(cuda_backend().has_non_finite(yb));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaReduce,
+                         ::testing::Values(DType::F32, DType::BF16, DType::F16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+}  // namespace
+}  // namespace accel
