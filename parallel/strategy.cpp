@@ -4,6 +4,9 @@
 #include <map>
 #include <stdexcept>
 
+#include "parallel/process_group.h"
+#include "runtime/config.h"
+
 namespace accel {
 
 void SingleProcessStrategy::setup(Module& model, const OptimizerOptions& opts) {
@@ -17,8 +20,8 @@ void SingleProcessStrategy::setup(Module& model, const OptimizerOptions& opts) {
     master_.push_back(p->value);
     names.push_back(p->name);
     if (compute_dtype_ != DType::F32) {
-      Tensor copy = Tensor::empty(p->value.shape(), compute_dtype_, p->value.device(),
-                                  MemCategory::Params);
+      Tensor copy =
+          Tensor::empty(p->value.shape(), compute_dtype_, p->value.device(), MemCategory::Params);
       copy.copy_(p->value);
       copy.set_requires_grad(true);
       copy.set_name(p->name);
@@ -80,6 +83,14 @@ void SingleProcessStrategy::load_state(
     if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
   }
   optimizer_->load_state(optimizer_state, optimizer_steps);
+}
+
+std::unique_ptr<Strategy> make_strategy(const Config& cfg, std::shared_ptr<ProcessGroup> pg,
+                                        DType compute_dtype) {
+  if (cfg.distributed_type == "NO" && (!pg || pg->size() == 1))
+    return std::make_unique<SingleProcessStrategy>(compute_dtype);
+  throw std::invalid_argument("distributed_type " + cfg.distributed_type +
+                              " is not implemented yet in accel-train");
 }
 
 }  // namespace accel

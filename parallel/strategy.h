@@ -68,4 +68,12 @@ class SingleProcessStrategy : public Strategy {
   std::unique_ptr<Optimizer> optimizer_;
 };
 
+class ProcessGroup;
+struct Config;
+
+// The strategy the config's distributed_type names, for this rank's process group (null on a
+// single process) and the compute dtype.
+std::unique_ptr<Strategy> make_strategy(const Config& cfg, std::shared_ptr<ProcessGroup> pg,
+                                        DType compute_dtype);
+
 }  // namespace accel

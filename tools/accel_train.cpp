@@ -1,0 +1,23 @@
+// accel-train --config FILE [--set KEY=VALUE ...] [--output-dir DIR] [--resume auto|PATH]
+//             [--print-config]
+#include <CLI/CLI.hpp>
+
+#include "tools/trainer/trainer.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"accel-train: train a Llama-class model from one YAML file"};
+  accel::TrainOptions o;
+  app.add_option("--config,-c", o.config_path, "YAML config (Accelerate keys + our sections)");
+  app.add_option("--set", o.overrides, "override a key, e.g. --set training.max_steps=100")
+      ->allow_extra_args(false);
+  app.add_option("--output-dir,-o", o.output_dir, "output folder (overrides training.output_dir)");
+  app.add_option("--resume", o.resume, "auto (newest complete checkpoint) or a checkpoint folder");
+  app.add_flag("--print-config", o.print_config, "print the effective config and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  return accel::run_training(o, argc, argv);
+}

@@ -1,0 +1,129 @@
+#include "tools/trainer/checkpoint.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <stdexcept>
+
+#include "runtime/safetensors.h"
+
+namespace accel {
+namespace fs = std::filesystem;
+
+namespace {
+std::string optimizer_file(int rank) { return "optimizer.rank" + std::to_string(rank) + ".safetensors"; }
+
+std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  if (!fs::is_directory(root)) return out;
+  static const std::regex name("step_([0-9]+)");
+  for (const auto& e : fs::directory_iterator(root)) {
+    std::smatch m;
+    std::string n = e.path().filename().string();
+    if (e.is_directory() && std::regex_match(n, m, name) &&
+        fs::exists(e.path() / "trainer_state.json"))
+      out.push_back({std::stoll(m[1]), e.path()});
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream out(p);
+  out << text;
+  if (!out.flush()) throw std::runtime_error(p.string() + ": write failed (disk full?)");
+}
+}  // namespace
+
+std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
+                            const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                            const LlamaConfig& model_config,
+                            const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                            const std::string& config_yaml, const CheckpointWriter& w,
+                            int64_t keep_last) {
+  fs::path root = fs::path(output_dir) / "checkpoints";
+  fs::path final_dir = root / ("step_" + std::to_string(state.step));
+  fs::path tmp = root / ("step_" + std::to_string(state.step) + ".tmp");
+  if (w.rank == 0) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  if (w.barrier) w.barrier();
+  save_safetensors((tmp / optimizer_file(w.rank)).string(), optimizer_state,
+                   {{"format", "accel-optimizer"}, {"rank", std::to_string(w.rank)}});
+  if (w.rank == 0) {
+    save_safetensors((tmp / "model.safetensors").string(), full_weights, {{"format", "pt"}});
+    write_hf_llama_config(model_config, (tmp / "config.json").string());
+    write_text(tmp / "config.yaml", config_yaml);
+  }
+  if (w.barrier) w.barrier();
+  if (w.rank == 0) {
+    nlohmann::json j = {{"step", state.step},
+                        {"optimizer_steps", state.optimizer_steps},
+                        {"seed", state.seed},
+                        {"world_size", w.world_size},
+                        {"data_position", state.data_position},
+                        {"loss_scale", state.loss_scale},
+                        {"extra", state.extra}};
+    std::vector<std::string> files;
+    for (int r = 0; r < w.world_size; ++r) files.push_back(optimizer_file(r));
+    j["optimizer_files"] = files;
+    write_text(tmp / "trainer_state.json", j.dump(1) + "\n");
+    fs::remove_all(final_dir);
+    fs::rename(tmp, final_dir);
+    if (keep_last > 0) {
+      auto all = complete_checkpoints(root);
+      for (size_t i = 0; i + keep_last < all.size(); ++i) fs::remove_all(all[i].second);
+    }
+  }
+  if (w.barrier) w.barrier();
+  return final_dir.string();
+}
+
+std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec) {
+  if (spec == "auto") {
+    auto all = complete_checkpoints(fs::path(output_dir) / "checkpoints");
+    if (all.empty()) return std::nullopt;
+    return all.back().second.string();
+  }
+  if (!fs::is_directory(spec))
+    throw std::runtime_error("--resume " + spec + ": no such checkpoint folder");
+  if (!fs::exists(fs::path(spec) / "trainer_state.json"))
+    throw std::runtime_error("--resume " + spec +
+                             ": not a complete checkpoint (no trainer_state.json); it may be a "
+                             "save that was interrupted");
+  return spec;
+}
+
+LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size) {
+  LoadedCheckpoint c;
+  c.dir = dir;
+  std::ifstream in(fs::path(dir) / "trainer_state.json");
+  nlohmann::json j;
+  try {
+    in >> j;
+    c.state.step = j.at("step");
+    c.state.optimizer_steps = j.at("optimizer_steps");
+    c.state.seed = j.at("seed");
+    c.state.world_size = j.at("world_size");
+    c.state.data_position = j.at("data_position");
+    c.state.loss_scale = j.value("loss_scale", 1.0);
+    c.state.extra = j.value("extra", nlohmann::json::object());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(dir + "/trainer_state.json: unreadable (" + e.what() + ")");
+  }
+  if (c.state.world_size != world_size)
+    throw std::runtime_error(dir + ": saved with " + std::to_string(c.state.world_size) +
+                             " processes, resuming with " + std::to_string(world_size) +
+                             "; resume with the same num_processes, or start a new run with "
+                             "model.init_from pointing at this folder (weights only)");
+  SafetensorsReader model((fs::path(dir) / "model.safetensors").string());
+  for (const std::string& n : model.names()) c.weights.push_back({n, model.load(n)});
+  SafetensorsReader opt((fs::path(dir) / optimizer_file(rank)).string());
+  for (const std::string& n : opt.names())
+    c.optimizer_state.push_back({n, opt.load(n, MemCategory::OptimizerState)});
+  return c;
+}
+
+}  // namespace accel

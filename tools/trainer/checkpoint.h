@@ -1,0 +1,59 @@
+// Training checkpoints: OUTPUT_DIR/checkpoints/step_N/ holding
+//   model.safetensors + config.json   full fp32 weights with Hugging Face names (transformers loads it)
+//   optimizer.rank<R>.safetensors      each rank's optimizer state (whole, or its shards)
+//   trainer_state.json                 step, data position, seed, world size, the file manifest
+//   config.yaml                        the effective run configuration
+// A checkpoint is written into step_N.tmp and renamed when complete, so a crash mid-save never
+// leaves a folder that looks complete; trainer_state.json is the last file written.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/llama.h"
+
+namespace accel {
+
+struct TrainerState {
+  int64_t step = 0;  // optimizer steps completed
+  int64_t optimizer_steps = 0;
+  uint64_t seed = 0;
+  int world_size = 1;
+  nlohmann::json data_position;
+  double loss_scale = 1.0;
+  nlohmann::json extra;  // strategy-specific manifest
+};
+
+struct CheckpointWriter {
+  int rank = 0;
+  int world_size = 1;
+  std::function<void()> barrier;  // all ranks meet here (no-op on one process)
+};
+
+// Every rank calls this with its own optimizer state; rank 0 writes the model and the state.
+// Returns the final folder.
+std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
+                            const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                            const LlamaConfig& model_config,
+                            const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                            const std::string& config_yaml, const CheckpointWriter& w,
+                            int64_t keep_last);
+
+struct LoadedCheckpoint {
+  std::string dir;
+  TrainerState state;
+  std::vector<std::pair<std::string, Tensor>> weights;
+  std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
+};
+
+// "auto": the newest complete checkpoint under output_dir/checkpoints (nullopt when none);
+// otherwise `spec` is a checkpoint folder. Errors name the folder and what is missing.
+std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec);
+LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size);
+
+}  // namespace accel

@@ -1,0 +1,21 @@
+// The training loop behind accel-train (and the runs accel-bench launches).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace accel {
+
+struct TrainOptions {
+  std::string config_path;              // may be empty: built-in defaults
+  std::vector<std::string> overrides;   // --set key=value
+  std::string output_dir;               // --output-dir (overrides training.output_dir)
+  std::string resume;                   // --resume auto|PATH ("" = fresh run)
+  bool print_config = false;            // print the effective config and exit
+};
+
+// Runs the whole job in this process (one rank). Returns the process exit code: 0 success,
+// 2 configuration or usage error, 1 runtime failure. Messages go to stderr.
+int run_training(const TrainOptions& options, int argc, char** argv);
+
+}  // namespace accel
