@@ -1,0 +1,319 @@
+#include "runtime/data/corpus.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "runtime/data/loader.h"
+#include "runtime/data/random.h"
+#include "runtime/data/shard.h"
+#include "runtime/data/tokenizer.h"
+
+namespace accel {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string shard_name(const std::string& prefix, size_t i) {
+  char buf[32];
+  snprintf(buf, sizeof(buf), "-%05zu", i);
+  return prefix + buf + kShardExtension;
+}
+
+// Writes tokens into prefix-00000.tok, prefix-00001.tok, ... of at most shard_tokens each.
+class RollingShardWriter {
+ public:
+  RollingShardWriter(std::string dir, std::string prefix, int64_t shard_tokens, int64_t vocab)
+      : dir_(std::move(dir)),
+        prefix_(std::move(prefix)),
+        shard_tokens_(shard_tokens),
+        vocab_(vocab) {}
+
+  void append(const uint32_t* ids, size_t n) {
+    while (n > 0) {
+      if (!writer_) {
+        writer_ = std::make_unique<ShardWriter>(
+            (fs::path(dir_) / shard_name(prefix_, paths_.size())).string(), vocab_);
+      }
+      const size_t room = static_cast<size_t>(shard_tokens_ - writer_->count());
+      const size_t m = std::min(room, n);
+      writer_->append(ids, m);
+      ids += m, n -= m;
+      if (writer_->count() == shard_tokens_) finish_shard();
+    }
+  }
+  void close() {
+    if (writer_) finish_shard();
+  }
+  const std::vector<std::string>& paths() const { return paths_; }
+  const std::vector<int64_t>& counts() const { return counts_; }
+
+ private:
+  void finish_shard() {
+    writer_->close();
+    paths_.push_back(writer_->path());
+    counts_.push_back(writer_->count());
+    writer_.reset();
+  }
+  std::string dir_, prefix_;
+  int64_t shard_tokens_, vocab_;
+  std::unique_ptr<ShardWriter> writer_;
+  std::vector<std::string> paths_;
+  std::vector<int64_t> counts_;
+};
+
+bool is_ascii_alnum(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+}
+
+// Feeds the text of `path` to the tokenizer in pieces of a few MB. A piece ends just after a
+// newline that is followed by an ASCII letter or digit: both the GPT-2 and the Llama 3 patterns
+// end a pre-token there, so the ids are those of the whole text at once.
+void tokenize_file(const std::string& path, const Tokenizer& tok,
+                   const std::function<void(const std::vector<uint32_t>&)>& sink) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw std::runtime_error("text file '" + path + "': cannot open (" + strerror(errno) + ")");
+  }
+  constexpr size_t kPiece = 4 << 20;
+  std::string buf, carry;
+  std::vector<uint32_t> ids;
+  std::vector<char> chunk(kPiece);
+  for (;;) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    const size_t got = static_cast<size_t>(in.gcount());
+    if (in.bad()) throw std::runtime_error("text file '" + path + "': read error");
+    buf = carry;
+    buf.append(chunk.data(), got);
+    carry.clear();
+    const bool eof = got < chunk.size();
+    size_t cut = buf.size();
+    if (!eof) {
+      cut = 0;
+      for (size_t i = buf.size() - 1; i > 0; --i) {
+        if (buf[i - 1] == '\n' && is_ascii_alnum(buf[i])) {
+          cut = i;
+          break;
+        }
+      }
+      carry.assign(buf, cut, std::string::npos);
+      buf.resize(cut);
+    }
+    if (!buf.empty()) {
+      ids.clear();
+      tok.encode(buf, &ids);
+      sink(ids);
+    }
+    if (eof) break;
+  }
+}
+
+// Rewrites the header count and drops the tokens past `keep`.
+void truncate_shard(const std::string& path, int64_t keep, int width) {
+  FILE* f = fopen(path.c_str(), "r+b");
+  if (!f) throw std::runtime_error("token shard '" + path + "': cannot reopen: " + strerror(errno));
+  uint64_t count = static_cast<uint64_t>(keep);
+  bool ok = fseek(f, 16, SEEK_SET) == 0 && fwrite(&count, 8, 1, f) == 1;
+  ok = (fclose(f) == 0) && ok;
+  std::error_code ec;
+  fs::resize_file(path, kShardHeaderBytes + static_cast<uint64_t>(keep) * width, ec);
+  if (!ok || ec) throw std::runtime_error("token shard '" + path + "': cannot truncate");
+}
+
+void write_manifest(const std::string& dir, const ShardSet& set, const Tokenizer& tok) {
+  nlohmann::json j;
+  j["format"] = "accel token shards";
+  j["shard_version"] = kShardVersion;
+  j["tokenizer"] = tok.description();
+  j["tokenizer_fingerprint"] = tok.fingerprint();
+  j["vocab_size"] = set.vocab_size;
+  auto names = [](const std::vector<std::string>& paths) {
+    std::vector<std::string> out;
+    for (const auto& p : paths) out.push_back(fs::path(p).filename().string());
+    return out;
+  };
+  j["train_shards"] = names(set.train_shards);
+  j["eval_shards"] = names(set.eval_shards);
+  j["train_tokens"] = set.train_tokens;
+  j["eval_tokens"] = set.eval_tokens;
+  j["files"] = nlohmann::json::array();
+  for (const auto& [path, n] : set.file_tokens)
+    j["files"].push_back({{"path", path}, {"tokens", n}});
+  const std::string path = (fs::path(dir) / "manifest.json").string();
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  if (!out) throw std::runtime_error("cannot write '" + path + "'");
+}
+
+}  // namespace
+
+ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const Tokenizer& tokenizer,
+                             const TextShardOptions& o) {
+  if (o.out_dir.empty()) throw std::invalid_argument("tokenize_text_files: no output folder");
+  if (o.shard_tokens <= 0) {
+    throw std::invalid_argument("shard_tokens must be > 0, got " + std::to_string(o.shard_tokens));
+  }
+  if (!(o.eval_fraction >= 0.0 && o.eval_fraction < 1.0)) {
+    throw std::invalid_argument("eval_fraction must be in [0, 1), got " +
+                                std::to_string(o.eval_fraction));
+  }
+  if (text_files.empty()) throw std::invalid_argument("no text files to tokenize");
+  std::error_code ec;
+  fs::create_directories(o.out_dir, ec);
+  if (ec) throw std::runtime_error("cannot create folder '" + o.out_dir + "': " + ec.message());
+  // Earlier shards in this folder would mix with the new ones.
+  for (const auto& e : fs::directory_iterator(o.out_dir)) {
+    const std::string name = e.path().filename().string();
+    if ((name.rfind("train-", 0) == 0 || name.rfind("eval-", 0) == 0) &&
+        e.path().extension() == kShardExtension) {
+      fs::remove(e.path());
+    }
+  }
+
+  ShardSet set;
+  set.vocab_size = tokenizer.vocab_size();
+  const auto eot = o.end_of_text_between_files ? tokenizer.end_of_text_id() : std::nullopt;
+  RollingShardWriter train(o.out_dir, "train", o.shard_tokens, set.vocab_size);
+  for (const std::string& file : text_files) {
+    int64_t n = 0;
+    tokenize_file(file, tokenizer, [&](const std::vector<uint32_t>& ids) {
+      train.append(ids.data(), ids.size());
+      n += static_cast<int64_t>(ids.size());
+    });
+    if (eot) {
+      train.append(&*eot, 1);
+      ++n;
+    }
+    set.file_tokens.emplace_back(file, n);
+    set.train_tokens += n;
+  }
+  train.close();
+  set.train_shards = train.paths();
+  std::vector<int64_t> counts = train.counts();
+
+  if (o.eval_fraction > 0.0) {
+    const int64_t n_eval =
+        static_cast<int64_t>(static_cast<double>(set.train_tokens) * o.eval_fraction);
+    if (n_eval == 0 || n_eval >= set.train_tokens) {
+      throw std::runtime_error("the text holds " + std::to_string(set.train_tokens) +
+                               " tokens, too few to hold out eval_fraction " +
+                               std::to_string(o.eval_fraction));
+    }
+    // The last n_eval tokens, in order, as (shard, first token) ranges to the end of each shard.
+    std::vector<std::pair<size_t, int64_t>> tail;
+    int64_t need = n_eval;
+    for (size_t s = counts.size(); s-- > 0 && need > 0;) {
+      const int64_t take = std::min(need, counts[s]);
+      tail.emplace_back(s, counts[s] - take);
+      need -= take;
+    }
+    std::reverse(tail.begin(), tail.end());
+    RollingShardWriter eval(o.out_dir, "eval", o.shard_tokens, set.vocab_size);
+    std::vector<uint32_t> buf;
+    for (const auto& [s, first] : tail) {
+      auto shard = TokenShard::open(set.train_shards[s], false);
+      for (int64_t pos = first; pos < shard->size(); pos += 1 << 20) {
+        const int64_t m = std::min<int64_t>(1 << 20, shard->size() - pos);
+        buf.resize(static_cast<size_t>(m));
+        shard->read(pos, m, buf.data());
+        eval.append(buf.data(), buf.size());
+      }
+    }
+    eval.close();
+    const int width = shard_token_bytes(set.vocab_size);
+    for (const auto& [s, first] : tail) {
+      if (first == 0) {
+        fs::remove(set.train_shards[s]);
+      } else {
+        truncate_shard(set.train_shards[s], first, width);
+      }
+    }
+    set.train_shards.resize(tail.front().second == 0 ? tail.front().first : tail.front().first + 1);
+    set.eval_shards = eval.paths();
+    set.eval_tokens = n_eval;
+    set.train_tokens -= n_eval;
+  }
+  write_manifest(o.out_dir, set, tokenizer);
+  return set;
+}
+
+TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_files,
+                                           const std::string& tokenizer_spec,
+                                           const std::string& cache_dir) {
+  const std::vector<std::string> files = expand_data_paths(text_files, "data.text_files", nullptr);
+  const auto tokenizer = make_tokenizer(tokenizer_spec);
+
+  std::string key_text = "accel-text-shards-v1\n" + tokenizer->fingerprint() + "\n";
+  for (const std::string& f : files) {
+    std::error_code ec;
+    const auto size = fs::file_size(f, ec);
+    if (ec) throw std::runtime_error("data.text_files: cannot read '" + f + "': " + ec.message());
+    const auto mtime = fs::last_write_time(f, ec).time_since_epoch().count();
+    key_text += fs::absolute(f).string() + "\t" + std::to_string(size) + "\t" +
+                std::to_string(static_cast<long long>(mtime)) + "\n";
+  }
+  char key[17];
+  snprintf(key, sizeof(key), "%016llx", static_cast<unsigned long long>(fnv1a64(key_text)));
+  const fs::path dir = fs::path(cache_dir) / (std::string("text-") + key);
+
+  auto load = [&](bool built) {
+    const fs::path manifest = dir / "manifest.json";
+    std::ifstream in(manifest);
+    nlohmann::json j;
+    try {
+      in >> j;
+      TextCorpusShards out;
+      out.dir = dir.string();
+      out.built = built;
+      for (const auto& name : j.at("train_shards")) {
+        out.shards.push_back((dir / name.get<std::string>()).string());
+      }
+      out.tokens = j.at("train_tokens").get<int64_t>();
+      out.vocab_size = j.at("vocab_size").get<int64_t>();
+      return out;
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error("token cache '" + manifest.string() + "' is unreadable (" +
+                               e.what() + "); delete the folder '" + dir.string() +
+                               "' to rebuild it");
+    }
+  };
+  if (fs::exists(dir / "manifest.json")) return load(false);
+
+  std::error_code ec;
+  fs::create_directories(cache_dir, ec);
+  if (ec)
+    throw std::runtime_error("cannot create the data cache folder '" + cache_dir +
+                             "': " + ec.message());
+  const fs::path tmp =
+      fs::path(cache_dir) / (std::string("text-") + key + ".tmp-" + std::to_string(getpid()));
+  fs::remove_all(tmp, ec);
+  try {
+    TextShardOptions o;
+    o.out_dir = tmp.string();
+    tokenize_text_files(files, *tokenizer, o);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) {  // another process finished first; use its shards
+    fs::remove_all(tmp, ec);
+    if (!fs::exists(dir / "manifest.json")) {
+      throw std::runtime_error("cannot move the tokenized text into '" + dir.string() + "'");
+    }
+    return load(false);
+  }
+  return load(true);
+}
+
+}  // namespace accel

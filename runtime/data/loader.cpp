@@ -1,0 +1,419 @@
+#include "runtime/data/loader.h"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "runtime/data/corpus.h"
+#include "runtime/data/random.h"
+#include "runtime/data/shard.h"
+
+namespace accel {
+
+namespace fs = std::filesystem;
+
+void to_json(nlohmann::json& j, const DataPosition& p) {
+  j = nlohmann::json{{"epoch", p.epoch},
+                     {"samples_consumed", p.samples_consumed},
+                     {"num_samples", p.num_samples},
+                     {"seed", p.seed}};
+}
+
+void from_json(const nlohmann::json& j, DataPosition& p) {
+  if (!j.is_object()) {
+    throw std::runtime_error("data position: expected a JSON object, got " + j.dump());
+  }
+  auto get_int = [&](const char* key) -> int64_t {
+    if (!j.contains(key))
+      throw std::runtime_error(std::string("data position: missing key '") + key + "'");
+    const auto& v = j[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      throw std::runtime_error(std::string("data position: '") + key +
+                               "' must be a non-negative integer, got " + v.dump());
+    }
+    return v.get<int64_t>();
+  };
+  p.epoch = get_int("epoch");
+  p.samples_consumed = get_int("samples_consumed");
+  p.num_samples = get_int("num_samples");
+  if (!j.contains("seed") || !j["seed"].is_number_unsigned()) {
+    throw std::runtime_error("data position: missing or malformed key 'seed'");
+  }
+  p.seed = j["seed"].get<uint64_t>();
+}
+
+namespace {
+
+bool is_pattern(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+std::string join_paths(const std::vector<std::string>& paths) {
+  std::string out;
+  for (size_t i = 0; i < paths.size() && i < 3; ++i) out += (i ? ", " : "") + paths[i];
+  if (paths.size() > 3) out += ", ... (" + std::to_string(paths.size()) + " files)";
+  return out;
+}
+
+// Samples of seq_len + 1 tokens taken every seq_len tokens within each shard (so each token is a
+// target once); samples never span two shards.
+class SampleIndex {
+ public:
+  SampleIndex(const std::vector<std::string>& files, int64_t seq_len, bool validate,
+              int64_t model_vocab, const std::string& what)
+      : seq_len_(seq_len) {
+    first_sample_.push_back(0);
+    for (const std::string& f : files) {
+      auto shard = TokenShard::open(f, validate);
+      if (model_vocab > 0 && shard->vocab_size() > model_vocab) {
+        throw std::runtime_error(
+            "token shard '" + f + "' was made with a tokenizer of vocab_size " +
+            std::to_string(shard->vocab_size()) + ", more than the model's vocab_size " +
+            std::to_string(model_vocab) +
+            "; use the model's tokenizer or set model.vocab_size to at least " +
+            std::to_string(shard->vocab_size()));
+      }
+      vocab_size_ = std::max(vocab_size_, shard->vocab_size());
+      tokens_ += shard->size();
+      const int64_t n = shard->size() > seq_len ? (shard->size() - 1) / seq_len : 0;
+      first_sample_.push_back(first_sample_.back() + n);
+      shards_.push_back(std::move(shard));
+    }
+    if (num_samples() == 0) {
+      throw std::runtime_error(
+          what + " (" + join_paths(files) +
+          "): the corpus is smaller than one "
+          "sample: it holds " +
+          std::to_string(tokens_) +
+          " tokens, and one sample needs seq_len + 1 = " + std::to_string(seq_len + 1) +
+          " tokens within one shard; add data or lower training.seq_len");
+    }
+  }
+
+  int64_t num_samples() const { return first_sample_.back(); }
+  int64_t vocab_size() const { return vocab_size_; }
+  int64_t tokens() const { return tokens_; }
+  size_t num_shards() const { return shards_.size(); }
+
+  // Writes sample g as input (tokens [0, S)) and labels (tokens [1, S]).
+  void read(int64_t g, int64_t* input, int64_t* labels) const {
+    auto it = std::upper_bound(first_sample_.begin(), first_sample_.end(), g);
+    const size_t s = static_cast<size_t>(it - first_sample_.begin()) - 1;
+    const int64_t start = (g - first_sample_[s]) * seq_len_;
+    shards_[s]->read(start, seq_len_, input);
+    memcpy(labels, input + 1, static_cast<size_t>(seq_len_ - 1) * sizeof(int64_t));
+    labels[seq_len_ - 1] = shards_[s]->at(start + seq_len_);
+  }
+
+ private:
+  int64_t seq_len_;
+  std::vector<std::shared_ptr<const TokenShard>> shards_;
+  std::vector<int64_t> first_sample_;
+  int64_t vocab_size_ = 0;
+  int64_t tokens_ = 0;
+};
+
+void check_position(const DataPosition& p, int64_t num_samples, uint64_t seed,
+                    const std::string& what) {
+  if (p.num_samples != num_samples) {
+    throw std::runtime_error(
+        "cannot restore the " + what + " data position: it was saved for " +
+        std::to_string(p.num_samples) + " samples per epoch but the data now has " +
+        std::to_string(num_samples) +
+        " (the data files, seq_len or eval split changed); resume with the same data settings or "
+        "start a new run");
+  }
+  if (p.seed != seed) {
+    throw std::runtime_error("cannot restore the " + what +
+                             " data position: it was saved with seed " + std::to_string(p.seed) +
+                             " but the data seed is now " + std::to_string(seed) +
+                             "; resume with the same seed");
+  }
+  if (num_samples > 0 && p.samples_consumed > num_samples) {
+    throw std::runtime_error("cannot restore the " + what + " data position: samples_consumed " +
+                             std::to_string(p.samples_consumed) + " exceeds the " +
+                             std::to_string(num_samples) + " samples of an epoch");
+  }
+}
+
+Batch empty_batch(int64_t b, int64_t s) {
+  return {Tensor::empty({b, s}, DType::I64), Tensor::empty({b, s}, DType::I64)};
+}
+
+class ShardSource final : public BatchSource {
+ public:
+  ShardSource(std::shared_ptr<const SampleIndex> index, int64_t begin, int64_t end,
+              const DataOptions& o, bool shuffle, std::string what)
+      : index_(std::move(index)),
+        begin_(begin),
+        n_(end - begin),
+        seq_len_(o.seq_len),
+        batch_(o.micro_batch_size),
+        rank_(o.rank),
+        world_(o.world_size),
+        seed_(o.seed),
+        shuffle_(shuffle),
+        what_(std::move(what)) {
+    if (n_ < world_) {
+      throw std::runtime_error(what_ + ": only " + std::to_string(n_) +
+                               " samples of seq_len + 1 = " + std::to_string(seq_len_ + 1) +
+                               " tokens for " + std::to_string(world_) +
+                               " ranks; every rank needs at least one; add data or lower seq_len");
+    }
+    if (n_ > static_cast<int64_t>(UINT32_MAX)) {
+      throw std::runtime_error(what_ +
+                               ": more than 2^32 samples per epoch are not supported; "
+                               "raise seq_len");
+    }
+  }
+
+  Batch next() override {
+    Batch b = empty_batch(batch_, seq_len_);
+    int64_t* in = b.input_ids.data<int64_t>();
+    int64_t* lab = b.labels.data<int64_t>();
+    for (int64_t i = 0; i < batch_; ++i) {
+      if (consumed_ + world_ > n_) {  // too few left for every rank: next epoch
+        ++epoch_;
+        consumed_ = 0;
+      }
+      const int64_t k = consumed_ + rank_;
+      index_->read(begin_ + sample_at(k), in + i * seq_len_, lab + i * seq_len_);
+      consumed_ += world_;
+    }
+    return b;
+  }
+
+  DataPosition position() const override { return {epoch_, consumed_, n_, seed_}; }
+
+  void restore(const DataPosition& p) override {
+    check_position(p, n_, seed_, what_);
+    epoch_ = p.epoch;
+    consumed_ = p.samples_consumed;
+  }
+
+  int64_t batches_per_epoch() const override {
+    const int64_t per_rank = n_ / world_;
+    return (per_rank + batch_ - 1) / batch_;
+  }
+  int64_t vocab_size() const override { return index_->vocab_size(); }
+  std::string describe() const override {
+    std::ostringstream ss;
+    ss << what_ << ": " << n_ << " samples of " << seq_len_ + 1 << " tokens from "
+       << index_->num_shards() << " shard(s) (" << index_->tokens() << " tokens, vocab "
+       << index_->vocab_size() << "), " << batches_per_epoch() << " batches of " << batch_
+       << " per rank per epoch, " << (shuffle_ ? "shuffled" : "in order") << ", rank " << rank_
+       << "/" << world_;
+    return ss.str();
+  }
+
+ private:
+  int64_t sample_at(int64_t k) {
+    if (!shuffle_) return k;
+    if (order_epoch_ != epoch_) {
+      // Fisher-Yates from a generator seeded by (seed, epoch): the same order on every rank.
+      order_.resize(static_cast<size_t>(n_));
+      for (int64_t i = 0; i < n_; ++i) order_[i] = static_cast<uint32_t>(i);
+      DataRng rng(mix_seed(seed_, static_cast<uint64_t>(epoch_), 0x5348554646ull));
+      for (int64_t i = n_ - 1; i > 0; --i) {
+        const int64_t j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i + 1)));
+        std::swap(order_[i], order_[j]);
+      }
+      order_epoch_ = epoch_;
+    }
+    return order_[k];
+  }
+
+  std::shared_ptr<const SampleIndex> index_;
+  int64_t begin_, n_, seq_len_, batch_;
+  int rank_, world_;
+  uint64_t seed_;
+  bool shuffle_;
+  std::string what_;
+  int64_t epoch_ = 0, consumed_ = 0;
+  std::vector<uint32_t> order_;
+  int64_t order_epoch_ = -1;
+};
+
+// Uniform random tokens; sample g (counted over all ranks) depends only on (seed, g).
+class SyntheticSource final : public BatchSource {
+ public:
+  explicit SyntheticSource(const DataOptions& o)
+      : seq_len_(o.seq_len),
+        batch_(o.micro_batch_size),
+        vocab_(o.vocab_size),
+        rank_(o.rank),
+        world_(o.world_size),
+        seed_(o.seed) {
+    if (vocab_ <= 0) {
+      throw std::invalid_argument("data.source synthetic needs the model's vocab_size (> 0)");
+    }
+  }
+
+  Batch next() override {
+    Batch b = empty_batch(batch_, seq_len_);
+    int64_t* in = b.input_ids.data<int64_t>();
+    int64_t* lab = b.labels.data<int64_t>();
+    const uint64_t v = static_cast<uint64_t>(vocab_);
+    for (int64_t i = 0; i < batch_; ++i) {
+      DataRng rng(mix_seed(seed_, static_cast<uint64_t>(consumed_ + rank_), 0x53594e5448ull));
+      int64_t* row = in + i * seq_len_;
+      for (int64_t t = 0; t < seq_len_; ++t) row[t] = static_cast<int64_t>(rng.below(v));
+      memcpy(lab + i * seq_len_, row + 1, static_cast<size_t>(seq_len_ - 1) * sizeof(int64_t));
+      lab[i * seq_len_ + seq_len_ - 1] = static_cast<int64_t>(rng.below(v));
+      consumed_ += world_;
+    }
+    return b;
+  }
+  DataPosition position() const override { return {0, consumed_, 0, seed_}; }
+  void restore(const DataPosition& p) override {
+    check_position(p, 0, seed_, "synthetic");
+    consumed_ = p.samples_consumed;
+  }
+  int64_t batches_per_epoch() const override { return -1; }
+  int64_t vocab_size() const override { return vocab_; }
+  std::string describe() const override {
+    std::ostringstream ss;
+    ss << "synthetic: uniform random tokens < " << vocab_ << ", seed " << seed_ << ", batches of "
+       << batch_ << " x " << seq_len_ << ", rank " << rank_ << "/" << world_;
+    return ss.str();
+  }
+
+ private:
+  int64_t seq_len_, batch_, vocab_;
+  int rank_, world_;
+  uint64_t seed_;
+  int64_t consumed_ = 0;
+};
+
+void check_options(const DataOptions& o) {
+  auto bad = [](const std::string& what) { throw std::invalid_argument("data options: " + what); };
+  if (o.seq_len <= 0) bad("seq_len must be > 0, got " + std::to_string(o.seq_len));
+  if (o.micro_batch_size <= 0) {
+    bad("micro_batch_size must be > 0, got " + std::to_string(o.micro_batch_size));
+  }
+  if (o.world_size <= 0) bad("world_size must be > 0, got " + std::to_string(o.world_size));
+  if (o.rank < 0 || o.rank >= o.world_size) {
+    bad("rank " + std::to_string(o.rank) + " is outside [0, world_size " +
+        std::to_string(o.world_size) + ")");
+  }
+  if (!(o.eval_fraction >= 0.0 && o.eval_fraction < 1.0)) {
+    bad("data.eval_fraction must be in [0, 1), got " + std::to_string(o.eval_fraction));
+  }
+  if (o.vocab_size < 0) bad("vocab_size must be >= 0");
+}
+
+}  // namespace
+
+std::vector<std::string> expand_data_paths(const std::vector<std::string>& paths,
+                                           const std::string& what, const char* folder_extension) {
+  std::vector<std::string> out;
+  for (const std::string& p : paths) {
+    if (is_pattern(p)) {
+      glob_t g;
+      int rc = glob(p.c_str(), 0, nullptr, &g);
+      std::vector<std::string> matches;
+      if (rc == 0) {
+        for (size_t i = 0; i < g.gl_pathc; ++i) {
+          if (fs::is_regular_file(g.gl_pathv[i])) matches.emplace_back(g.gl_pathv[i]);
+        }
+      }
+      globfree(&g);
+      if (matches.empty()) throw std::runtime_error(what + ": '" + p + "' matches no file");
+      std::sort(matches.begin(), matches.end());
+      out.insert(out.end(), matches.begin(), matches.end());
+      continue;
+    }
+    std::error_code ec;
+    fs::file_status st = fs::status(p, ec);
+    if (ec || !fs::exists(st)) {
+      throw std::runtime_error(what + ": '" + p + "' does not exist");
+    }
+    if (fs::is_directory(st)) {
+      if (!folder_extension) {
+        throw std::runtime_error(what + ": '" + p +
+                                 "' is a folder; list the files or use a pattern such as '" + p +
+                                 "/*.txt'");
+      }
+      std::vector<std::string> found;
+      for (const auto& e : fs::directory_iterator(p)) {
+        const std::string name = e.path().filename().string();
+        const std::string ext = folder_extension;
+        if (e.is_regular_file() && name.size() > ext.size() &&
+            name.compare(name.size() - ext.size(), ext.size(), ext) == 0) {
+          found.push_back(e.path().string());
+        }
+      }
+      if (found.empty()) {
+        throw std::runtime_error(what + ": folder '" + p + "' holds no *" + folder_extension +
+                                 " files (make them with accel-data)");
+      }
+      std::sort(found.begin(), found.end());
+      out.insert(out.end(), found.begin(), found.end());
+      continue;
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
+DataSources make_data_sources(const DataOptions& o) {
+  check_options(o);
+  DataSources out;
+  if (o.source == "synthetic") {
+    out.train = std::make_unique<SyntheticSource>(o);
+    return out;
+  }
+  std::vector<std::string> files;
+  std::string what;
+  if (o.source == "shards") {
+    if (o.files.empty()) {
+      throw std::runtime_error(
+          "data.files is empty: list token shards (made by accel-data), or "
+          "use data.source text or synthetic");
+    }
+    files = expand_data_paths(o.files, "data.files", kShardExtension);
+    what = "data.files";
+  } else if (o.source == "text") {
+    if (o.text_files.empty()) throw std::runtime_error("data.source text needs data.text_files");
+    if (o.cache_dir.empty()) {
+      throw std::invalid_argument("data.source text needs a cache folder for the tokenized text");
+    }
+    files = ensure_text_corpus_shards(o.text_files, o.tokenizer, o.cache_dir).shards;
+    what = "data.text_files";
+  } else {
+    throw std::invalid_argument("data.source '" + o.source +
+                                "' is not one of: shards, text, synthetic");
+  }
+
+  auto index =
+      std::make_shared<const SampleIndex>(files, o.seq_len, o.validate_tokens, o.vocab_size, what);
+  const int64_t n = index->num_samples();
+  int64_t n_train = n;
+  if (o.eval_files.empty() && o.eval_fraction > 0.0) {
+    const int64_t n_eval =
+        std::max<int64_t>(o.world_size, static_cast<int64_t>(n * o.eval_fraction));
+    n_train = n - n_eval;
+    if (n_train < o.world_size) {
+      throw std::runtime_error(what + ": " + std::to_string(n) +
+                               " samples are too few to hold out " + std::to_string(n_eval) +
+                               " for eval (data.eval_fraction " + std::to_string(o.eval_fraction) +
+                               ") and keep one per rank for training; add data or lower "
+                               "eval_fraction / seq_len");
+    }
+    out.eval = std::make_unique<ShardSource>(index, n_train, n, o, false, what + " (eval split)");
+  }
+  out.train = std::make_unique<ShardSource>(index, 0, n_train, o, o.shuffle, what);
+  if (!o.eval_files.empty()) {
+    auto eval_files = expand_data_paths(o.eval_files, "data.eval_files", kShardExtension);
+    auto eval_index = std::make_shared<const SampleIndex>(eval_files, o.seq_len, o.validate_tokens,
+                                                          o.vocab_size, "data.eval_files");
+    out.eval = std::make_unique<ShardSource>(eval_index, 0, eval_index->num_samples(), o, false,
+                                             "data.eval_files");
+  }
+  return out;
+}
+
+}  // namespace accel

@@ -1,0 +1,100 @@
+// Batches for training and evaluation: token shards (or text tokenized on first use) cut into
+// samples of seq_len + 1 tokens, shuffled per epoch from a seed, split over ranks; or random
+// tokens.
+//
+// Labels follow the Hugging Face convention *after* the shift: `labels[b][t]` is the target of
+// position t, i.e. the token after `input_ids[b][t]`. A sample of seq_len + 1 tokens x gives
+// input_ids = x[0 .. S) and labels = x[1 .. S]. The model must not shift the labels again.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "runtime/tensor.h"
+
+namespace accel {
+
+struct Batch {
+  Tensor input_ids;  // [micro_batch_size, seq_len] int64, on the CPU
+  Tensor labels;     // [micro_batch_size, seq_len] int64: labels[b][t] = next token after t
+};
+
+// Where a stream is: `samples_consumed` entries of epoch `epoch`'s sample order have been taken
+// by all ranks together (each rank takes every world_size-th entry), so a position saved by one
+// world size resumes correctly under another. `num_samples` and `seed` identify the data the
+// position belongs to; restore() refuses a position from different data.
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t samples_consumed = 0;
+  int64_t num_samples = 0;  // samples per epoch; 0 for the synthetic source (endless)
+  uint64_t seed = 0;
+  bool operator==(const DataPosition& o) const {
+    return epoch == o.epoch && samples_consumed == o.samples_consumed &&
+           num_samples == o.num_samples && seed == o.seed;
+  }
+};
+// {"epoch": 0, "samples_consumed": 96, "num_samples": 1000, "seed": 1234}
+void to_json(nlohmann::json& j, const DataPosition& p);
+// Throws std::runtime_error naming the missing or malformed key.
+void from_json(const nlohmann::json& j, DataPosition& p);
+
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+  virtual Batch next() = 0;
+  // The position after the last batch returned by next().
+  virtual DataPosition position() const = 0;
+  virtual void restore(const DataPosition& p) = 0;
+  // Batches one rank needs to see every sample of an epoch once; -1 for endless sources.
+  virtual int64_t batches_per_epoch() const = 0;
+  virtual int64_t vocab_size() const = 0;    // tokens are < this
+  virtual std::string describe() const = 0;  // one line for the log
+};
+
+// What the trainer fills in from the `data:` config section.
+struct DataOptions {
+  std::string source = "shards";  // "shards" | "text" | "synthetic"
+  // shards: shard files, folders (every *.tok inside) or glob patterns, in this order.
+  std::vector<std::string> files;
+  // Held-out data: separate shard files (as `files`); when empty and eval_fraction > 0, the last
+  // eval_fraction of the samples of `files` (before shuffling) is held out.
+  std::vector<std::string> eval_files;
+  double eval_fraction = 0.0;
+  // text: UTF-8 text files (or glob patterns) tokenized at start, cached under cache_dir.
+  std::vector<std::string> text_files;
+  std::string tokenizer = "byte";  // "byte" or a tokenizer.json path
+  std::string cache_dir;           // e.g. "<output_dir>/data"
+
+  int64_t seq_len = 0;
+  int64_t micro_batch_size = 0;
+  // The model's vocabulary: every token must be < this (0 = do not check).
+  int64_t vocab_size = 0;
+  int rank = 0;
+  int world_size = 1;
+  uint64_t seed = 0;
+  bool shuffle = true;
+  bool validate_tokens = true;  // scan every token against the shard's vocab_size on open
+};
+
+struct DataSources {
+  std::unique_ptr<BatchSource> train;
+  std::unique_ptr<BatchSource> eval;  // null when there is no held-out data (and for synthetic)
+};
+
+// Builds the sources; every problem with the options or the files is a std::runtime_error (or
+// std::invalid_argument for impossible options) that names the file and says what to do. The eval
+// source goes over the held-out samples in order (no shuffling), split over ranks the same way.
+DataSources make_data_sources(const DataOptions& options);
+
+// Expands data paths in order: a pattern with * ? or [ gives its matches sorted by name; a folder
+// gives its files ending in `folder_extension` sorted by name (a folder is an error when
+// `folder_extension` is null); a file is itself. `what` names the option in errors
+// ("data.files"). Throws std::runtime_error when a path does not exist or a pattern matches
+// nothing.
+std::vector<std::string> expand_data_paths(const std::vector<std::string>& paths,
+                                           const std::string& what, const char* folder_extension);
+
+}  // namespace accel
