@@ -103,7 +103,8 @@ template <class Decode, class Encode>
 void check_midpoints(int max_code, int sign_bit, Decode decode, Encode encode, const char* name) {
   for (int c = 0; c < max_code; ++c) {
     const float a = decode(c), b = decode(c + 1);
-    const float mid = (a + b) / 2;  // exact: the formats have far fewer mantissa bits than float
+    const float mid =
+        a + (b - a) / 2;  // exact: the formats have far fewer mantissa bits than float
     ASSERT_EQ(static_cast<double>(mid), (static_cast<double>(a) + b) / 2) << name;
     const int even = (c % 2 == 0) ? c : c + 1;
     EXPECT_EQ(static_cast<int>(encode(mid)), even) << name << " midpoint of " << c;
@@ -165,7 +166,8 @@ TEST(Bf16, RoundToNearestEven) {
     ASSERT_EQ(f32_to_bf16(a), c);
     ASSERT_EQ(f32_to_bf16(-a), c | 0x8000);
     if (c + 1 < 0x7f80) {
-      const float mid = (a + bf16_to_f32(static_cast<uint16_t>(c + 1))) / 2;
+      // a + (b - a) / 2: a + b would overflow near the top of the range.
+      const float mid = a + (bf16_to_f32(static_cast<uint16_t>(c + 1)) - a) / 2;
       ASSERT_EQ(f32_to_bf16(mid), (c % 2 == 0) ? c : c + 1) << c;
     }
   }
