@@ -1,0 +1,178 @@
+// accel-train end to end, as a user runs it: exit codes, messages, outputs, resume.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "models/llama.h"
+#include "runtime/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result run(const std::string& args) {
+  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
+  int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("accel_train_test_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A tiny model on synthetic tokens: seconds per run.
+const char* kTinyConfig = R"(
+model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,
+        intermediate_size: 64, vocab_size: 64, max_position_embeddings: 64}
+training: {seed: 7, max_steps: 10, micro_batch_size: 4, seq_len: 16, log_every: 1, progress: plain,
+           device: cpu}
+optimizer: {lr: 0.01, warmup_steps: 2, lr_schedule: cosine}
+data: {source: synthetic}
+checkpoint: {every_steps: 5, keep_last: 0}
+)";
+
+fs::path write_config(const fs::path& dir, const std::string& text) {
+  fs::path p = dir / "config.yaml";
+  std::ofstream(p) << text;
+  return p;
+}
+
+std::vector<nlohmann::json> read_metrics(const fs::path& file) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(AccelTrain, TrainsWritesMetricsAndHfCheckpoint) {
+  fs::path d = temp_dir("basic");
+  fs::path cfg = write_config(d, kTinyConfig);
+  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto m = read_metrics(d / "out" / "metrics.jsonl");
+  ASSERT_EQ(m.size(), 11u);  // 10 steps + summary
+  for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes",
+                        "elapsed_s"})
+    EXPECT_TRUE(m[0].contains(k)) << k;
+  EXPECT_TRUE(m[0]["mfu"].is_null());  // no known peak on a CPU
+  EXPECT_TRUE(m.back()["summary"].get<bool>());
+  fs::path ck = d / "out" / "checkpoints" / "step_10";
+  ASSERT_TRUE(fs::exists(ck / "trainer_state.json"));
+  EXPECT_TRUE(fs::exists(ck / "config.yaml"));
+  // The checkpoint is a Hugging Face folder our own loader (and transformers) reads.
+  accel::LlamaConfig lc = accel::read_hf_llama_config((ck / "config.json").string());
+  accel::LlamaForCausalLM model(lc, accel::DType::F32, accel::Device::cpu(), 0);
+  accel::load_hf_weights(model, ck.string());
+  EXPECT_TRUE(fs::exists(d / "out" / "config.yaml"));
+}
+
+TEST(AccelTrain, ResumeReproducesTheUninterruptedRun) {
+  fs::path d = temp_dir("resume");
+  fs::path cfg = write_config(d, kTinyConfig);
+  Result full = run("--config " + cfg.string() + " --output-dir " + (d / "full").string());
+  ASSERT_EQ(full.code, 0) << full.output;
+  // An interrupted run: the same output folder as it was right after the step-5 checkpoint.
+  fs::create_directories(d / "cut" / "checkpoints");
+  fs::copy(d / "full" / "checkpoints" / "step_5", d / "cut" / "checkpoints" / "step_5",
+           fs::copy_options::recursive);
+  Result resumed = run("--config " + cfg.string() + " --output-dir " + (d / "cut").string() +
+                       " --resume auto");
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  auto a = read_metrics(d / "full" / "metrics.jsonl");
+  auto b = read_metrics(d / "cut" / "metrics.jsonl");
+  ASSERT_EQ(b.size(), 6u);  // steps 6..10 + summary
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(b[i]["step"], a[5 + i]["step"]);
+    EXPECT_EQ(b[i]["loss"].get<double>(), a[5 + i]["loss"].get<double>()) << "step " << b[i]["step"];
+  }
+  accel::SafetensorsReader wa((d / "full" / "checkpoints" / "step_10" / "model.safetensors").string());
+  accel::SafetensorsReader wb((d / "cut" / "checkpoints" / "step_10" / "model.safetensors").string());
+  for (const std::string& n : wa.names())
+    EXPECT_EQ(wa.load(n).to_vector(), wb.load(n).to_vector()) << n;
+}
+
+TEST(AccelTrain, UnknownKeyIsAConfigErrorWithSuggestion) {
+  fs::path d = temp_dir("badkey");
+  fs::path cfg = write_config(d, std::string(kTinyConfig) + "\nlogging: {metrics_fle: x.jsonl}\n");
+  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("logging.metrics_fle"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("metrics_file"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(cfg.string()), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(d / "out"));
+}
+
+TEST(AccelTrain, RefusesAnOutputFolderHoldingAnotherRun) {
+  fs::path d = temp_dir("occupied");
+  fs::path cfg = write_config(d, kTinyConfig);
+  fs::create_directories(d / "out");
+  std::ofstream(d / "out" / "metrics.jsonl") << "{\"step\": 1}\n";
+  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                 " --set training.max_steps=1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("already holds another run"), std::string::npos) << r.output;
+  std::ifstream in(d / "out" / "metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "{\"step\": 1}");  // untouched
+}
+
+TEST(AccelTrain, MissingDataFileNamesTheFile) {
+  fs::path d = temp_dir("nodata");
+  fs::path cfg = write_config(d, kTinyConfig);
+  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                 " --set data.source=shards --set data.train_path=/nonexistent/train.tok");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("/nonexistent/train.tok"), std::string::npos) << r.output;
+}
+
+TEST(AccelTrain, InitFromCheckpointWithWrongShapesNamesTensorAndShapes) {
+  fs::path d = temp_dir("initfrom");
+  fs::path cfg = write_config(d, kTinyConfig);
+  Result first = run("--config " + cfg.string() + " --output-dir " + (d / "a").string() +
+                     " --set training.max_steps=1");
+  ASSERT_EQ(first.code, 0) << first.output;
+  // A folder whose config.json promises a wider MLP than its weights have.
+  fs::path bad = d / "bad";
+  fs::copy(d / "a" / "checkpoints" / "step_1", bad, fs::copy_options::recursive);
+  accel::LlamaConfig lc = accel::read_hf_llama_config((bad / "config.json").string());
+  lc.intermediate_size = 48;
+  accel::write_hf_llama_config(lc, (bad / "config.json").string());
+  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "b").string() +
+                 " --set model.init_from=" + bad.string());
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("model.layers.0.mlp.gate_proj.weight"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[64, 32]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[48, 32]"), std::string::npos) << r.output;
+}
+
+TEST(AccelTrain, PrintConfigPrintsEffectiveYaml) {
+  fs::path d = temp_dir("print");
+  fs::path cfg = write_config(d, kTinyConfig);
+  Result r = run("--config " + cfg.string() + " --print-config --set training.max_steps=77");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("max_steps: 77"), std::string::npos) << r.output;
+}
+
+}  // namespace
