@@ -376,10 +376,6 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
   }
   Tensor dout = grad_out.is_contiguous() ? grad_out : grad_out.clone();
   DeviceBuffer delta(static_cast<size_t>(p.b * p.hq * p.sq) * sizeof(float));
-  if (!g_force_generic &&
-      attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse, delta.as<float>(),
-                             sc.stream))
-    return;
   dispatch_float(q.dtype(), "attention", [&](auto t) {
     using T = decltype(t);
     const int64_t rows = p.b * p.hq * p.sq;
@@ -387,6 +383,13 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
         p, delta.as<float>(), static_cast<const T*>(dout.data_ptr()),
         static_cast<const T*>(out.data_ptr()));
     ACCEL_CUDA_CHECK_LAUNCH("attention_backward (delta)");
+  });
+  if (!g_force_generic &&
+      attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse, delta.as<float>(),
+                             sc.stream))
+    return;
+  dispatch_float(q.dtype(), "attention", [&](auto t) {
+    using T = decltype(t);
     const size_t smem_q = (2 * kTile * (p.d + 1) + 2 * kRows * p.d) * sizeof(float);
     set_smem(attn_bwd_dq_generic<T>, smem_q);
     dim3 grid_q(static_cast<unsigned>((p.sq + kRows - 1) / kRows), static_cast<unsigned>(p.hq),
