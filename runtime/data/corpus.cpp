@@ -137,9 +137,9 @@ void write_manifest(const std::string& dir, const ShardSet& set, const Tokenizer
   j["tokenizer"] = tok.description();
   j["tokenizer_fingerprint"] = tok.fingerprint();
   j["vocab_size"] = set.vocab_size;
-  auto names = [](const std::vector<std::string>& paths) {
+  auto names = [&](const std::vector<std::string>& paths) {  // relative to the manifest
     std::vector<std::string> out;
-    for (const auto& p : paths) out.push_back(fs::path(p).filename().string());
+    for (const auto& p : paths) out.push_back(fs::path(p).lexically_relative(dir).string());
     return out;
   };
   j["train_shards"] = names(set.train_shards);
@@ -171,19 +171,25 @@ ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const T
   std::error_code ec;
   fs::create_directories(o.out_dir, ec);
   if (ec) throw std::runtime_error("cannot create folder '" + o.out_dir + "': " + ec.message());
-  // Earlier shards in this folder would mix with the new ones.
-  for (const auto& e : fs::directory_iterator(o.out_dir)) {
-    const std::string name = e.path().filename().string();
-    if ((name.rfind("train-", 0) == 0 || name.rfind("eval-", 0) == 0) &&
-        e.path().extension() == kShardExtension) {
-      fs::remove(e.path());
+  // Earlier shards in these folders would mix with the new ones.
+  const std::string train_dir = (fs::path(o.out_dir) / "train").string();
+  const std::string eval_dir = (fs::path(o.out_dir) / "eval").string();
+  for (const std::string& d : {train_dir, eval_dir}) {
+    fs::create_directories(d, ec);
+    if (ec) throw std::runtime_error("cannot create folder '" + d + "': " + ec.message());
+    for (const auto& e : fs::directory_iterator(d)) {
+      const std::string name = e.path().filename().string();
+      if ((name.rfind("train-", 0) == 0 || name.rfind("eval-", 0) == 0) &&
+          e.path().extension() == kShardExtension) {
+        fs::remove(e.path());
+      }
     }
   }
 
   ShardSet set;
   set.vocab_size = tokenizer.vocab_size();
   const auto eot = o.end_of_text_between_files ? tokenizer.end_of_text_id() : std::nullopt;
-  RollingShardWriter train(o.out_dir, "train", o.shard_tokens, set.vocab_size);
+  RollingShardWriter train(train_dir, "train", o.shard_tokens, set.vocab_size);
   for (const std::string& file : text_files) {
     int64_t n = 0;
     tokenize_file(file, tokenizer, [&](const std::vector<uint32_t>& ids) {
@@ -218,7 +224,7 @@ ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const T
       need -= take;
     }
     std::reverse(tail.begin(), tail.end());
-    RollingShardWriter eval(o.out_dir, "eval", o.shard_tokens, set.vocab_size);
+    RollingShardWriter eval(eval_dir, "eval", o.shard_tokens, set.vocab_size);
     std::vector<uint32_t> buf;
     for (const auto& [s, first] : tail) {
       auto shard = TokenShard::open(set.train_shards[s], false);

@@ -28,8 +28,9 @@ struct ShardSet {
 };
 
 // Tokenizes the files (in order; each is read in pieces, so size is not limited by memory) into
-// out_dir/train-00000.tok, ... and, with eval_fraction > 0, out_dir/eval-00000.tok, ...; writes
-// out_dir/manifest.json describing them. Throws std::runtime_error naming the file on errors.
+// out_dir/train/train-00000.tok, ... and, with eval_fraction > 0, out_dir/eval/eval-00000.tok,
+// ...; writes out_dir/manifest.json describing them. Shards left in those folders by an earlier
+// run are removed first. Throws std::runtime_error naming the file on errors.
 ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const Tokenizer& tokenizer,
                              const TextShardOptions& options);
 

@@ -67,15 +67,18 @@ TEST(Corpus, ByteShardsWithEvalSplitAndRolling) {
   EXPECT_EQ(joined, a + b);
   // Exactly the files listed, nothing left from the split.
   size_t tok_files = 0;
-  for (const auto& e : std::filesystem::directory_iterator(o.out_dir)) {
+  for (const auto& e : std::filesystem::recursive_directory_iterator(o.out_dir)) {
     tok_files += e.path().extension() == ".tok";
     EXPECT_NE(e.path().extension(), ".tmp");
   }
+  EXPECT_EQ(set.train_shards[0], o.out_dir + "/train/train-00000.tok");
+  EXPECT_EQ(set.eval_shards[0], o.out_dir + "/eval/eval-00000.tok");
   EXPECT_EQ(tok_files, set.train_shards.size() + set.eval_shards.size());
   std::ifstream in(o.out_dir + "/manifest.json");
   auto manifest = nlohmann::json::parse(in);
   EXPECT_EQ(manifest["train_tokens"], set.train_tokens);
   EXPECT_EQ(manifest["eval_shards"].size(), set.eval_shards.size());
+  EXPECT_EQ(manifest["train_shards"][0], "train/train-00000.tok");
   EXPECT_EQ(manifest["tokenizer"], "byte-level (vocab 256)");
 
   // A second run into the same folder replaces the shards.
@@ -85,7 +88,7 @@ TEST(Corpus, ByteShardsWithEvalSplitAndRolling) {
   EXPECT_EQ(set.train_shards.size(), 1u);
   EXPECT_TRUE(set.eval_shards.empty());
   tok_files = 0;
-  for (const auto& e : std::filesystem::directory_iterator(o.out_dir)) {
+  for (const auto& e : std::filesystem::recursive_directory_iterator(o.out_dir)) {
     tok_files += e.path().extension() == ".tok";
   }
   EXPECT_EQ(tok_files, 1u);
