@@ -47,6 +47,7 @@ TEST_STRINGS = [
     "Ünïcödé: Ελληνικά, русский, עברית, العربية, हिन्दी, 한국어, ไทย",
     "emoji 🙂🙃😀 👍🏽 🇫🇷 family: 👨‍👩‍👧",
     "non-breaking\u00a0space, ideographic\u3000space, em\u2003space, zero\u200bwidth",
+    "next\u0085line  \u0085 x \u3000\u0085y bom\ufeffz \ufeff w",
     "fractions ½ ¾ superscripts ² ³ roman Ⅻ circled ①②",
     "ſome long s 'ſ and KELVIN \u212a",
     "mixed123abc 123abc abc123 a1b2c3",
