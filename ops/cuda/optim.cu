@@ -32,6 +32,40 @@ __global__ void adamw_kernel(TP* __restrict__ p, const TG* __restrict__ g, TP* _
   }
 }
 
+// Up to kMultiMax tensors per launch; blockIdx.y picks the tensor, blocks grid-stride over it.
+constexpr int kMultiMax = 24;
+template <class TP, class TG>
+struct AdamMulti {
+  TP* p[kMultiMax];
+  const TG* g[kMultiMax];
+  TP* m[kMultiMax];
+  TP* v[kMultiMax];
+  int64_t n[kMultiMax];
+};
+
+template <class TP, class TG>
+__global__ void adamw_multi_kernel(AdamMulti<TP, TG> a, AdamScalars s) {
+  const int t = blockIdx.y;
+  TP* __restrict__ p = a.p[t];
+  const TG* __restrict__ g = a.g[t];
+  TP* __restrict__ m = a.m[t];
+  TP* __restrict__ v = a.v[t];
+  const int64_t n = a.n[t];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float gr = to_f(g[i]) * s.grad_scale;
+    float mi = to_f(m[i]), vi = to_f(v[i]), pi = to_f(p[i]);
+    pi *= s.decay;
+    mi += (1.0f - s.beta1) * (gr - mi);
+    vi = s.beta2 * vi + (1.0f - s.beta2) * gr * gr;
+    const float denom = sqrtf(vi) * s.inv_bias2_sqrt + s.eps;
+    pi -= s.step_size * mi / denom;
+    p[i] = from_f<TP>(pi);
+    m[i] = from_f<TP>(mi);
+    v[i] = from_f<TP>(vi);
+  }
+}
+
 template <class TP, class TG>
 __global__ void sgd_kernel(TP* __restrict__ p, const TG* __restrict__ g, TP* __restrict__ buf,
                            int64_t n, float lr, float momentum, float wd, float grad_scale) {
@@ -154,7 +188,40 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
   const AdamScalars s = adam_scalars(p, grad_scale);
   for (size_t i = 0; i < params.size(); ++i) {
     check_state("adamw_step", params[i], grads[i], {&ms[i], &vs[i]});
-    launch_adamw(params[i], grads[i], ms[i], vs[i], s, sc.stream);
+    require(params[i].device() == params[0].device(), "adamw_step", "tensors on different devices");
+  }
+  // Group tensors by (param dtype, grad dtype); each group goes in launches of kMultiMax.
+  std::vector<bool> done(params.size(), false);
+  for (size_t first = 0; first < params.size(); ++first) {
+    if (done[first]) continue;
+    const DType tp = params[first].dtype(), tg = grads[first].dtype();
+    std::vector<size_t> group;
+    for (size_t i = first; i < params.size(); ++i)
+      if (!done[i] && params[i].dtype() == tp && grads[i].dtype() == tg) {
+        done[i] = true;
+        if (params[i].numel() > 0) group.push_back(i);
+      }
+    dispatch_param_grad(tp, tg, "adamw_step", [&](auto tpv, auto tgv) {
+      using TP = decltype(tpv);
+      using TG = decltype(tgv);
+      for (size_t b = 0; b < group.size(); b += kMultiMax) {
+        AdamMulti<TP, TG> a{};
+        int count = 0;
+        int64_t largest = 0;
+        for (size_t k = b; k < group.size() && count < kMultiMax; ++k, ++count) {
+          const size_t i = group[k];
+          a.p[count] = static_cast<TP*>(params[i].data_ptr());
+          a.g[count] = static_cast<const TG*>(grads[i].data_ptr());
+          a.m[count] = static_cast<TP*>(ms[i].data_ptr());
+          a.v[count] = static_cast<TP*>(vs[i].data_ptr());
+          a.n[count] = params[i].numel();
+          largest = std::max(largest, a.n[count]);
+        }
+        const int bx = static_cast<int>(std::min<int64_t>((largest + 255) / 256, sm_count() * 8));
+        adamw_multi_kernel<TP, TG><<<dim3(bx, count), 256, 0, sc.stream>>>(a, s);
+        ACCEL_CUDA_CHECK_LAUNCH("adamw_step_multi");
+      }
+    });
   }
 }
 }  // namespace cuda

@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include "tests/cuda/cuda_test_util.h"
+#ifdef ACCEL_WITH_CUDA
+#include "ops/cuda/cuda_backend.h"
+#endif
 
 namespace accel {
 namespace {
@@ -106,6 +109,35 @@ TEST(CudaOptim, AdamWMatchesCpu) {
     expect_close(vg, v, 1e-5, 1e-9, "adamw v");
   }
 }
+
+#ifdef ACCEL_WITH_CUDA
+TEST(CudaOptim, AdamWMultiTensorMatchesPerTensorCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<Tensor> p, g, m, v, pg, gg, mg, vg;
+  for (int i = 0; i < 30; ++i) {  // more than one launch's worth, two grad dtypes
+    const int64_t n = 1 + (i * 7919) % 5000;
+    const DType gt = i % 3 == 0 ? DType::BF16 : DType::F32;
+    p.push_back(random_tensor({n}, DType::F32, rng));
+    g.push_back(random_tensor({n}, gt, rng));
+    m.push_back(random_tensor({n}, DType::F32, rng, -0.1, 0.1));
+    v.push_back(random_tensor({n}, DType::F32, rng, 0.0, 0.01));
+    pg.push_back(p.back().to(gpu()));
+    gg.push_back(g.back().to(gpu()));
+    mg.push_back(m.back().to(gpu()));
+    vg.push_back(v.back().to(gpu()));
+  }
+  AdamWParams hp{1e-3, 0.9, 0.95, 1e-8, 0.1, 4};
+  for (size_t i = 0; i < p.size(); ++i) cpu_backend().adamw_step(p[i], g[i], m[i], v[i], hp, 0.7);
+  cuda::adamw_step_multi(pg, gg, mg, vg, hp, 0.7);
+  for (size_t i = 0; i < p.size(); ++i) {
+    expect_close(pg[i], p[i], 1e-5, 1e-6, "adamw multi param " + std::to_string(i));
+    expect_close(vg[i], v[i], 1e-5, 1e-9, "adamw multi v " + std::to_string(i));
+  }
+}
+#endif
 
 TEST(CudaOptim, SgdMatchesCpu) {
   ACCEL_SKIP_WITHOUT_CUDA();
