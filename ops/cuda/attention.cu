@@ -23,9 +23,9 @@ namespace {
 
 bool g_force_generic = false;
 
-constexpr int kRows = 4;    // warps (rows) per block
-constexpr int kTile = 32;   // columns per shared-memory tile
-constexpr int kMaxT = 8;    // head dim up to 32 * kMaxT
+constexpr int kRows = 4;   // warps (rows) per block
+constexpr int kTile = 32;  // columns per shared-memory tile
+constexpr int kMaxT = 8;   // head dim up to 32 * kMaxT
 
 __device__ __forceinline__ int64_t visible_keys(const AttnParams& p, int64_t i) {
   if (!p.causal) return p.sk;
@@ -50,9 +50,9 @@ __global__ void attn_fwd_generic(AttnParams p, T* __restrict__ out, float* __res
                                  const T* __restrict__ v) {
   extern __shared__ float smem[];
   const int d = p.d, ld = d + 1;
-  float* ks = smem;                   // [kTile][ld]
-  float* vs = ks + kTile * ld;        // [kTile][ld]
-  float* qs = vs + kTile * ld;        // [kRows][d]
+  float* ks = smem;             // [kTile][ld]
+  float* vs = ks + kTile * ld;  // [kTile][ld]
+  float* qs = vs + kTile * ld;  // [kRows][d]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
   const int64_t i0 = int64_t(blockIdx.x) * kRows, i = i0 + warp;
@@ -133,8 +133,8 @@ __global__ void attn_bwd_dq_generic(AttnParams p, T* __restrict__ dq, const T* _
   const int d = p.d, ld = d + 1;
   float* ks = smem;
   float* vs = ks + kTile * ld;
-  float* qs = vs + kTile * ld;     // [kRows][d]
-  float* dos = qs + kRows * d;     // [kRows][d]
+  float* qs = vs + kTile * ld;  // [kRows][d]
+  float* dos = qs + kRows * d;  // [kRows][d]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
   const int64_t i0 = int64_t(blockIdx.x) * kRows, i = i0 + warp;
@@ -292,18 +292,19 @@ void check_attention(const char* op, const Tensor& out, const Tensor& lse, const
   require_cuda(v, op, "v");
   require(q.dim() == 4 && k.dim() == 4 && k.shape() == v.shape() && q.shape()[0] == k.shape()[0] &&
               q.shape()[3] == k.shape()[3] && k.shape()[2] > 0 &&
-              q.shape()[2] % k.shape()[2] == 0 && out.shape() == q.shape() &&
-              q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
-              out.is_contiguous() && lse.is_contiguous() && lse.dtype() == DType::F32 &&
+              q.shape()[2] % k.shape()[2] == 0 && out.shape() == q.shape() && q.is_contiguous() &&
+              k.is_contiguous() && v.is_contiguous() && out.is_contiguous() &&
+              lse.is_contiguous() && lse.dtype() == DType::F32 &&
               lse.shape() == Shape{q.shape()[0], q.shape()[2], q.shape()[1]},
-          op, "got q " + q.str() + ", k " + k.str() + ", v " + v.str() + ", out " + out.str() +
-                  ", lse " + lse.str());
+          op,
+          "got q " + q.str() + ", k " + k.str() + ", v " + v.str() + ", out " + out.str() +
+              ", lse " + lse.str());
   require(k.dtype() == q.dtype() && v.dtype() == q.dtype() && out.dtype() == q.dtype(), op,
           "q, k, v and out must share a dtype");
   if (q.shape()[3] > 32 * kMaxT)
-    throw std::invalid_argument(std::string("[") + op + "] the CUDA kernels support head dims up to " +
-                                std::to_string(32 * kMaxT) + ", got " +
-                                std::to_string(q.shape()[3]));
+    throw std::invalid_argument(
+        std::string("[") + op + "] the CUDA kernels support head dims up to " +
+        std::to_string(32 * kMaxT) + ", got " + std::to_string(q.shape()[3]));
 }
 
 template <class K>
@@ -384,9 +385,8 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
         static_cast<const T*>(out.data_ptr()));
     ACCEL_CUDA_CHECK_LAUNCH("attention_backward (delta)");
   });
-  if (!g_force_generic &&
-      attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse, delta.as<float>(),
-                             sc.stream))
+  if (!g_force_generic && attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse,
+                                                 delta.as<float>(), sc.stream))
     return;
   dispatch_float(q.dtype(), "attention", [&](auto t) {
     using T = decltype(t);
@@ -400,8 +400,7 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
         static_cast<const T*>(dout.data_ptr()), static_cast<const float*>(lse.data_ptr()),
         delta.as<float>());
     ACCEL_CUDA_CHECK_LAUNCH("attention_backward (dq)");
-    const size_t smem_kv =
-        (2 * kTile * (p.d + 1) + 2 * kRows * p.d + 2 * kTile) * sizeof(float);
+    const size_t smem_kv = (2 * kTile * (p.d + 1) + 2 * kRows * p.d + 2 * kTile) * sizeof(float);
     set_smem(attn_bwd_dkv_generic<T>, smem_kv);
     dim3 grid_kv(static_cast<unsigned>((p.sk + kRows - 1) / kRows), static_cast<unsigned>(p.hkv),
                  static_cast<unsigned>(p.b));

@@ -94,9 +94,9 @@ template <class T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_fwd_mma(AttnParams p, T* __restrict__ out, float* __restrict__ lse,
                  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v) {
-  constexpr int KD = D / 16;    // k-steps over the head dim
-  constexpr int NB = kBc / 8;   // 8-key blocks per tile
-  constexpr int ND = D / 8;     // 8-dim blocks of the output
+  constexpr int KD = D / 16;   // k-steps over the head dim
+  constexpr int NB = kBc / 8;  // 8-key blocks per tile
+  constexpr int ND = D / 8;    // 8-dim blocks of the output
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* qs = reinterpret_cast<T*>(smem_raw);
   T* kv = qs + kBr * D;  // [2 buffers][K tile, V tile]
@@ -168,8 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     // Scale into the exp2 domain and mask.
     const int64_t j0 = int64_t(t) * kBc;
-    const bool need_mask =
-        j0 + kBc > p.sk || (p.causal && j0 + kBc > i0 + 1 + (p.sk - p.sq));
+    const bool need_mask = j0 + kBc > p.sk || (p.causal && j0 + kBc > i0 + 1 + (p.sk - p.sq));
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -270,9 +269,8 @@ void launch_fwd(const AttnParams& p, const Tensor& out, const Tensor& lse, const
   const size_t smem = (kBr + 4 * kBc) * D * sizeof(T);
   static bool attr_set = false;  // per instantiation; the limit is per device but the same here
   if (!attr_set) {
-    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_mma<T, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
+    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(
+        attn_fwd_mma<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     attr_set = true;
   }
   dim3 grid(static_cast<unsigned>((p.sq + kBr - 1) / kBr), static_cast<unsigned>(p.hq),
@@ -284,10 +282,11 @@ void launch_fwd(const AttnParams& p, const Tensor& out, const Tensor& lse, const
   ACCEL_CUDA_CHECK_LAUNCH("attention (tensor cores)");
 }
 
-// ---- backward -------------------------------------------------------------------------------------
-// Two kernels, no atomics: dQ walks key tiles for a block of 64 query rows; dK/dV walks query tiles
-// (of every q head of the group) for a block of 64 keys. Both recompute P from the saved lse;
-// delta = rowsum(dO * O) is computed beforehand.
+// ---- backward
+// ------------------------------------------------------------------------------------- Two
+// kernels, no atomics: dQ walks key tiles for a block of 64 query rows; dK/dV walks query tiles (of
+// every q head of the group) for a block of 64 keys. Both recompute P from the saved lse; delta =
+// rowsum(dO * O) is computed beforehand.
 
 // c[16 x 64] = A[16 rows from a_row0 of a_tile] x B^T where b_tile holds 64 rows of D.
 template <class T, int D>
@@ -425,15 +424,14 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <class T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
-    attn_bwd_dkv_mma(AttnParams p, T* __restrict__ dk, T* __restrict__ dv,
-                     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const T* __restrict__ dout, const float* __restrict__ lse,
-                     const float* __restrict__ delta) {
+    attn_bwd_dkv_mma(AttnParams p, T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ q,
+                     const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
+                     const float* __restrict__ lse, const float* __restrict__ delta) {
   constexpr int NB = kBr / 8;  // query columns per tile / 8
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* ks = reinterpret_cast<T*>(smem_raw);
   T* vs = ks + kBc * D;
-  T* qd = vs + kBc * D;  // [2][Q tile, dO tile]
+  T* qd = vs + kBc * D;                                       // [2][Q tile, dO tile]
   float* stats = reinterpret_cast<float*>(qd + 4 * kBr * D);  // [2][lse2 64, delta 64]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.z, hk = blockIdx.y;
@@ -486,8 +484,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float* dl = lse2 + kBr;
     const int64_t i0 = i_start + int64_t(it % n_qt) * kBr;
     float s[NB][4], dp[NB][4];
-    mm_abt<T, D>(s, ks, warp * 16, qs, lane);   // S^T: keys x queries
-    mm_abt<T, D>(dp, vs, warp * 16, dos, lane); // dP^T
+    mm_abt<T, D>(s, ks, warp * 16, qs, lane);    // S^T: keys x queries
+    mm_abt<T, D>(dp, vs, warp * 16, dos, lane);  // dP^T
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -582,7 +580,8 @@ bool attention_backward_mma(const AttnParams& p, const Tensor& grad_q, const Ten
     if (p.d == 64)
       launch_bwd<__nv_bfloat16, 64>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
     else
-      launch_bwd<__nv_bfloat16, 128>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
+      launch_bwd<__nv_bfloat16, 128>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta,
+                                     stream);
   } else {
     if (p.d == 64)
       launch_bwd<__half, 64>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);

@@ -16,10 +16,17 @@ namespace accel::cuda {
 template <class F>
 void dispatch_float(DType t, const char* op, F&& f) {
   switch (t) {
-    case DType::F32: f(float{}); break;
-    case DType::BF16: f(__nv_bfloat16{}); break;
-    case DType::F16: f(__half{}); break;
-    default: unsupported_dtype(op, t);
+    case DType::F32:
+      f(float{});
+      break;
+    case DType::BF16:
+      f(__nv_bfloat16{});
+      break;
+    case DType::F16:
+      f(__half{});
+      break;
+    default:
+      unsupported_dtype(op, t);
   }
 }
 
@@ -29,8 +36,8 @@ inline void require(bool ok, const char* op, const std::string& msg) {
 
 inline void require_cuda(const Tensor& t, const char* op, const char* what) {
   if (t.defined() && !t.device().is_cuda())
-    throw std::invalid_argument(std::string("[") + op + "] " + what + " is on " +
-                                t.device().str() + ", not a CUDA device");
+    throw std::invalid_argument(std::string("[") + op + "] " + what + " is on " + t.device().str() +
+                                ", not a CUDA device");
 }
 
 // Sets the device of `t` current for the scope of a backend call.

@@ -27,20 +27,30 @@ struct UnaryF {
   template <class C>
   __device__ __forceinline__ C operator()(C v) const {
     switch (op) {
-      case UnaryOp::Neg: return -v;
-      case UnaryOp::Exp: return d_exp(v);
-      case UnaryOp::Log: return d_log(v);
-      case UnaryOp::Sqrt: return d_sqrt(v);
-      case UnaryOp::Rsqrt: return C(1) / d_sqrt(v);
-      case UnaryOp::Abs: return v < C(0) ? -v : v;
-      case UnaryOp::Sigmoid: return C(1) / (C(1) + d_exp(-v));
-      case UnaryOp::Silu: return v * (C(1) / (C(1) + d_exp(-v)));
+      case UnaryOp::Neg:
+        return -v;
+      case UnaryOp::Exp:
+        return d_exp(v);
+      case UnaryOp::Log:
+        return d_log(v);
+      case UnaryOp::Sqrt:
+        return d_sqrt(v);
+      case UnaryOp::Rsqrt:
+        return C(1) / d_sqrt(v);
+      case UnaryOp::Abs:
+        return v < C(0) ? -v : v;
+      case UnaryOp::Sigmoid:
+        return C(1) / (C(1) + d_exp(-v));
+      case UnaryOp::Silu:
+        return v * (C(1) / (C(1) + d_exp(-v)));
       case UnaryOp::Gelu: {
         const C k0 = C(0.7978845608028654), k1 = C(0.044715);
         return C(0.5) * v * (C(1) + d_tanh(k0 * (v + k1 * v * v * v)));
       }
-      case UnaryOp::Tanh: return d_tanh(v);
-      case UnaryOp::Square: return v * v;
+      case UnaryOp::Tanh:
+        return d_tanh(v);
+      case UnaryOp::Square:
+        return v * v;
     }
     return v;
   }
@@ -54,8 +64,10 @@ struct ScalarF {
   __device__ __forceinline__ C operator()(C v) const {
     const C c = static_cast<C>(s);
     switch (kind) {
-      case ScalarKind::Add: return v + c;
-      case ScalarKind::Mul: return v * c;
+      case ScalarKind::Add:
+        return v + c;
+      case ScalarKind::Mul:
+        return v * c;
       case ScalarKind::Pow:
         if (s == 2.0) return v * v;
         if (s == 1.0) return v;
@@ -71,13 +83,20 @@ struct BinaryF {
   template <class C>
   __device__ __forceinline__ C operator()(C x, C y) const {
     switch (op) {
-      case BinaryOp::Add: return x + y;
-      case BinaryOp::Sub: return x - y;
-      case BinaryOp::Mul: return x * y;
-      case BinaryOp::Div: return x / y;
-      case BinaryOp::Maximum: return (x != x || x > y) ? x : y;
-      case BinaryOp::Greater: return x > y ? C(1) : C(0);
-      case BinaryOp::Equal: return x == y ? C(1) : C(0);
+      case BinaryOp::Add:
+        return x + y;
+      case BinaryOp::Sub:
+        return x - y;
+      case BinaryOp::Mul:
+        return x * y;
+      case BinaryOp::Div:
+        return x / y;
+      case BinaryOp::Maximum:
+        return (x != x || x > y) ? x : y;
+      case BinaryOp::Greater:
+        return x > y ? C(1) : C(0);
+      case BinaryOp::Equal:
+        return x == y ? C(1) : C(0);
     }
     return x;
   }
@@ -94,7 +113,9 @@ template <>
 __device__ __forceinline__ double load_c<double>(const void* p, DType t, int64_t i) {
   return load_as_double(p, t, i);
 }
-__device__ __forceinline__ void store_c(void* p, DType t, int64_t i, float v) { store_f(p, t, i, v); }
+__device__ __forceinline__ void store_c(void* p, DType t, int64_t i, float v) {
+  store_f(p, t, i, v);
+}
 __device__ __forceinline__ void store_c(void* p, DType t, int64_t i, double v) {
   store_from_double(p, t, i, v);
 }
@@ -185,7 +206,9 @@ __global__ void map2_vec(T* __restrict__ out, const T* __restrict__ a, const T* 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 bool is_float_compute(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 
-Operand operand(const Tensor& t, const StridedLayout& l) { return Operand{t.data_ptr(), t.dtype(), l}; }
+Operand operand(const Tensor& t, const StridedLayout& l) {
+  return Operand{t.data_ptr(), t.dtype(), l};
+}
 
 template <class F>
 void launch_map1(const char* op, const Tensor& out, const Tensor& x, F f) {
@@ -283,8 +306,8 @@ void CudaBackend::where(const Tensor& out, const Tensor& cond, const Tensor& a, 
   const int64_t n = out.numel();
   if (n == 0) return;
   OpScope sc(out);
-  auto l = make_layouts(out.shape(), {out.strides(), cond.strides(), a.strides(), b.strides()},
-                        "where");
+  auto l =
+      make_layouts(out.shape(), {out.strides(), cond.strides(), a.strides(), b.strides()}, "where");
   where_strided<<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
       out.data_ptr(), out.dtype(), l[0], operand(cond, l[1]), operand(a, l[2]), operand(b, l[3]),
       n);
@@ -355,8 +378,8 @@ void require_vec_ready(const char* op, std::initializer_list<const Tensor*> ts) 
 }  // namespace
 
 void CudaBackend::swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) {
-  require(gate.shape() == out.shape() && up.shape() == out.shape() &&
-              gate.dtype() == out.dtype() && up.dtype() == out.dtype(),
+  require(gate.shape() == out.shape() && up.shape() == out.shape() && gate.dtype() == out.dtype() &&
+              up.dtype() == out.dtype(),
           "swiglu", "gate, up and out must share shape and dtype");
   Tensor gc = gate.is_contiguous() && aligned16(gate.data_ptr()) ? gate : gate.clone();
   Tensor uc = up.is_contiguous() && aligned16(up.data_ptr()) ? up : up.clone();
@@ -400,8 +423,8 @@ void CudaBackend::swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up
 
 // ---- random -----------------------------------------------------------------------------------
 namespace {
-__global__ void rand_kernel(void* out, DType t, int64_t n, uint64_t seed, uint64_t offset,
-                            double a, double b, bool normal) {
+__global__ void rand_kernel(void* out, DType t, int64_t n, uint64_t seed, uint64_t offset, double a,
+                            double b, bool normal) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float r = normal ? philox::normal(seed, offset, i) : philox::uniform(seed, offset, i);

@@ -25,7 +25,8 @@ __global__ void embedding_kernel(T* __restrict__ out, const T* __restrict__ w,
       continue;
     }
     const T* src = w + id * d;
-    if (row_bytes % 16 == 0 && ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(o)) & 15) == 0) {
+    if (row_bytes % 16 == 0 &&
+        ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(o)) & 15) == 0) {
       const uint4* s4 = reinterpret_cast<const uint4*>(src);
       uint4* o4 = reinterpret_cast<uint4*>(o);
       for (int64_t j = lane; j < row_bytes / 16; j += 32) o4[j] = s4[j];
@@ -50,8 +51,8 @@ __global__ void make_keys_kernel(int32_t* keys, int32_t* pos, const I* ids, int6
 template <class T>
 __global__ void embedding_backward_kernel(T* __restrict__ gw, const T* __restrict__ g,
                                           const int32_t* __restrict__ keys,
-                                          const int32_t* __restrict__ pos, int64_t n,
-                                          int64_t vocab, int d) {
+                                          const int32_t* __restrict__ pos, int64_t n, int64_t vocab,
+                                          int d) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -86,7 +87,10 @@ __global__ void embedding_backward_kernel(T* __restrict__ gw, const T* __restric
   }
 }
 
-int warp_grid(int64_t n) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + 7) / 8, int64_t(sm_count()) * 32))); }
+int warp_grid(int64_t n) {
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((n + 7) / 8, int64_t(sm_count()) * 32)));
+}
 
 }  // namespace
 
@@ -122,8 +126,9 @@ void CudaBackend::embedding_backward(const Tensor& grad_weight, const Tensor& gr
   require(grad_weight.dim() == 2 && grad_weight.is_contiguous() && ids.is_contiguous() &&
               grad_out.dtype() == grad_weight.dtype() &&
               grad_out.numel() == ids.numel() * grad_weight.shape()[1],
-          "embedding", "backward: grad_weight " + grad_weight.str() + ", grad_out " +
-                           grad_out.str() + ", ids " + ids.str());
+          "embedding",
+          "backward: grad_weight " + grad_weight.str() + ", grad_out " + grad_out.str() + ", ids " +
+              ids.str());
   if (ids.dtype() != DType::I64 && ids.dtype() != DType::I32)
     unsupported_dtype("embedding ids", ids.dtype());
   const int64_t n = ids.numel(), vocab = grad_weight.shape()[0], d = grad_weight.shape()[1];

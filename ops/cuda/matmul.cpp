@@ -80,10 +80,14 @@ DeviceState& state(int device) {
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
-    case DType::F32: return CUDA_R_32F;
-    case DType::F64: return CUDA_R_64F;
-    case DType::BF16: return CUDA_R_16BF;
-    case DType::F16: return CUDA_R_16F;
+    case DType::F32:
+      return CUDA_R_32F;
+    case DType::F64:
+      return CUDA_R_64F;
+    case DType::BF16:
+      return CUDA_R_16BF;
+    case DType::F16:
+      return CUDA_R_16F;
     default:
       throw std::invalid_argument(std::string("[matmul] the CUDA backend has no GEMM for dtype ") +
                                   dtype_name(t));
@@ -97,7 +101,8 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int64_t rows, int64_t cols,
                                       static_cast<uint64_t>(cols), ld));
   if (batch > 1) {
     int32_t b = static_cast<int32_t>(batch);
-    LT_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof(b)));
+    LT_CHECK(
+        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof(b)));
     LT_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                                               &stride, sizeof(stride)));
   }
@@ -117,15 +122,18 @@ Plan& get_plan(DeviceState& st, const Key& key) {
   auto plan = std::make_unique<Plan>();
   const cudaDataType_t t = cuda_type(key.dtype);
   const bool f64 = key.dtype == DType::F64;
-  cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F
-                                    : (key.dtype == DType::F32 && key.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                                           : CUBLAS_COMPUTE_32F);
+  cublasComputeType_t compute =
+      f64 ? CUBLAS_COMPUTE_64F
+          : (key.dtype == DType::F32 && key.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                 : CUBLAS_COMPUTE_32F);
   LT_CHECK(cublasLtMatmulDescCreate(&plan->desc, compute, f64 ? CUDA_R_64F : CUDA_R_32F));
   // Library A = our b, library B = our a (see the file comment).
   cublasOperation_t op_a = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t op_b = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-  LT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  LT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  LT_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  LT_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   const int64_t m = key.m, n = key.n, k = key.k;
   // b: [K, N] row-major = col-major N x K (ld N); transposed b: [N, K] = col-major K x N (ld K).
   plan->la = key.tb ? make_layout(t, k, n, k, key.batch, key.stride_b)
@@ -138,13 +146,12 @@ Plan& get_plan(DeviceState& st, const Key& key) {
   cublasLtMatmulPreference_t pref = nullptr;
   LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = kWorkspaceBytes;
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                &ws, sizeof(ws)));
+  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                sizeof(ws)));
   uint32_t align = static_cast<uint32_t>(key.align);
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
@@ -152,11 +159,10 @@ Plan& get_plan(DeviceState& st, const Key& key) {
                                                     plan->lc, plan->lc, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS || found == 0)
-    throw std::runtime_error("[matmul] cuBLASLt found no algorithm for " +
-                             std::string(dtype_name(key.dtype)) + " M=" + std::to_string(m) +
-                             " N=" + std::to_string(n) + " K=" + std::to_string(k) +
-                             " batch=" + std::to_string(key.batch) + " (" +
-                             cublasLtGetStatusString(s) + ")");
+    throw std::runtime_error(
+        "[matmul] cuBLASLt found no algorithm for " + std::string(dtype_name(key.dtype)) +
+        " M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
+        " batch=" + std::to_string(key.batch) + " (" + cublasLtGetStatusString(s) + ")");
   plan->algo = result.algo;
   Plan& ref = *plan;
   st.plans.emplace(key, std::move(plan));

@@ -122,10 +122,12 @@ __global__ void sum_partials_kernel(T* __restrict__ gw, const float* __restrict_
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-void check_norm_layout(const char* op, int64_t d, DType t, std::initializer_list<const Tensor*> ts) {
+void check_norm_layout(const char* op, int64_t d, DType t,
+                       std::initializer_list<const Tensor*> ts) {
   const int n = 16 / static_cast<int>(dtype_size(t));
-  require(d % n == 0, op, "the last dim (" + std::to_string(d) + ") must be a multiple of " +
-                              std::to_string(n) + " for the CUDA kernel");
+  require(d % n == 0, op,
+          "the last dim (" + std::to_string(d) + ") must be a multiple of " + std::to_string(n) +
+              " for the CUDA kernel");
   for (const Tensor* p : ts)
     require(p->is_contiguous() && aligned16(p->data_ptr()), op,
             "operands must be contiguous and 16-byte aligned: " + p->str());
@@ -163,9 +165,9 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
   require_cuda(x, "rms_norm", "x");
   const int64_t d = x.shape().back();
   const int64_t rows = d ? x.numel() / d : 0;
-  require(grad_out.shape() == x.shape() && grad_out.dtype() == x.dtype() &&
-              weight.numel() == d && weight.dtype() == x.dtype() && rstd.numel() == rows &&
-              rstd.dtype() == DType::F32 && rstd.is_contiguous(),
+  require(grad_out.shape() == x.shape() && grad_out.dtype() == x.dtype() && weight.numel() == d &&
+              weight.dtype() == x.dtype() && rstd.numel() == rows && rstd.dtype() == DType::F32 &&
+              rstd.is_contiguous(),
           "rms_norm", "backward: grad_out, weight or rstd do not match x " + x.str());
   if (d == 0) return;
   OpScope sc(x);
@@ -174,7 +176,8 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
     return;
   }
   Tensor wc = weight.is_contiguous() ? weight : weight.clone();
-  Tensor gc = grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
+  Tensor gc =
+      grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
   check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
   if (grad_x.defined()) check_norm_layout("rms_norm", d, x.dtype(), {&grad_x});
   const int threads = d >= 4096 ? 256 : 128;

@@ -123,8 +123,8 @@ void CudaBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
 namespace {
 __global__ void max_backward_kernel(void* gi, DType gt, const void* x, DType xt, const void* mx,
                                     const void* g, StridedLayout lx, StridedLayout lgi,
-                                    StridedLayout lm, StridedLayout lg, int64_t n_pos,
-                                    int64_t len, int64_t sx, int64_t sgi) {
+                                    StridedLayout lm, StridedLayout lg, int64_t n_pos, int64_t len,
+                                    int64_t sx, int64_t sgi) {
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n_pos;
        p += int64_t(gridDim.x) * blockDim.x) {
     const double m = load_as_double(mx, xt, lm.offset(p));
@@ -254,7 +254,8 @@ __global__ void cross_entropy_kernel(L* __restrict__ loss, T* __restrict__ grad,
     const float lse = ms.m + logf(ms.s);
     if (threadIdx.x == 0) loss[r] = bad ? L(NAN) : L(lse - to_f(xr[t]));
     if (!gr) continue;
-    const bool vec = ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(gr)) & 15) == 0;
+    const bool vec =
+        ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(gr)) & 15) == 0;
     int64_t done = 0;
     if (vec) {
       const int64_t nv = len / N;
@@ -338,7 +339,8 @@ void CudaBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& grad_l
   ACCEL_CUDA_CHECK_LAUNCH("cross_entropy");
 }
 
-// ---- sum of squares, non-finite check ------------------------------------------------------------
+// ---- sum of squares, non-finite check
+// ------------------------------------------------------------
 namespace {
 
 template <class T>
@@ -448,7 +450,8 @@ bool CudaBackend::has_non_finite(const Tensor& x) {
   }
   ACCEL_CUDA_CHECK_LAUNCH("has_non_finite");
   int host = 0;
-  ACCEL_CUDA_CHECK(cudaMemcpyAsync(&host, flag.get(), sizeof(int), cudaMemcpyDeviceToHost, sc.stream));
+  ACCEL_CUDA_CHECK(
+      cudaMemcpyAsync(&host, flag.get(), sizeof(int), cudaMemcpyDeviceToHost, sc.stream));
   ACCEL_CUDA_CHECK(cudaStreamSynchronize(sc.stream));
   return host != 0;
 }

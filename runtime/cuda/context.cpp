@@ -148,12 +148,13 @@ void pinned_free(void* p) {
 // ---- caching allocator -----------------------------------------------------------------------
 namespace {
 
-constexpr size_t kSmallLimit = 1 << 20;    // classes up to 1 MiB come from shared segments
+constexpr size_t kSmallLimit = 1 << 20;  // classes up to 1 MiB come from shared segments
 constexpr size_t kSmallStep = 512;
 constexpr size_t kSegmentSize = 2 << 20;
 
 size_t size_class(size_t n) {
-  if (n <= kSmallLimit) return std::max<size_t>(kSmallStep, (n + kSmallStep - 1) / kSmallStep * kSmallStep);
+  if (n <= kSmallLimit)
+    return std::max<size_t>(kSmallStep, (n + kSmallStep - 1) / kSmallStep * kSmallStep);
   int log2 = 63 - __builtin_clzll(static_cast<unsigned long long>(n));
   size_t step = size_t(1) << (log2 - 3);
   return (n + step - 1) / step * step;

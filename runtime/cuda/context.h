@@ -84,11 +84,11 @@ void pinned_free(void* p);
 void record_stream(void* p, cudaStream_t stream);
 
 struct AllocatorStats {
-  int64_t reserved_bytes = 0;       // held from cudaMalloc (in use + cached)
+  int64_t reserved_bytes = 0;  // held from cudaMalloc (in use + cached)
   int64_t peak_reserved_bytes = 0;
-  int64_t cached_bytes = 0;         // free blocks kept for reuse
-  int64_t num_device_mallocs = 0;   // cudaMalloc calls so far
-  int64_t num_allocations = 0;      // allocator requests so far
+  int64_t cached_bytes = 0;        // free blocks kept for reuse
+  int64_t num_device_mallocs = 0;  // cudaMalloc calls so far
+  int64_t num_allocations = 0;     // allocator requests so far
 };
 AllocatorStats allocator_stats(int device);
 // Returns every cached (free) block to the driver.

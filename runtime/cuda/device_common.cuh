@@ -49,16 +49,26 @@ __device__ __forceinline__ float d_e5m2_to_f32(uint8_t b) {
 // Value of element `i` of a typed buffer, as double (exact for every dtype but i64 beyond 2^53).
 __device__ __forceinline__ double load_as_double(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::F64: return static_cast<const double*>(p)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::F16: return d_f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::E4M3: return d_e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
-    case DType::E5M2: return d_e5m2_to_f32(static_cast<const uint8_t*>(p)[i]);
-    case DType::I32: return static_cast<const int32_t*>(p)[i];
-    case DType::I64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-    case DType::U8: return static_cast<const uint8_t*>(p)[i];
-    case DType::Bool: return static_cast<const uint8_t*>(p)[i] ? 1.0 : 0.0;
+    case DType::F32:
+      return static_cast<const float*>(p)[i];
+    case DType::F64:
+      return static_cast<const double*>(p)[i];
+    case DType::BF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::F16:
+      return d_f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::E4M3:
+      return d_e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
+    case DType::E5M2:
+      return d_e5m2_to_f32(static_cast<const uint8_t*>(p)[i]);
+    case DType::I32:
+      return static_cast<const int32_t*>(p)[i];
+    case DType::I64:
+      return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case DType::U8:
+      return static_cast<const uint8_t*>(p)[i];
+    case DType::Bool:
+      return static_cast<const uint8_t*>(p)[i] ? 1.0 : 0.0;
   }
   return 0.0;
 }
@@ -66,35 +76,67 @@ __device__ __forceinline__ double load_as_double(const void* p, DType t, int64_t
 // Stores v into element i, converting like the CPU kernels (via float for the small floats).
 __device__ __forceinline__ void store_from_double(void* p, DType t, int64_t i, double v) {
   switch (t) {
-    case DType::F32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DType::F64: static_cast<double*>(p)[i] = v; break;
-    case DType::BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(static_cast<float>(v)); break;
-    case DType::F16: static_cast<uint16_t*>(p)[i] = d_f32_to_f16(static_cast<float>(v)); break;
-    case DType::E4M3: static_cast<uint8_t*>(p)[i] = d_f32_to_e4m3(static_cast<float>(v)); break;
-    case DType::E5M2: static_cast<uint8_t*>(p)[i] = d_f32_to_e5m2(static_cast<float>(v)); break;
-    case DType::I32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DType::I64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-    case DType::U8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
-    case DType::Bool: static_cast<uint8_t*>(p)[i] = v != 0.0; break;
+    case DType::F32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case DType::F64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case DType::BF16:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16(static_cast<float>(v));
+      break;
+    case DType::F16:
+      static_cast<uint16_t*>(p)[i] = d_f32_to_f16(static_cast<float>(v));
+      break;
+    case DType::E4M3:
+      static_cast<uint8_t*>(p)[i] = d_f32_to_e4m3(static_cast<float>(v));
+      break;
+    case DType::E5M2:
+      static_cast<uint8_t*>(p)[i] = d_f32_to_e5m2(static_cast<float>(v));
+      break;
+    case DType::I32:
+      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+      break;
+    case DType::I64:
+      static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
+      break;
+    case DType::U8:
+      static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v);
+      break;
+    case DType::Bool:
+      static_cast<uint8_t*>(p)[i] = v != 0.0;
+      break;
   }
 }
 
 // Float loads/stores for the float dtypes used in compute (f32, bf16, f16); the fast paths.
 __device__ __forceinline__ float load_f(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::F16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<float>(load_as_double(p, t, i));
+    case DType::F32:
+      return static_cast<const float*>(p)[i];
+    case DType::BF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::F16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<float>(load_as_double(p, t, i));
   }
 }
 __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float v) {
   switch (t) {
-    case DType::F32: static_cast<float*>(p)[i] = v; break;
-    case DType::BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    case DType::F32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::BF16:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+      break;
     // __float2half_rn rounds to nearest even like f32_to_f16, overflow to inf included.
-    case DType::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    default: store_from_double(p, t, i, v); break;
+    case DType::F16:
+      static_cast<__half*>(p)[i] = __float2half_rn(v);
+      break;
+    default:
+      store_from_double(p, t, i, v);
+      break;
   }
 }
 

@@ -71,7 +71,8 @@ __global__ void copy_kernel(void* dst, DType dt, StridedLayout dl, const void* s
 
 // The common casts of mixed precision, 4 elements per thread.
 template <class TD, class TS>
-__global__ void cast_contiguous_kernel(TD* __restrict__ dst, const TS* __restrict__ src, int64_t n) {
+__global__ void cast_contiguous_kernel(TD* __restrict__ dst, const TS* __restrict__ src,
+                                       int64_t n) {
   int64_t n4 = n / 4;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -171,9 +172,8 @@ void accumulate(const Tensor& dst, const Tensor& src) {
   cudaStream_t s = current_stream();
   int grid = grid_for(n, kThreads);
   if (src.is_contiguous() && dst.dtype() == DType::F32) {
-    accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(static_cast<float*>(dst.data_ptr()),
-                                                           static_cast<const float*>(src.data_ptr()),
-                                                           n);
+    accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(
+        static_cast<float*>(dst.data_ptr()), static_cast<const float*>(src.data_ptr()), n);
   } else if (src.is_contiguous() && dst.dtype() == DType::BF16) {
     accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(
         static_cast<__nv_bfloat16*>(dst.data_ptr()),

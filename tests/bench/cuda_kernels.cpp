@@ -78,14 +78,16 @@ int main(int argc, char** argv) {
     Tensor f = randn({N, I}, DType::F32);
     ms = time_ms([&] { c.copy_(f); });
     row_mem("cast f32->bf16", ms, f.nbytes() + c.nbytes());
-    Tensor up = randn({N, I}, bf), dout = randn({N, I}, bf), gg = Tensor::empty({N, I}, bf, Device::cuda(0));
+    Tensor up = randn({N, I}, bf), dout = randn({N, I}, bf),
+           gg = Tensor::empty({N, I}, bf, Device::cuda(0));
     ms = time_ms([&] { be.swiglu(c, a, up); });
     row_mem("swiglu fwd", ms, 3.0 * a.nbytes());
     ms = time_ms([&] { be.swiglu_backward(gg, b, dout, a, up); });
     row_mem("swiglu bwd", ms, 5.0 * a.nbytes());
   }
   {
-    Tensor x = randn({N, H}, bf), w = randn({H}, bf), out = Tensor::empty({N, H}, bf, Device::cuda(0));
+    Tensor x = randn({N, H}, bf), w = randn({H}, bf),
+           out = Tensor::empty({N, H}, bf, Device::cuda(0));
     Tensor rstd = Tensor::empty({N}, DType::F32, Device::cuda(0));
     double ms = time_ms([&] { be.rms_norm(out, rstd, x, w, 1e-5); });
     row_mem("rms_norm fwd", ms, 2.0 * x.nbytes() + rstd.nbytes());
@@ -112,7 +114,8 @@ int main(int argc, char** argv) {
     row_mem("rope fwd (q)", ms, 2.0 * q.nbytes());
   }
   {
-    Tensor logits = randn({VCHUNK, V}, bf, 2.0), grad = Tensor::empty({VCHUNK, V}, bf, Device::cuda(0));
+    Tensor logits = randn({VCHUNK, V}, bf, 2.0),
+           grad = Tensor::empty({VCHUNK, V}, bf, Device::cuda(0));
     std::vector<int64_t> host(VCHUNK);
     for (int64_t i = 0; i < VCHUNK; ++i) host[i] = (i * 104729) % V;
     Tensor tg = Tensor::from_vector(host, {VCHUNK}, DType::I64, Device::cuda(0));
@@ -155,13 +158,15 @@ int main(int argc, char** argv) {
   std::printf("\n-- causal attention (B=%lld S=%lld Hq=%lld Hkv=%lld D=%lld, bf16) --\n",
               (long long)B, (long long)S, (long long)HQ, (long long)HKV, (long long)D);
   {
-    Tensor q = randn({B, S, HQ, D}, bf), k = randn({B, S, HKV, D}, bf), v = randn({B, S, HKV, D}, bf);
+    Tensor q = randn({B, S, HQ, D}, bf), k = randn({B, S, HKV, D}, bf),
+           v = randn({B, S, HKV, D}, bf);
     Tensor o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
     Tensor lse = Tensor::empty({B, HQ, S}, DType::F32, Device::cuda(0));
     const double fwd_flops = 4.0 * B * HQ * S * S * D / 2;  // causal: half the score matrix
     double ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
     row_flops("attention fwd", ms, fwd_flops);
-    Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)), dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
+    Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)),
+           dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
     ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
     row_flops("attention bwd", ms, 2.5 * fwd_flops);

@@ -73,17 +73,16 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   expect_close(gdv, wdv, r, r * rms(wdv), "grad_v");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaAttention,
-    ::testing::Values(AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, false},
-                      AttnCase{DType::BF16, 1, 130, 4, 1, 128, true, false},
-                      AttnCase{DType::BF16, 2, 77, 2, 2, 64, false, false},
-                      AttnCase{DType::F16, 1, 129, 4, 2, 128, true, false},
-                      AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, true},
-                      AttnCase{DType::F32, 2, 70, 4, 2, 64, true, false},
-                      AttnCase{DType::F32, 1, 45, 3, 1, 80, false, false},
-                      AttnCase{DType::F32, 1, 33, 2, 2, 16, true, false}),
-    [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
+                         ::testing::Values(AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, false},
+                                           AttnCase{DType::BF16, 1, 130, 4, 1, 128, true, false},
+                                           AttnCase{DType::BF16, 2, 77, 2, 2, 64, false, false},
+                                           AttnCase{DType::F16, 1, 129, 4, 2, 128, true, false},
+                                           AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, true},
+                                           AttnCase{DType::F32, 2, 70, 4, 2, 64, true, false},
+                                           AttnCase{DType::F32, 1, 45, 3, 1, 80, false, false},
+                                           AttnCase{DType::F32, 1, 33, 2, 2, 16, true, false}),
+                         [](const auto& info) { return case_name(info.param); });
 
 TEST(CudaAttentionOps, AutogradThroughOpsLayer) {
   ACCEL_SKIP_WITHOUT_CUDA();

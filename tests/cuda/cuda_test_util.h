@@ -16,10 +16,10 @@
 
 namespace accel::cuda_test {
 
-#define ACCEL_SKIP_WITHOUT_CUDA()                                                             \
-  do {                                                                                        \
-    if (!::accel::cuda::available())                                                          \
-      GTEST_SKIP() << "no CUDA device visible (or built without CUDA): CUDA tests skipped";   \
+#define ACCEL_SKIP_WITHOUT_CUDA()                                                           \
+  do {                                                                                      \
+    if (!::accel::cuda::available())                                                        \
+      GTEST_SKIP() << "no CUDA device visible (or built without CUDA): CUDA tests skipped"; \
   } while (0)
 
 inline Device gpu() { return Device::cuda(0); }

@@ -16,9 +16,9 @@ TEST_P(CudaElementwise, Unary) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  const UnaryOp ops[] = {UnaryOp::Neg,     UnaryOp::Exp,  UnaryOp::Log,  UnaryOp::Sqrt,
-                         UnaryOp::Rsqrt,   UnaryOp::Abs,  UnaryOp::Sigmoid, UnaryOp::Silu,
-                         UnaryOp::Gelu,    UnaryOp::Tanh, UnaryOp::Square};
+  const UnaryOp ops[] = {UnaryOp::Neg,   UnaryOp::Exp,  UnaryOp::Log,     UnaryOp::Sqrt,
+                         UnaryOp::Rsqrt, UnaryOp::Abs,  UnaryOp::Sigmoid, UnaryOp::Silu,
+                         UnaryOp::Gelu,  UnaryOp::Tanh, UnaryOp::Square};
   for (UnaryOp op : ops) {
     const bool positive = op == UnaryOp::Log || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt;
     Tensor x = random_tensor({3, 1031}, t, rng, positive ? 0.1 : -3.0, 3.0);
@@ -73,7 +73,7 @@ TEST_P(CudaElementwise, BinaryWithBroadcast) {
   Tensor b_row = random_tensor({1, 129}, t, rng, 0.5, 2.0);
   Tensor b_row_cpu = b_row.as_strided({8, 129}, {0, 1}, 0);
   Tensor b_row_gpu = b_row.to(gpu()).as_strided({8, 129}, {0, 1}, 0);
-  const BinaryOp ops[] = {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div,
+  const BinaryOp ops[] = {BinaryOp::Add,     BinaryOp::Sub,     BinaryOp::Mul,  BinaryOp::Div,
                           BinaryOp::Maximum, BinaryOp::Greater, BinaryOp::Equal};
   for (BinaryOp op : ops) {
     const bool cmp = op == BinaryOp::Greater || op == BinaryOp::Equal;

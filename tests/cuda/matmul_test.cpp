@@ -35,14 +35,13 @@ TEST_P(CudaMatmul, AllTransposesAndBatchBroadcast) {
             // Sums of 130 products: relative to the output scale.
             expect_close(got, want, tol_for(t).rtol, (t == DType::F32 ? 1e-5 : 1e-2) * rms(want),
                          "matmul ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
-                             " batch " + std::to_string(ba) + "x" + std::to_string(bb) +
-                             " beta " + std::to_string(beta));
+                             " batch " + std::to_string(ba) + "x" + std::to_string(bb) + " beta " +
+                             std::to_string(beta));
           }
         }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CudaMatmul,
-                         ::testing::Values(DType::F32, DType::BF16, DType::F16),
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaMatmul, ::testing::Values(DType::F32, DType::BF16, DType::F16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 #ifdef ACCEL_WITH_CUDA

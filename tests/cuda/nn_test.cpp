@@ -95,7 +95,8 @@ TEST(CudaOptim, AdamWMatchesCpu) {
   std::mt19937_64 rng(seed);
   for (DType gt : {DType::F32, DType::BF16}) {
     const int64_t n = 10001;
-    Tensor p = random_tensor({n}, DType::F32, rng), m = random_tensor({n}, DType::F32, rng, -0.1, 0.1);
+    Tensor p = random_tensor({n}, DType::F32, rng),
+           m = random_tensor({n}, DType::F32, rng, -0.1, 0.1);
     Tensor v = random_tensor({n}, DType::F32, rng, 0.0, 0.01);
     Tensor pg = p.to(gpu()), mg = m.to(gpu()), vg = v.to(gpu());
     for (int64_t step = 1; step <= 3; ++step) {

@@ -126,8 +126,7 @@ TEST_P(CudaReduce, SumOfSquaresAndNonFinite) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CudaReduce,
-                         ::testing::Values(DType::F32, DType::BF16, DType::F16),
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaReduce, ::testing::Values(DType::F32, DType::BF16, DType::F16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 }  // namespace

@@ -99,8 +99,8 @@ TEST(CudaRuntime, StridedCastCopyMatchesCpu) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  const DType types[] = {DType::F32, DType::BF16, DType::F16, DType::E4M3, DType::E5M2,
-                         DType::I32, DType::I64, DType::F64};
+  const DType types[] = {DType::F32,  DType::BF16, DType::F16, DType::E4M3,
+                         DType::E5M2, DType::I32,  DType::I64, DType::F64};
   Tensor base = random_tensor({6, 10, 12}, DType::F64, rng, -300, 300);
   for (DType src_t : types)
     for (DType dst_t : {DType::F32, DType::BF16, DType::F16, DType::E4M3, DType::I64}) {

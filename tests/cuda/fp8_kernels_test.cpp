@@ -1,0 +1,247 @@
+// CUDA fp8 kernels against the CPU emulation: casts (fast tiled and generic paths, bit for bit),
+// dynamic scaling, transposes, the delayed-scaling update, MX fake quantization, the cuBLASLt fp8
+// GEMM, and the fp8 linear op. Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "ops/fp8.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace accel {
+namespace {
+
+using cuda_test::gpu;
+using cuda_test::random_tensor;
+
+// Codes equal, or both NaN (the hardware may keep a NaN's sign differently).
+void expect_same_codes(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined() && want.defined()) << what;
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  Tensor g = got.to(Device::cpu());
+  const uint8_t* a = static_cast<const uint8_t*>(g.data_ptr());
+  const uint8_t* b = static_cast<const uint8_t*>(want.data_ptr());
+  const bool e4m3 = want.dtype() == DType::E4M3;
+  int64_t bad = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const float fa = e4m3 ? e4m3_to_f32(a[i]) : e5m2_to_f32(a[i]);
+    const float fb = e4m3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i]);
+    if (a[i] == b[i] || (std::isnan(fa) && std::isnan(fb))) continue;
+    if (bad++ < 5)
+      ADD_FAILURE() << what << " element " << i << ": cuda 0x" << std::hex << int(a[i]) << " cpu 0x"
+                    << int(b[i]) << std::dec << " (" << fa << " vs " << fb << ")";
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+Tensor with_specials(Tensor x) {
+  std::vector<double> v = x.to_vector();
+  const double specials[] = {INFINITY, -INFINITY, NAN,   1e30,    -1e30, 1e-30, -0.0,
+                             0.0,      447.9,     448.1, 57344.0, 1e-7,  3e-3,  -2.0e-3};
+  for (size_t i = 0; i < sizeof(specials) / sizeof(double) && i * 7 < v.size(); ++i)
+    v[i * 7] = specials[i];
+  return Tensor::from_vector(v, x.shape(), x.dtype());
+}
+
+TEST(CudaFp8, CastMatchesCpuBitForBit) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(1);
+  struct Case {
+    int64_t R, C, pad;
+    DType in;
+  };
+  // Tiled fast path (C % 8 == 0, padded to 16), partial tiles, and the generic path.
+  for (Case c : {Case{256, 512, 16, DType::BF16}, Case{100, 200, 16, DType::BF16},
+                 Case{64, 64, 16, DType::F32}, Case{37, 53, 1, DType::BF16},
+                 Case{37, 53, 16, DType::F16}, Case{5, 8, 16, DType::F32}}) {
+    for (DType fmt : {DType::E4M3, DType::E5M2}) {
+      for (int mode = 0; mode < 3; ++mode) {
+        const bool row = mode != 2, col = mode != 0;
+        SCOPED_TRACE(std::to_string(c.R) + "x" + std::to_string(c.C) + " pad " +
+                     std::to_string(c.pad) + " " + dtype_name(c.in) + " -> " + dtype_name(fmt) +
+                     " row " + std::to_string(row) + " col " + std::to_string(col));
+        Tensor x = with_specials(random_tensor({c.R, c.C}, c.in, rng, -300.0, 300.0));
+        const float s = fmt == DType::E4M3 ? 1.37f : 91.0f;
+        Tensor s_cpu = Tensor::full({1}, s), amax_cpu = Tensor::full({1}, 0.25);
+        Fp8CastOptions o{row, col, c.pad};
+        Fp8Tensor want = fp8_cast(x, fmt, s_cpu, amax_cpu, o);
+        Tensor amax_gpu = Tensor::full({1}, 0.25, DType::F32, gpu());
+        Fp8Tensor got = fp8_cast(x.to(gpu()), fmt, s_cpu.to(gpu()), amax_gpu, o);
+        if (row) expect_same_codes(got.data, want.data, "data");
+        if (col) expect_same_codes(got.data_t, want.data_t, "data_t");
+        EXPECT_EQ(amax_gpu.item(), amax_cpu.item());
+        EXPECT_EQ(got.scale_inv.item(), want.scale_inv.item());
+      }
+    }
+  }
+}
+
+TEST(CudaFp8, DynamicCastAndTransposeMatchCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(2);
+  for (double range : {1e-3, 1.0, 1e4}) {
+    Tensor x = random_tensor({96, 160}, DType::BF16, rng, -range, range);
+    Fp8Tensor want = fp8_cast_dynamic(x, DType::E4M3, {true, false, 16}, 1);
+    Fp8Tensor got = fp8_cast_dynamic(x.to(gpu()), DType::E4M3, {true, false, 16}, 1);
+    EXPECT_EQ(got.scale.item(), want.scale.item());
+    EXPECT_EQ(got.scale_inv.item(), want.scale_inv.item());
+    expect_same_codes(got.data, want.data, "dynamic data");
+    expect_same_codes(fp8_with_transpose(got).data_t, fp8_with_transpose(want).data_t,
+                      "byte transpose");
+    EXPECT_EQ(fp8_amax(x.to(gpu())).item(), fp8_amax(x).item());
+  }
+  Fp8Tensor z = fp8_cast_dynamic(Tensor::zeros({16, 16}, DType::BF16, gpu()), DType::E5M2);
+  EXPECT_EQ(z.scale.item(), 1.0);
+}
+
+TEST(CudaFp8, DelayedUpdateMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(3);
+  for (int64_t L : {1, 2, 5, 1024}) {
+    for (bool use_max : {false, true}) {
+      Fp8Recipe r;
+      r.amax_history_len = L;
+      r.amax_algo = use_max ? AmaxAlgo::Max : AmaxAlgo::MostRecent;
+      r.margin = 1;
+      r.interval = 2;
+      Fp8DelayedScaling cpu(r, Device::cpu()), dev(r, gpu());
+      for (int i = 0; i < 300; ++i) {
+        DType f = i % 3 == 2 ? DType::E5M2 : DType::E4M3;
+        cpu.add_slot(f);
+        dev.add_slot(f);
+      }
+      for (int step = 0; step < 4; ++step) {
+        Tensor h = random_tensor(cpu.amax_history().shape(), DType::F32, rng, 0.0, 10.0);
+        std::vector<double> hv = h.to_vector();
+        hv[0] = 0.0;
+        hv[1] = INFINITY;
+        hv[2] = NAN;
+        hv[3] = 1e-40;
+        h = Tensor::from_vector(hv, h.shape());
+        cpu.amax_history().copy_(h);
+        dev.amax_history().copy_(h.to(gpu()));
+        cpu.update();
+        dev.update();
+        std::vector<double> a = cpu.scales().to_vector(), b = dev.scales().to_vector();
+        for (size_t i = 0; i < a.size(); ++i)
+          ASSERT_EQ(a[i], b[i]) << "L " << L << " max " << use_max << " slot " << i;
+        ASSERT_EQ(cpu.scale_invs().to_vector(), dev.scale_invs().to_vector());
+        std::vector<double> ha = cpu.amax_history().to_vector(),
+                            hb = dev.amax_history().to_vector();
+        for (size_t i = 0; i < ha.size(); ++i)
+          ASSERT_TRUE(ha[i] == hb[i] || (std::isnan(ha[i]) && std::isnan(hb[i]))) << i;
+      }
+    }
+  }
+}
+
+TEST(CudaFp8, MxFakeQuantMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(4);
+  for (DType in : {DType::BF16, DType::F32})
+    for (DType fmt : {DType::E4M3, DType::E5M2})
+      for (int dim : {0, 1}) {
+        Tensor x = with_specials(random_tensor({70, 100}, in, rng, -50.0, 50.0));
+        Tensor want = fp8_mx_fake_quant(x, fmt, dim);
+        Tensor got = fp8_mx_fake_quant(x.to(gpu()), fmt, dim);
+        std::vector<double> a = got.to_vector(), b = want.to_vector();
+        for (size_t i = 0; i < a.size(); ++i)
+          ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))
+              << dtype_name(in) << " " << dtype_name(fmt) << " dim " << dim << " at " << i << ": "
+              << a[i] << " vs " << b[i];
+      }
+}
+
+double sqnr_db(const std::vector<double>& ref, const std::vector<double>& got) {
+  double s = 0, e = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    s += ref[i] * ref[i];
+    e += (ref[i] - got[i]) * (ref[i] - got[i]);
+  }
+  return 10.0 * std::log10(s / std::max(e, 1e-300));
+}
+
+TEST(CudaFp8, GemmMatchesCpuEmulation) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(5);
+  struct Case {
+    int64_t M, N, K;
+    DType fa, fb, out;
+    bool fast;
+  };
+  for (Case c : {Case{64, 48, 96, DType::E4M3, DType::E4M3, DType::BF16, true},
+                 Case{256, 512, 1024, DType::E4M3, DType::E4M3, DType::BF16, true},
+                 Case{256, 512, 1024, DType::E4M3, DType::E4M3, DType::BF16, false},
+                 Case{128, 64, 256, DType::E5M2, DType::E4M3, DType::BF16, false},
+                 Case{128, 64, 256, DType::E4M3, DType::E5M2, DType::F32, false},
+                 Case{32, 16, 512, DType::E5M2, DType::E4M3, DType::F32, false}}) {
+    SCOPED_TRACE(std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) + " " +
+                 dtype_name(c.fa) + "*" + dtype_name(c.fb) + "->" + dtype_name(c.out));
+    Tensor a = random_tensor({c.M, c.K}, DType::F32, rng),
+           b = random_tensor({c.N, c.K}, DType::F32, rng, -0.05, 0.05);
+    Fp8Tensor qa = fp8_cast_dynamic(a, c.fa), qb = fp8_cast_dynamic(b, c.fb);
+    Tensor want = fp8_gemm(qa.data, qa.scale_inv, qb.data, qb.scale_inv, c.out, c.fast);
+    auto on_gpu = [](const Fp8Tensor& q) {
+      Fp8Tensor g = q;
+      g.data = q.data.to(gpu());
+      g.scale_inv = q.scale_inv.to(gpu());
+      return g;
+    };
+    Fp8Tensor ga = on_gpu(qa), gb = on_gpu(qb);
+    Tensor got = fp8_gemm(ga.data, ga.scale_inv, gb.data, gb.scale_inv, c.out, c.fast);
+    cuda_test::expect_matches(got.to(Device::cpu()), want, c.out, "fp8 gemm vs cpu emulation",
+                              c.fast ? 2.0 : 1.0);
+    // Against the unquantized fp32 product.
+    Tensor exact = matmul(a, transpose(b, 0, 1));
+    if (c.fa == DType::E4M3 && c.fb == DType::E4M3)
+      EXPECT_GE(sqnr_db(exact.to_vector(), got.to_vector()), 25.0);
+  }
+  Tensor bad = Tensor::zeros({16, 24}, DType::E4M3, gpu());
+  Tensor s = Tensor::ones({1}, DType::F32, gpu());
+  EXPECT_THROW(fp8_gemm(bad, s, bad, s, DType::BF16, true), std::invalid_argument);  // K % 16
+}
+
+TEST(CudaFp8, LinearMatchesCpuEmulation) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(6);
+  for (Fp8Scaling scaling : {Fp8Scaling::Dynamic, Fp8Scaling::Delayed, Fp8Scaling::MxBlock}) {
+    Tensor x = random_tensor({4, 32, 128}, DType::BF16, rng);
+    Tensor w = random_tensor({96, 128}, DType::BF16, rng, -0.1, 0.1);
+    Tensor g = random_tensor({4, 32, 96}, DType::BF16, rng, -1e-3, 1e-3);
+    std::vector<Tensor> results[2];
+    for (int d = 0; d < 2; ++d) {
+      const Device dev = d ? gpu() : Device::cpu();
+      Fp8LinearContext ctx;
+      ctx.recipe.scaling = scaling;
+      if (scaling == Fp8Scaling::Delayed) {
+        ctx.delayed = std::make_shared<Fp8DelayedScaling>(ctx.recipe, dev);
+        ctx.slot_input = ctx.delayed->add_slot(DType::E4M3);
+        ctx.slot_weight = ctx.delayed->add_slot(DType::E4M3);
+        ctx.slot_grad_output = ctx.delayed->add_slot(DType::E5M2);
+      }
+      for (int step = 0; step < 2; ++step) {
+        Tensor xd = d ? x.to(dev) : x.clone(), wd = d ? w.to(dev) : w.clone();
+        xd.set_requires_grad(true);
+        wd.set_requires_grad(true);
+        Tensor y = fp8_linear(xd, wd, Tensor(), ctx);
+        y.backward(g.to(dev));
+        if (ctx.delayed) ctx.delayed->update();
+        if (step == 1)
+          results[d] = {y.detach().to(Device::cpu()), xd.grad().to(Device::cpu()),
+                        wd.grad().to(Device::cpu())};
+      }
+    }
+    const char* names[] = {"output", "input grad", "weight grad"};
+    for (int i = 0; i < 3; ++i)
+      cuda_test::expect_matches(results[1][i], results[0][i], DType::BF16,
+                                std::string("fp8 linear ") + names[i], 2.0);
+  }
+}
+
+}  // namespace
+}  // namespace accel
