@@ -8,6 +8,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "models/fp8_linear.h"
 #include "models/llama.h"
 #include "parallel/launch_env.h"
 #include "parallel/launcher.h"
@@ -47,8 +48,9 @@ DType compute_dtype(const Config& cfg) {
   if (cfg.mixed_precision == "no") return DType::F32;
   if (cfg.mixed_precision == "bf16") return DType::BF16;
   if (cfg.mixed_precision == "fp16") return DType::F16;
+  if (cfg.mixed_precision == "fp8") return DType::BF16;  // fp8 linear layers: apply_fp8()
   throw UsageError("mixed_precision: " + cfg.mixed_precision +
-                   " training is not implemented yet in accel-train (use no, bf16 or fp16)");
+                   " training is not implemented yet in accel-train (use no, bf16, fp16 or fp8)");
 }
 
 // Peak dense FLOP/s of the device for the compute dtype, or < 0 when unknown (CPU).
@@ -190,6 +192,17 @@ class MetricsLog {
   std::ofstream out_;
 };
 
+// Bytes this rank sent per step, by collective, since `last` (which is then updated).
+nlohmann::json comm_delta(const CommStats& now, CommStats& last, int64_t steps) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    int64_t b = now.kind[k].wire_bytes - last.kind[k].wire_bytes;
+    if (b > 0) j[comm_kind_name(static_cast<CommKind>(k))] = b / std::max<int64_t>(steps, 1);
+  }
+  last = now;
+  return j;
+}
+
 nlohmann::json memory_json(Device d) {
   MemoryStats s = memory_stats(d);
   nlohmann::json j;
@@ -233,6 +246,8 @@ int train(const TrainOptions& opt) {
   if (!cfg.model.init_from.empty()) load_hf_weights(model, cfg.model.init_from);
   model.set_activation_checkpointing(cfg.training.activation_checkpointing ||
                                      cfg.fsdp.fsdp_activation_checkpointing);
+  std::unique_ptr<Fp8Training> fp8 =
+      cfg.mixed_precision == "fp8" ? apply_fp8(model, cfg.fp8, device) : nullptr;
   std::unique_ptr<Strategy> strategy = make_strategy(cfg, dist.pg, cdt);
   OptimizerOptions oo;
   oo.name = cfg.optimizer.name;
@@ -282,6 +297,7 @@ int train(const TrainOptions& opt) {
                  device.str().c_str(), cfg.mixed_precision.c_str(), strategy->name().c_str(), world,
                  data.train->describe().c_str(), static_cast<long long>(tokens_per_step),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count());
+  if (main_rank && fp8) std::fprintf(stderr, "%s\n", fp8->describe().c_str());
 
   MetricsLog metrics((fs::path(out_dir) / cfg.logging.metrics_file).string(), main_rank, resuming);
   Progress progress(cfg.training.progress, cfg.training.max_steps, step, main_rank);
@@ -294,6 +310,7 @@ int train(const TrainOptions& opt) {
     st.world_size = world;
     st.data_position = data.train->position();
     st.loss_scale = loss_scale;
+    st.extra = strategy->checkpoint_manifest();
     std::string dir = save_checkpoint(out_dir, st, strategy->full_state_dict(), mc,
                                       strategy->optimizer_state(), config_yaml, writer,
                                       cfg.checkpoint.keep_last);
@@ -302,6 +319,7 @@ int train(const TrainOptions& opt) {
   auto evaluate = [&]() -> double {
     if (!data.eval) return NAN;
     NoGradGuard no_grad;
+    Fp8EvalScope fp8_eval(fp8.get());
     DataPosition start = data.eval->position();
     double total = 0;
     int64_t n = std::min(cfg.training.eval_batches, data.eval->batches_per_epoch());
@@ -318,6 +336,8 @@ int train(const TrainOptions& opt) {
   auto last_log = train_start;
   int64_t last_log_step = step;
   double last_loss = NAN, last_eval = NAN;
+  CommStats last_comm;
+  if (dist.pg) last_comm = dist.pg->stats();
   reset_peak_memory_stats(device);
   while (step < cfg.training.max_steps) {
     double lr = sched.at(step);
@@ -335,6 +355,7 @@ int train(const TrainOptions& opt) {
       strategy->end_micro_batch();
     }
     StepResult r = strategy->step(lr, cfg.optimizer.grad_clip, 1.0 / loss_scale);
+    if (fp8) fp8->step_end(dist.pg.get());  // delayed scaling: amax all-reduce, new scales
     ++step;
     double loss = dist.mean_across_ranks(loss_sum / static_cast<double>(accum), device);
     if (cdt == DType::F16) {
@@ -363,6 +384,7 @@ int train(const TrainOptions& opt) {
       auto now = std::chrono::steady_clock::now();
       double dt = std::chrono::duration<double>(now - last_log).count();
       double tps = dt > 0 ? static_cast<double>((step - last_log_step) * tokens_per_step) / dt : 0;
+      const int64_t steps_logged = step - last_log_step;
       last_log = now;
       last_log_step = step;
       StepReport rep;
@@ -385,6 +407,7 @@ int train(const TrainOptions& opt) {
                           {"elapsed_s", rep.elapsed_s},
                           {"skipped_steps", skipped_steps}};
       if (cdt == DType::F16) j["loss_scale"] = loss_scale;
+      if (dist.pg) j["comm_wire_bytes_per_step"] = comm_delta(dist.pg->stats(), last_comm, steps_logged);
       if (std::isfinite(last_eval)) j["eval_loss"] = last_eval;
       metrics.write(j);
     }
@@ -397,6 +420,38 @@ int train(const TrainOptions& opt) {
   double final_eval = cfg.training.eval_every > 0 ? evaluate() : NAN;
   double train_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
+  // Every rank's peak memory by category, for the summary (accel-bench reads it).
+  std::vector<nlohmann::json> rank_memory{memory_json(device)};
+  if (dist.pg) {
+    MemoryStats ms = memory_stats(device);
+    std::vector<double> mine(ms.peak.begin(), ms.peak.end());
+    mine.push_back(static_cast<double>(ms.peak_total));
+    const int64_t n = static_cast<int64_t>(mine.size());
+    Tensor in = Tensor::from_vector(mine, {n}, DType::F64);
+    Tensor all = Tensor::empty({n * world}, DType::F64);
+    if (dist.pg->backend() == "nccl") {
+      in = in.to(device);
+      all = all.to(device);
+    }
+    dist.pg->all_gather(all, in)->wait();
+    std::vector<double> v = all.to_vector();
+    rank_memory.clear();
+    for (int r = 0; r < world; ++r) {
+      nlohmann::json j;
+      for (int i = 0; i < kNumMemCategories; ++i)
+        j[mem_category_name(static_cast<MemCategory>(i))] = static_cast<int64_t>(v[r * n + i]);
+      j["total"] = static_cast<int64_t>(v[r * n + n - 1]);
+      rank_memory.push_back(j);
+    }
+  }
+  // With sharded parameters (ZeRO-3) every forward is collective: all ranks sample together.
+  std::string sample_text;
+  if (cfg.training.sample_tokens > 0 && tokenizer &&
+      (main_rank || strategy->forward_is_collective())) {
+    Fp8EvalScope fp8_eval(fp8.get());
+    sample_text = greedy_sample(model, *tokenizer, cfg.training.sample_prompt,
+                                cfg.training.sample_tokens, device);
+  }
   if (main_rank) {
     nlohmann::json summary = {{"summary", true},
                               {"steps", step},
@@ -404,6 +459,10 @@ int train(const TrainOptions& opt) {
                               {"train_seconds", train_s},
                               {"skipped_steps", skipped_steps},
                               {"peak_memory_bytes", memory_json(device)},
+                              {"peak_memory_bytes_per_rank", rank_memory},
+                              {"tokens_per_step", tokens_per_step},
+                              {"flops_per_token", flops_per_token},
+                              {"num_parameters", mc.num_parameters()},
                               {"world_size", world},
                               {"strategy", strategy->name()}};
     if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
@@ -412,11 +471,9 @@ int train(const TrainOptions& opt) {
                  static_cast<long long>(step), last_loss,
                  std::isfinite(final_eval) ? (", eval loss " + std::to_string(final_eval)).c_str() : "",
                  train_s, format_bytes(memory_stats(device).peak_total).c_str());
-    if (cfg.training.sample_tokens > 0 && tokenizer) {
-      std::string text = greedy_sample(model, *tokenizer, cfg.training.sample_prompt,
-                                       cfg.training.sample_tokens, device);
-      std::fprintf(stderr, "sample (greedy): %s%s\n", cfg.training.sample_prompt.c_str(), text.c_str());
-    }
+    if (!sample_text.empty())
+      std::fprintf(stderr, "sample (greedy): %s%s\n", cfg.training.sample_prompt.c_str(),
+                   sample_text.c_str());
   }
   dist.barrier();
   return 0;

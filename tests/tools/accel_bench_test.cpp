@@ -1,0 +1,83 @@
+// accel-bench on the CPU: combinations run in their own processes, skipped and failed ones are
+// reported while the others still run, and the JSON, markdown and SVG outputs are written.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tools/trainer/bench_report.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+TEST(AccelBench, RunsSkipsAndReportsFailuresWithoutStopping) {
+  fs::path d = fs::temp_directory_path() / ("accel_bench_test_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  std::ofstream(d / "tiny.yaml") << R"(
+model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,
+        intermediate_size: 64, vocab_size: 64, max_position_embeddings: 64}
+training: {seed: 3, micro_batch_size: 2, seq_len: 16, device: cpu}
+data: {source: synthetic}
+)";
+  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-bench --config " + (d / "tiny.yaml").string() +
+                    " --strategies single,ddp,fsdp-fp8 --precisions no,bogus --steps 3 --warmup 1" +
+                    " --num-processes 2 --work-dir " + (d / "work").string() + " --json " +
+                    (d / "r.json").string() + " --chart " + (d / "r.svg").string() +
+                    " --markdown " + (d / "r.md").string() + " > " + (d / "out.txt").string() +
+                    " 2>&1";
+  int status = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 1);  // the bogus precision fails
+  std::ifstream in(d / "r.json");
+  nlohmann::json rows = nlohmann::json::parse(in);
+  ASSERT_EQ(rows.size(), 6u);
+  int ok = 0, skipped = 0, failed = 0;
+  for (const auto& r : rows) {
+    std::string s = r["status"];
+    if (s == "ok") {
+      ++ok;
+      EXPECT_EQ(r["precision"], "no");
+      EXPECT_GT(r["tokens_per_s"].get<double>(), 0);
+      EXPECT_GT(r["peak_bytes_max_rank"].get<int64_t>(), 0);
+      EXPECT_GT(r["final_loss"].get<double>(), 0);
+      if (r["strategy"] == "ddp") {
+        EXPECT_EQ(r["world_size"], 2);
+        EXPECT_GT(r["comm_wire_bytes_per_step"]["all_reduce"].get<int64_t>(), 0);
+      }
+    } else if (s == "skipped") {
+      ++skipped;
+      EXPECT_EQ(r["strategy"], "fsdp-fp8");
+      EXPECT_NE(r["reason"].get<std::string>().find("needs precision fp8"), std::string::npos);
+    } else {
+      ++failed;
+      EXPECT_EQ(r["precision"], "bogus");
+      EXPECT_NE(r["reason"].get<std::string>().find("mixed_precision"), std::string::npos)
+          << r["reason"];
+    }
+  }
+  EXPECT_EQ(ok, 2);
+  EXPECT_EQ(skipped, 2);
+  EXPECT_EQ(failed, 2);
+  std::ifstream svg(d / "r.svg");
+  std::string first;
+  std::getline(svg, first);
+  EXPECT_EQ(first.rfind("<svg", 0), 0u);
+  std::ifstream md(d / "r.md");
+  std::getline(md, first);
+  EXPECT_EQ(first.rfind("| strategy |", 0), 0u) << first;
+}
+
+TEST(BenchReport, ModelStateFormulasMatchTheZeroPaper) {
+  const int64_t P = 1000000;
+  EXPECT_EQ(accel::expected_model_state_bytes("ddp", "bf16", P, 4), 16 * P);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero1", "bf16", P, 4), 4 * P + 12 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero2", "bf16", P, 4), 2 * P + 14 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero3", "bf16", P, 4), 16 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("fsdp", "bf16", P, 4), 16 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("ddp", "no", P, 4), 16 * P);
+}
+
+}  // namespace

@@ -1,0 +1,43 @@
+// accel-bench's results: one row per (strategy, precision) combination, read from the metrics.jsonl
+// of the accel-train run that measured it, and rendered as a table, JSON, markdown and an SVG chart.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace accel {
+
+struct BenchRow {
+  std::string strategy, precision;
+  std::string status = "ok";  // ok | skipped | failed
+  std::string reason;         // why skipped or failed
+  int world_size = 1;
+  double tokens_per_s = 0, tokens_per_s_per_device = 0;
+  double step_ms_median = 0, step_ms_p90 = 0;
+  double mfu = -1;  // < 0: unknown
+  double final_loss = 0;
+  int64_t peak_bytes_max_rank = 0;  // the largest per-rank peak
+  nlohmann::json peak_by_category;  // rank 0's peak bytes by category
+  int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
+  nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
+};
+
+// Fills the measured fields of `row` from a run's metrics.jsonl, ignoring the first `warmup`
+// steps. Throws std::runtime_error when the file lacks what is needed.
+void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double peak_flops,
+                        BenchRow& row);
+
+// Model-state bytes per rank by the ZeRO paper's formulas (ALGORITHMS.md 1.1) for P parameters
+// on N ranks: single/ddp 16P (fp32 or 16-bit compute: 4P weights + 4P/2P grads + 8P Adam),
+// zero1 4P + 12P/N, zero2 2P + 14P/N, zero3/fsdp 16P/N, for 16-bit compute with fp32 Adam; with
+// fp32 compute the 16-bit copies are absent.
+int64_t expected_model_state_bytes(const std::string& strategy, const std::string& precision,
+                                   int64_t params, int world);
+
+std::string bench_table(const std::vector<BenchRow>& rows);     // aligned text for a terminal
+std::string bench_markdown(const std::vector<BenchRow>& rows);  // a markdown table for the docs
+nlohmann::json bench_json(const std::vector<BenchRow>& rows);
+std::string bench_svg(const std::vector<BenchRow>& rows, const std::string& title);
+
+}  // namespace accel
