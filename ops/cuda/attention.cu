@@ -84,8 +84,8 @@ __global__ void attn_fwd_generic(AttnParams p, T* __restrict__ out, float* __res
       s = dot * p.scale;
     }
     const float m_new = fmaxf(m, warp_max(s));
-    const float alpha = __expf(m - m_new);  // m == -inf on the first tile: 0
-    const float pj = s == -INFINITY ? 0.f : __expf(s - m_new);
+    const float alpha = exp_for<T>(m - m_new);  // m == -inf on the first tile: 0
+    const float pj = s == -INFINITY ? 0.f : exp_for<T>(s - m_new);
     l = l * alpha + warp_sum(pj);
 #pragma unroll
     for (int t = 0; t < kMaxT; ++t) acc[t] *= alpha;
@@ -169,7 +169,7 @@ __global__ void attn_bwd_dq_generic(AttnParams p, T* __restrict__ dq, const T* _
         dot += qr[c] * kr[c];
         dp += dr[c] * vr[c];
       }
-      const float pj = __expf(dot * p.scale - row_lse);
+      const float pj = exp_for<T>(dot * p.scale - row_lse);
       ds = pj * (dp - row_delta);
     }
     for (int jj = 0; jj < kTile; ++jj) {
@@ -244,7 +244,7 @@ __global__ void attn_bwd_dkv_generic(AttnParams p, T* __restrict__ dk, T* __rest
           dot += qr[c] * kr[c];
           dp += dr[c] * vr[c];
         }
-        pj = __expf(dot * p.scale - lse_s[lane]);
+        pj = exp_for<T>(dot * p.scale - lse_s[lane]);
         ds = pj * (dp - delta_s[lane]);
       }
       for (int ii = 0; ii < kTile; ++ii) {

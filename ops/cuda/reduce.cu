@@ -165,15 +165,17 @@ namespace {
 struct MaxSum {
   float m, s;
 };
+template <class T>
 __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   if (a.m == -INFINITY) return b;
   if (b.m == -INFINITY) return a;
   float m = fmaxf(a.m, b.m);
-  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+  return {m, a.s * exp_for<T>(a.m - m) + b.s * exp_for<T>(b.m - m)};
 }
+template <class T>
 __device__ __forceinline__ MaxSum add_value(MaxSum a, float v) {
-  if (v > a.m) return {v, a.s * __expf(a.m - v) + 1.0f};
-  return {a.m, a.s + __expf(v - a.m)};
+  if (v > a.m) return {v, a.s * exp_for<T>(a.m - v) + 1.0f};
+  return {a.m, a.s + exp_for<T>(v - a.m)};
 }
 
 // Row statistics over `len` values of row (block-wide), result in every thread.
@@ -194,16 +196,17 @@ __device__ MaxSum row_max_sum(const T* __restrict__ row, int64_t len) {
       for (int k = 0; k < N; ++k) mloc = fmaxf(mloc, to_f(buf[k]));
       float sloc = 0.f;
 #pragma unroll
-      for (int k = 0; k < N; ++k) sloc += __expf(to_f(buf[k]) - mloc);
-      acc = merge(acc, MaxSum{mloc, sloc});
+      for (int k = 0; k < N; ++k) sloc += exp_for<T>(to_f(buf[k]) - mloc);
+      acc = merge<T>(acc, MaxSum{mloc, sloc});
     }
     done = nv * N;
   }
-  for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x) acc = add_value(acc, to_f(row[i]));
+  for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x)
+    acc = add_value<T>(acc, to_f(row[i]));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
-    acc = merge(acc, other);
+    acc = merge<T>(acc, other);
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();
@@ -213,7 +216,7 @@ __device__ MaxSum row_max_sum(const T* __restrict__ row, int64_t len) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
-    acc = merge(acc, other);
+    acc = merge<T>(acc, other);
   }
   return acc;
 }
@@ -264,7 +267,7 @@ __global__ void cross_entropy_kernel(L* __restrict__ loss, T* __restrict__ grad,
         *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(xr)[i];
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-          float p = __expf(to_f(buf[k]) - lse);
+          float p = exp_for<T>(to_f(buf[k]) - lse);
           if (i * N + k == t) p -= 1.0f;
           buf[k] = from_f<T>(bad ? NAN : p * grad_scale);
         }
@@ -273,7 +276,7 @@ __global__ void cross_entropy_kernel(L* __restrict__ loss, T* __restrict__ grad,
       done = nv * N;
     }
     for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x) {
-      float p = __expf(to_f(xr[i]) - lse);
+      float p = exp_for<T>(to_f(xr[i]) - lse);
       if (i == t) p -= 1.0f;
       gr[i] = from_f<T>(bad ? NAN : p * grad_scale);
     }
