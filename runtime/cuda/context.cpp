@@ -17,7 +17,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -220,9 +219,12 @@ class DeviceAllocator {
 
   void record_stream(void* p, cudaStream_t s) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(p);
-    if (it == live_.end())
-      throw std::invalid_argument("record_stream: pointer is not the start of a live CUDA block");
+    // The block that contains p (p may point into a view of a larger storage).
+    auto it = live_.upper_bound(p);
+    if (it != live_.begin()) --it;
+    if (it == live_.end() || p < it->first ||
+        static_cast<char*>(p) >= static_cast<char*>(it->first) + it->second.cls)
+      throw std::invalid_argument("record_stream: pointer is not inside a live CUDA block");
     if (s == it->second.stream) return;
     auto& u = it->second.used_on;
     if (std::find(u.begin(), u.end(), s) == u.end()) u.push_back(s);
@@ -340,7 +342,7 @@ class DeviceAllocator {
   int device_;
   std::mutex mu_;
   std::map<std::pair<cudaStream_t, size_t>, std::vector<void*>> free_;
-  std::unordered_map<void*, Block> live_;
+  std::map<void*, Block> live_;  // ordered: record_stream looks up interior pointers
   std::deque<PendingFree> pending_;
   std::map<cudaStream_t, std::pair<char*, size_t>> bump_;  // current small segment per stream
   std::vector<char*> segments_;

@@ -79,8 +79,9 @@ int sm_count(int device = current_device());
 void* pinned_alloc(size_t nbytes);
 void pinned_free(void* p);
 
-// Tells the allocator that the device block starting at `p` is used by `stream` (not the stream
-// it was allocated on), so freeing it waits for that stream's work before the block is reused.
+// Tells the allocator that the device block containing `p` (any address inside it, e.g. a view's
+// data pointer) is used by `stream` (not the stream it was allocated on), so freeing it waits for
+// that stream's work before the block is reused.
 void record_stream(void* p, cudaStream_t stream);
 
 struct AllocatorStats {

@@ -73,7 +73,10 @@ TEST(CudaRuntime, RecordStreamDelaysReuse) {
   {
     Tensor t = Tensor::empty({4096}, DType::F32, gpu());
     cuda::record_stream(t.data_ptr(), side);
+    Tensor view = t.as_strided({100}, {1}, 1000);  // an interior pointer names the same block
+    cuda::record_stream(view.data_ptr(), side);
   }
+  EXPECT_THROW(cuda::record_stream(reinterpret_cast<void*>(16), side), std::invalid_argument);
   Tensor u = Tensor::empty({4096}, DType::F32, gpu());  // must not crash, may or may not reuse
   u.fill_(1.0);
   EXPECT_EQ(u.to_vector()[17], 1.0);
