@@ -12,6 +12,7 @@
 #include "ops/backend.h"
 #include "runtime/tensor.h"
 #ifdef ACCEL_WITH_CUDA
+#include "ops/cuda/cuda_backend.h"
 #include "runtime/cuda/context.h"
 #endif
 
@@ -170,6 +171,12 @@ int main(int argc, char** argv) {
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
     ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
     row_flops("attention bwd", ms, 2.5 * fwd_flops);
+    cuda::set_attention_impl("generic");
+    ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    row_flops("attention fwd (generic kernel)", ms, fwd_flops);
+    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    row_flops("attention bwd (generic kernel)", ms, 2.5 * fwd_flops);
+    cuda::set_attention_impl("auto");
   }
   const cuda::AllocatorStats st = cuda::allocator_stats(0);
   std::printf("\nallocator: %lld cudaMalloc calls for %lld requests, %.1f GiB reserved at peak\n",
