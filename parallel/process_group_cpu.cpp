@@ -423,32 +423,38 @@ void Transport::connect_mesh(const std::string& my_address) {
       accept_one();
       asio::async_read(
           in->sock, asio::buffer(in->hello), [&, in](boost::system::error_code e, size_t) {
-            if (e || std::memcmp(in->hello, kPeerHello, sizeof(kPeerHello)) != 0) return;
+            // A stranger, a duplicate or garbage: refuse it and keep accepting.
+            auto reject = [in] {
+              boost::system::error_code ignored;
+              in->sock.close(ignored);
+            };
+            if (e || std::memcmp(in->hello, kPeerHello, sizeof(kPeerHello)) != 0) return reject();
             uint32_t f[4];
             std::memcpy(f, in->hello + sizeof(kPeerHello), 16);
-            if (f[3] > kMaxTokenBytes) return;
+            if (f[3] > kMaxTokenBytes) return reject();
             in->token.resize(f[3]);
-            asio::async_read(
-                in->sock, asio::buffer(in->token),
-                [&, in, f0 = f[0], f1 = f[1], f2 = f[2]](boost::system::error_code e2, size_t) {
-                  if (e2) return;
-                  std::string got(in->token.begin(), in->token.end());
-                  unsigned char diff = got.size() != token.size();
-                  for (size_t i = 0; i < got.size() && i < token.size(); ++i)
-                    diff |= got[i] ^ token[i];
-                  int from = static_cast<int>(f0);
-                  if (diff || f1 != static_cast<uint32_t>(rank_) ||
-                      f2 != static_cast<uint32_t>(size_) || from <= rank_ || from >= size_ ||
-                      peers_[from])
-                    return;  // `in` goes out of scope: the connection closes
-                  asio::async_write(in->sock, asio::buffer(&in->ack, 1),
-                                    [&, in, from](boost::system::error_code e3, size_t) {
-                                      if (e3 || peers_[from]) return;
-                                      peers_[from] =
-                                          std::make_unique<Peer>(from, std::move(in->sock));
-                                      ++connected;
-                                    });
-                });
+            asio::async_read(in->sock, asio::buffer(in->token),
+                             [&, in, reject, f0 = f[0], f1 = f[1], f2 = f[2]](
+                                 boost::system::error_code e2, size_t) {
+                               if (e2) return reject();
+                               std::string got(in->token.begin(), in->token.end());
+                               unsigned char diff = got.size() != token.size();
+                               for (size_t i = 0; i < got.size() && i < token.size(); ++i)
+                                 diff |= got[i] ^ token[i];
+                               int from = static_cast<int>(f0);
+                               if (diff || f1 != static_cast<uint32_t>(rank_) ||
+                                   f2 != static_cast<uint32_t>(size_) || from <= rank_ ||
+                                   from >= size_ || peers_[from])
+                                 return reject();
+                               asio::async_write(
+                                   in->sock, asio::buffer(&in->ack, 1),
+                                   [&, in, from](boost::system::error_code e3, size_t) {
+                                     if (e3 || peers_[from]) return;
+                                     peers_[from] =
+                                         std::make_unique<Peer>(from, std::move(in->sock));
+                                     ++connected;
+                                   });
+                             });
           });
     });
   };
@@ -676,14 +682,21 @@ void Transport::abort(const std::string& reason) {
   if (aborted_) return;
   aborted_ = true;
   abort_reason_ = reason;
-  // Record the first failure of the job so later failures can point at the root cause; the
-  // store may be gone too (rank 0 died), so this is best effort.
+  // Record the first failure of the job so later failures can point at the root cause. The
+  // store is served by rank 0, so when it is gone too that points at rank 0.
+  int64_t n = 0;
   try {
-    int64_t n = diag_store_->add(prefix_ + "/failures", 1);
+    n = diag_store_->add(prefix_ + "/failures", 1);
+  } catch (const std::exception&) {
+    if (rank_ != 0)
+      abort_reason_ +=
+          " [the rendezvous store served by rank 0 is unreachable too: rank 0 exited or crashed]";
+  }
+  try {
     std::string mine = "rank " + std::to_string(rank_) + ": " + reason;
     if (n == 1) {
       diag_store_->set(prefix_ + "/failure/1", mine);
-    } else {
+    } else if (n > 1) {
       std::string first = diag_store_->get(prefix_ + "/failure/1", Millis(2000));
       if (first != mine) abort_reason_ += " [first failure in the job: " + first + "]";
     }

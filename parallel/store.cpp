@@ -513,6 +513,11 @@ struct TcpStore::Client {
 
   // Sends one request and returns the response payload after its status byte.
   std::vector<char> request(Writer& w, Clock::time_point deadline, const std::string& what) {
+    if (w.buf.size() - 4 > max_frame)
+      throw DistributedError("rendezvous store: " + what + ": request of " +
+                             std::to_string(w.buf.size() - 4) +
+                             " bytes exceeds the frame limit of " + std::to_string(max_frame) +
+                             " bytes (StoreOptions::max_frame_bytes)");
     std::lock_guard<std::mutex> lock(mu);
     std::vector<char> reply = exchange(w.frame(), deadline, what);
     Reader r(reply);

@@ -1,0 +1,218 @@
+// Shared by the strategy tests: a tiny Llama, deterministic token batches split over ranks the way
+// the data loader splits them, a training loop that calls the strategy as the trainer does, and
+// tolerant comparisons against the single-process run.
+#pragma once
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/llama.h"
+#include "parallel/ddp.h"
+#include "parallel/strategy.h"
+#include "parallel/zero.h"
+#include "tests/parallel/harness.h"
+
+namespace accel::testing {
+
+inline LlamaConfig tiny_llama(int64_t layers = 2) {
+  LlamaConfig c;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.vocab_size = 64;
+  c.max_position_embeddings = 32;
+  return c;
+}
+
+struct RunSpec {
+  std::string strategy = "single";  // single | ddp | zero1 | zero2 | zero3
+  int world = 1;
+  int accum = 1;
+  int steps = 10;
+  int64_t global_batch = 12;  // rows per micro-batch over all ranks (divisible by 2, 3, 4)
+  int64_t seq = 8;
+  int64_t layers = 2;
+  DType compute = DType::F32;
+  double bucket_cap_mb = 0.01;  // ~2.6k fp32 elements: about a dozen buckets in the tiny model
+  bool find_unused = false;
+  bool offload_optimizer = false;
+  bool save_16bit = false;
+  bool activation_checkpointing = false;
+  double lr = 1e-2, clip = 1.0;
+  uint64_t seed = 7;
+};
+
+inline std::unique_ptr<Strategy> make_test_strategy(const RunSpec& s,
+                                                    std::shared_ptr<ProcessGroup> pg) {
+  if (s.strategy == "single") return std::make_unique<SingleProcessStrategy>(s.compute);
+  if (s.strategy == "ddp")
+    return std::make_unique<DdpStrategy>(pg, s.compute, s.bucket_cap_mb, s.find_unused);
+  DataParallelOptions o;
+  o.zero_stage = s.strategy.back() - '0';
+  o.compute_dtype = s.compute;
+  o.bucket_cap_mb = s.bucket_cap_mb;
+  o.find_unused_parameters = s.find_unused;
+  o.offload_optimizer = s.offload_optimizer;
+  o.save_16bit_model = s.save_16bit;
+  return std::make_unique<ZeroStrategy>(pg, o);
+}
+
+inline OptimizerOptions test_optimizer() {
+  OptimizerOptions o;
+  o.name = "adamw";
+  o.beta1 = 0.9;
+  o.beta2 = 0.95;
+  o.eps = 1e-8;
+  o.weight_decay = 0.1;
+  return o;
+}
+
+// Tokens of global row `row` of micro-batch `micro` of step `step`: seq + 1 of them. Mostly a
+// fixed successor rule (learnable, so the loss falls), sometimes a random token.
+inline std::vector<int64_t> sample_tokens(int step, int micro, int64_t row, int64_t seq,
+                                          int64_t vocab) {
+  std::vector<int64_t> t(static_cast<size_t>(seq + 1));
+  uint64_t x = 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(step) << 40) ^
+               (static_cast<uint64_t>(micro) << 32) ^ static_cast<uint64_t>(row);
+  auto next = [&x] {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 29;
+    x += 0x632be59b;
+    return x;
+  };
+  for (size_t i = 0; i < t.size(); ++i) {
+    uint64_t r = next();
+    if (i == 0 || r % 4 == 0)
+      t[i] = static_cast<int64_t>((r >> 8) % static_cast<uint64_t>(vocab));
+    else
+      t[i] = (t[i - 1] * 5 + 3) % vocab;
+  }
+  return t;
+}
+
+// This rank's rows of the global micro-batch: [ids, labels], each [rows, seq].
+inline std::pair<Tensor, Tensor> rank_batch(const RunSpec& s, int step, int micro, int rank,
+                                            int64_t vocab) {
+  const int64_t rows = s.global_batch / s.world;
+  std::vector<int64_t> ids, labels;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int64_t> t = sample_tokens(step, micro, rank * rows + r, s.seq, vocab);
+    ids.insert(ids.end(), t.begin(), t.end() - 1);
+    labels.insert(labels.end(), t.begin() + 1, t.end());
+  }
+  return {Tensor::from_vector(ids, {rows, s.seq}), Tensor::from_vector(labels, {rows, s.seq})};
+}
+
+struct Trainee {
+  std::unique_ptr<LlamaForCausalLM> model;
+  std::unique_ptr<Strategy> strategy;
+};
+
+inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
+                            uint64_t model_seed) {
+  Trainee t;
+  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(),
+                                               model_seed);
+  t.model->set_activation_checkpointing(s.activation_checkpointing);
+  t.strategy = make_test_strategy(s, pg);
+  t.strategy->setup(*t.model, test_optimizer());
+  return t;
+}
+
+// One optimizer step as the trainer runs it; returns the global mean loss.
+inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, ProcessGroup* pg,
+                         double* grad_norm = nullptr) {
+  double loss_sum = 0;
+  for (int micro = 0; micro < s.accum; ++micro) {
+    t.strategy->begin_micro_batch(micro == s.accum - 1);
+    auto [ids, labels] = rank_batch(s, step, micro, rank, t.model->config.vocab_size);
+    Tensor loss = LlamaForCausalLM::loss(t.model->forward(ids), labels);
+    loss_sum += loss.item();
+    mul(loss, 1.0 / s.accum).backward();
+    t.strategy->end_micro_batch();
+  }
+  StepResult r = t.strategy->step(s.lr, s.clip, 1.0);
+  if (grad_norm) *grad_norm = r.grad_norm;
+  double loss = loss_sum / s.accum;
+  if (pg && pg->size() > 1) {
+    Tensor v = Tensor::full({1}, loss, DType::F64);
+    pg->all_reduce(v, ReduceOp::Avg)->wait();
+    loss = v.item();
+  }
+  return loss;
+}
+
+using Weights = std::vector<std::pair<std::string, Tensor>>;
+
+// Full fp32 weights whatever the strategy (ZeRO-3 gathers its master shards).
+inline Weights full_weights(Strategy& s) {
+  if (auto* f = dynamic_cast<FlatDataParallel*>(&s)) return f->gather_fp32_weights();
+  return s.full_state_dict();
+}
+
+// max |a - b| <= rel * max |b| for every tensor; "" or the first mismatch.
+inline std::string compare_weights(const Weights& got, const Weights& want, double rel) {
+  std::map<std::string, Tensor> g(got.begin(), got.end());
+  if (got.size() != want.size())
+    return "got " + std::to_string(got.size()) + " tensors, want " + std::to_string(want.size());
+  for (const auto& [name, w] : want) {
+    auto it = g.find(name);
+    if (it == g.end()) return "missing " + name;
+    std::vector<double> a = it->second.to_vector(), b = w.to_vector();
+    if (a.size() != b.size()) return name + ": size differs";
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, std::abs(a[i] - b[i]));
+      scale = std::max(scale, std::abs(b[i]));
+    }
+    if (!(diff <= rel * scale))
+      return name + ": max |diff| " + std::to_string(diff) + " vs max |ref| " +
+             std::to_string(scale);
+  }
+  return "";
+}
+
+struct RunResult {
+  std::vector<double> losses, grad_norms;
+  Weights final_weights;  // cloned
+};
+
+// The whole run on one rank of `pg` (or alone when pg is null).
+inline RunResult run_training(const RunSpec& s, std::shared_ptr<ProcessGroup> pg, int rank,
+                              uint64_t model_seed) {
+  Trainee t = make_trainee(s, pg, model_seed);
+  RunResult out;
+  for (int step = 0; step < s.steps; ++step) {
+    double norm = 0;
+    out.losses.push_back(train_step(s, t, step, rank, pg.get(), &norm));
+    out.grad_norms.push_back(norm);
+  }
+  for (auto& [name, w] : full_weights(*t.strategy)) out.final_weights.push_back({name, w.clone()});
+  return out;
+}
+
+// "" or the first step whose loss differs by more than rel.
+inline std::string compare_losses(const std::vector<double>& got, const std::vector<double>& want,
+                                  double rel) {
+  if (got.size() != want.size()) return "different number of steps";
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(std::abs(got[i] - want[i]) <= rel * std::abs(want[i])))
+      return "step " + std::to_string(i + 1) + ": loss " + std::to_string(got[i]) + " vs " +
+             std::to_string(want[i]);
+  return "";
+}
+
+inline bool close_rel(double a, double b, double rel) {
+  return std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
+}
+
+}  // namespace accel::testing
