@@ -10,6 +10,7 @@
 // Causal masking is bottom-right aligned when the key count differs from the query count, as in
 // the CPU reference: query i sees keys j < i + 1 + (Sk - Sq).
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -21,7 +22,11 @@ namespace accel {
 namespace cuda {
 namespace {
 
-bool g_force_generic = false;
+// ACCEL_ATTENTION=generic forces the generic kernels (a switch for debugging on a new GPU).
+bool g_force_generic = [] {
+  const char* e = std::getenv("ACCEL_ATTENTION");
+  return e && std::strcmp(e, "generic") == 0;
+}();
 
 constexpr int kRows = 4;   // warps (rows) per block
 constexpr int kTile = 32;  // columns per shared-memory tile

@@ -62,7 +62,8 @@ void set_allow_tf32(bool allow);
 bool allow_tf32();
 
 // Which attention kernels run: "auto" picks the tensor-core flash kernel for bf16/f16 with head
-// dim 64 or 128 and the generic tiled kernel otherwise; "generic" forces the latter (tests).
+// dim 64 or 128 and the generic tiled kernel otherwise; "generic" forces the latter (tests; the
+// environment variable ACCEL_ATTENTION=generic sets it at start).
 void set_attention_impl(const char* impl);
 
 // AdamW over many tensors in one launch per (dtype pair): the same math as adamw_step for each i.
