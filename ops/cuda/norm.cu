@@ -15,36 +15,45 @@ __host__ __device__ constexpr int vec_n() {
   return 16 / sizeof(T);
 }
 
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float* f) {  // vec_n<T>() values
-  constexpr int N = vec_n<T>();
-  T buf[N];
-  *reinterpret_cast<uint4*>(buf) = *reinterpret_cast<const uint4*>(p);
+// N values: one 16-byte access when N == vec_n<T>(), else element by element (N == 1).
+template <class T, int N>
+__device__ __forceinline__ void loadn(const T* p, float* f) {
+  if constexpr (N == vec_n<T>()) {
+    T buf[N];
+    *reinterpret_cast<uint4*>(buf) = *reinterpret_cast<const uint4*>(p);
 #pragma unroll
-  for (int k = 0; k < N; ++k) f[k] = to_f(buf[k]);
+    for (int k = 0; k < N; ++k) f[k] = to_f(buf[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = to_f(p[k]);
+  }
 }
-template <class T>
-__device__ __forceinline__ void store8(T* p, const float* f) {
-  constexpr int N = vec_n<T>();
-  T buf[N];
+template <class T, int N>
+__device__ __forceinline__ void storen(T* p, const float* f) {
+  if constexpr (N == vec_n<T>()) {
+    T buf[N];
 #pragma unroll
-  for (int k = 0; k < N; ++k) buf[k] = from_f<T>(f[k]);
-  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(buf);
+    for (int k = 0; k < N; ++k) buf[k] = from_f<T>(f[k]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(buf);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = from_f<T>(f[k]);
+  }
 }
 
-// D % vec_n == 0 and 16-byte aligned rows (checked on the host), one block per row.
-template <class T>
+// N = vec_n when D % vec_n == 0 and rows are 16-byte aligned (chosen on the host), else 1.
+// One block per row.
+template <class T, int N>
 __global__ void rms_norm_kernel(T* __restrict__ out, float* __restrict__ rstd,
                                 const T* __restrict__ x, const T* __restrict__ w, int64_t rows,
                                 int d, float eps) {
-  constexpr int N = vec_n<T>();
   __shared__ float sm[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * d;
     float ss = 0.f;
     for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
       float v[N];
-      load8(xr + j, v);
+      loadn<T, N>(xr + j, v);
 #pragma unroll
       for (int k = 0; k < N; ++k) ss += v[k] * v[k];
     }
@@ -54,23 +63,22 @@ __global__ void rms_norm_kernel(T* __restrict__ out, float* __restrict__ rstd,
     T* orow = out + r * d;
     for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
       float v[N], wv[N];
-      load8(xr + j, v);
-      load8(w + j, wv);
+      loadn<T, N>(xr + j, v);
+      loadn<T, N>(w + j, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) v[k] = wv[k] * rnd<T>(v[k] * inv);
-      store8(orow + j, v);
+      storen<T, N>(orow + j, v);
     }
   }
 }
 
 // Each block handles a contiguous range of rows; grad_weight partials per block go to
 // partial[block][d] and a second kernel sums them.
-template <class T>
+template <class T, int N>
 __global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__ partial,
                                          const T* __restrict__ g, const T* __restrict__ x,
                                          const T* __restrict__ w, const float* __restrict__ rstd,
                                          int64_t rows, int d) {
-  constexpr int N = vec_n<T>();
   extern __shared__ float dw[];  // [d]
   __shared__ float sm[32];
   for (int j = threadIdx.x; j < d; j += blockDim.x) dw[j] = 0.f;
@@ -84,9 +92,9 @@ __global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__
     float dot = 0.f;
     for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
       float xv[N], gv[N], wv[N];
-      load8(xr + j, xv);
-      load8(gr + j, gv);
-      load8(w + j, wv);
+      loadn<T, N>(xr + j, xv);
+      loadn<T, N>(gr + j, gv);
+      loadn<T, N>(w + j, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         dot += xv[k] * wv[k] * gv[k];
@@ -98,12 +106,12 @@ __global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__
     const float c2 = inv * inv * dot / static_cast<float>(d);
     for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
       float xv[N], gv[N], wv[N], o[N];
-      load8(xr + j, xv);
-      load8(gr + j, gv);
-      load8(w + j, wv);
+      loadn<T, N>(xr + j, xv);
+      loadn<T, N>(gr + j, gv);
+      loadn<T, N>(w + j, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) o[k] = inv * (wv[k] * gv[k] - xv[k] * c2);
-      store8(gx + r * d + j, o);
+      storen<T, N>(gx + r * d + j, o);
     }
   }
   __syncthreads();
@@ -122,15 +130,16 @@ __global__ void sum_partials_kernel(T* __restrict__ gw, const float* __restrict_
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-void check_norm_layout(const char* op, int64_t d, DType t,
+// True when the 16-byte path applies: D a multiple of the vector width and aligned operands.
+bool check_norm_layout(const char* op, int64_t d, DType t,
                        std::initializer_list<const Tensor*> ts) {
   const int n = 16 / static_cast<int>(dtype_size(t));
-  require(d % n == 0, op,
-          "the last dim (" + std::to_string(d) + ") must be a multiple of " + std::to_string(n) +
-              " for the CUDA kernel");
-  for (const Tensor* p : ts)
-    require(p->is_contiguous() && aligned16(p->data_ptr()), op,
-            "operands must be contiguous and 16-byte aligned: " + p->str());
+  bool vec = d % n == 0;
+  for (const Tensor* p : ts) {
+    require(p->is_contiguous(), op, "operands must be contiguous: " + p->str());
+    vec = vec && aligned16(p->data_ptr());
+  }
+  return vec;
 }
 
 }  // namespace
@@ -145,13 +154,14 @@ void CudaBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& 
   const int64_t rows = d ? x.numel() / d : 0;
   if (rows == 0 || d == 0) return;
   Tensor wc = weight.is_contiguous() ? weight : weight.clone();
-  check_norm_layout("rms_norm", d, x.dtype(), {&out, &x, &wc});
+  const bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&out, &x, &wc});
   OpScope sc(x);
   const int threads = d >= 4096 ? 256 : 128;
   const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
   dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
     using T = decltype(t);
-    rms_norm_kernel<T><<<grid, threads, 0, sc.stream>>>(
+    auto kernel = vec ? rms_norm_kernel<T, vec_n<T>()> : rms_norm_kernel<T, 1>;
+    kernel<<<grid, threads, 0, sc.stream>>>(
         static_cast<T*>(out.data_ptr()), static_cast<float*>(rstd.data_ptr()),
         static_cast<const T*>(x.data_ptr()), static_cast<const T*>(wc.data_ptr()), rows,
         static_cast<int>(d), static_cast<float>(eps));
@@ -178,19 +188,19 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
   Tensor wc = weight.is_contiguous() ? weight : weight.clone();
   Tensor gc =
       grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
-  check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
-  if (grad_x.defined()) check_norm_layout("rms_norm", d, x.dtype(), {&grad_x});
+  bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
+  if (grad_x.defined()) vec = check_norm_layout("rms_norm", d, x.dtype(), {&grad_x}) && vec;
   const int threads = d >= 4096 ? 256 : 128;
   const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 2));
   DeviceBuffer partial(static_cast<size_t>(grid) * d * sizeof(float));
   const size_t smem = static_cast<size_t>(d) * sizeof(float);
   dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
     using T = decltype(t);
+    auto kernel = vec ? rms_norm_backward_kernel<T, vec_n<T>()> : rms_norm_backward_kernel<T, 1>;
     if (smem > 48 * 1024)
-      ACCEL_CUDA_CHECK(cudaFuncSetAttribute(rms_norm_backward_kernel<T>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+      ACCEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
-    rms_norm_backward_kernel<T><<<grid, threads, smem, sc.stream>>>(
+    kernel<<<grid, threads, smem, sc.stream>>>(
         grad_x.defined() ? static_cast<T*>(grad_x.data_ptr()) : nullptr, partial.as<float>(),
         static_cast<const T*>(gc.data_ptr()), static_cast<const T*>(x.data_ptr()),
         static_cast<const T*>(wc.data_ptr()), static_cast<const float*>(rstd.data_ptr()), rows,
