@@ -225,29 +225,37 @@ struct InvFreq {
 };
 
 // One thread per (row, pair i): x[i] and x[i + half].
+// One block per token position (b, s): cos/sin of its D/2 angles go to shared memory once, then
+// the block rotates the pairs (i, i + D/2) of all H heads.
 template <class T>
-__global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t rows, int s_len,
-                            int h_len, int half, int64_t position_offset, bool inverse,
+__global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t positions,
+                            int s_len, int h_len, int half, int64_t position_offset, bool inverse,
                             const InvFreq inv) {
-  const int64_t total = rows * half;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / half;
-    const int i = static_cast<int>(idx - r * half);
-    const int64_t s = (r / h_len) % s_len;
-    const float angle = static_cast<float>(position_offset + s) * inv.v[i];
-    float sn, cs;
-    sincosf(angle, &sn, &cs);
-    const T* xr = x + r * 2 * half;
-    T* orow = out + r * 2 * half;
-    const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
-    if (!inverse) {
-      const float c = rnd<T>(cs), sv = rnd<T>(sn);
-      orow[i] = from_f<T>(rnd<T>(x1 * c) + rnd<T>(-x2 * sv));
-      orow[i + half] = from_f<T>(rnd<T>(x2 * c) + rnd<T>(x1 * sv));
-    } else {
-      orow[i] = from_f<T>(x1 * cs + x2 * sn);
-      orow[i + half] = from_f<T>(x2 * cs - x1 * sn);
+  __shared__ float cos_s[kMaxRopeHalf], sin_s[kMaxRopeHalf];
+  for (int64_t pos = blockIdx.x; pos < positions; pos += gridDim.x) {
+    const int64_t s = pos % s_len;
+    __syncthreads();  // the previous position's tables are no longer read
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+      const float angle = static_cast<float>(position_offset + s) * inv.v[i];
+      sincosf(angle, &sin_s[i], &cos_s[i]);
+    }
+    __syncthreads();
+    const T* xp = x + pos * h_len * 2 * half;
+    T* op = out + pos * h_len * 2 * half;
+    for (int idx = threadIdx.x; idx < h_len * half; idx += blockDim.x) {
+      const int h = idx / half, i = idx - h * half;
+      const T* xr = xp + h * 2 * half;
+      T* orow = op + h * 2 * half;
+      const float cs = cos_s[i], sn = sin_s[i];
+      const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
+      if (!inverse) {
+        const float c = rnd<T>(cs), sv = rnd<T>(sn);
+        orow[i] = from_f<T>(rnd<T>(x1 * c) + rnd<T>(-x2 * sv));
+        orow[i + half] = from_f<T>(rnd<T>(x2 * c) + rnd<T>(x1 * sv));
+      } else {
+        orow[i] = from_f<T>(x1 * cs + x2 * sn);
+        orow[i + half] = from_f<T>(x2 * cs - x1 * sn);
+      }
     }
   }
 }
@@ -272,13 +280,14 @@ void CudaBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t
     inv.v[i] = 1.0f / std::pow(static_cast<float>(theta), expo);
   }
   OpScope sc(x);
-  const int64_t rows = x.numel() / d;
   dispatch_float(x.dtype(), "rope", [&](auto t) {
     using T = decltype(t);
-    rope_kernel<T><<<grid_for(rows * half, 256), 256, 0, sc.stream>>>(
-        static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), rows,
-        static_cast<int>(s_len), static_cast<int>(h_len), static_cast<int>(half), position_offset,
-        inverse, inv);
+    const int64_t positions = x.shape()[0] * s_len;
+    rope_kernel<T><<<static_cast<int>(std::min<int64_t>(positions, int64_t(sm_count()) * 16)), 256,
+                     0, sc.stream>>>(static_cast<T*>(out.data_ptr()),
+                                     static_cast<const T*>(x.data_ptr()), positions,
+                                     static_cast<int>(s_len), static_cast<int>(h_len),
+                                     static_cast<int>(half), position_offset, inverse, inv);
   });
   ACCEL_CUDA_CHECK_LAUNCH("rope");
 }
