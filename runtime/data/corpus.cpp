@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -76,19 +77,20 @@ bool is_ascii_alnum(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
 }
 
-// Feeds the text of `path` to the tokenizer in pieces of a few MB. A piece ends just after a
-// newline that is followed by an ASCII letter or digit: both the GPT-2 and the Llama 3 patterns
-// end a pre-token there, so the ids are those of the whole text at once.
-void tokenize_file(const std::string& path, const Tokenizer& tok,
+// Feeds the text of `path` to the tokenizer in pieces of about `piece_bytes`. A piece ends after
+// "x\n" where x is printable ASCII other than space and the next byte is an ASCII letter or digit:
+// there both the GPT-2 and the Llama 3 patterns end a pre-token whether or not more text follows
+// (the newline is a whitespace run of one, so the `\s+(?!\S)` lookahead matches it alone either
+// way), so the ids are those of the whole text at once.
+void tokenize_file(const std::string& path, const Tokenizer& tok, size_t piece_bytes,
                    const std::function<void(const std::vector<uint32_t>&)>& sink) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw std::runtime_error("text file '" + path + "': cannot open (" + strerror(errno) + ")");
   }
-  constexpr size_t kPiece = 4 << 20;
   std::string buf, carry;
   std::vector<uint32_t> ids;
-  std::vector<char> chunk(kPiece);
+  std::vector<char> chunk(std::max<size_t>(piece_bytes, 1));
   for (;;) {
     in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
     const size_t got = static_cast<size_t>(in.gcount());
@@ -100,8 +102,8 @@ void tokenize_file(const std::string& path, const Tokenizer& tok,
     size_t cut = buf.size();
     if (!eof) {
       cut = 0;
-      for (size_t i = buf.size() - 1; i > 0; --i) {
-        if (buf[i - 1] == '\n' && is_ascii_alnum(buf[i])) {
+      for (size_t i = buf.size() - 1; i > 1; --i) {
+        if (buf[i - 1] == '\n' && is_ascii_alnum(buf[i]) && buf[i - 2] > ' ' && buf[i - 2] < 127) {
           cut = i;
           break;
         }
@@ -192,7 +194,7 @@ ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const T
   RollingShardWriter train(train_dir, "train", o.shard_tokens, set.vocab_size);
   for (const std::string& file : text_files) {
     int64_t n = 0;
-    tokenize_file(file, tokenizer, [&](const std::vector<uint32_t>& ids) {
+    tokenize_file(file, tokenizer, o.read_piece_bytes, [&](const std::vector<uint32_t>& ids) {
       train.append(ids.data(), ids.size());
       n += static_cast<int64_t>(ids.size());
     });

@@ -18,6 +18,8 @@ struct TextShardOptions {
   double eval_fraction = 0.0;
   // Put the tokenizer's end-of-text token (if it has one) after each file's text.
   bool end_of_text_between_files = true;
+  // Text is read and tokenized in pieces of about this many bytes.
+  size_t read_piece_bytes = 4 << 20;
 };
 
 struct ShardSet {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/data/loader.h"
+#include "runtime/data/pretokenize.h"
 #include "runtime/data/shard.h"
 #include "runtime/data/tokenizer.h"
 #include "runtime/data/unicode.h"
@@ -95,7 +96,7 @@ TEST(Corpus, ByteShardsWithEvalSplitAndRolling) {
 }
 
 // A BPE with <|endoftext|> gets it after every file; big files are read in pieces, and the ids
-// equal those of encoding the whole text at once.
+// equal those of encoding the whole text at once, for both pre-tokenizer patterns.
 TEST(Corpus, BpePiecesEqualWholeTextAndEndOfText) {
   TempDir dir;
   nlohmann::json vocab = nlohmann::json::object();
@@ -108,25 +109,37 @@ TEST(Corpus, BpePiecesEqualWholeTextAndEndOfText) {
   vocab["he"] = 257;
   vocab["Ġthe"] = 258;
   vocab["ĊĊ"] = 259;
-  nlohmann::json j = {
-      {"added_tokens", {{{"id", 260}, {"content", "<|endoftext|>"}, {"special", true}}}},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"Ġ t", "h e", "Ġt he", "Ċ Ċ"}}}}};
-  write_bytes(dir.file("tokenizer.json"), j.dump());
-  auto tok = make_tokenizer(dir.file("tokenizer.json"));
+  nlohmann::json gpt2 = {{"type", "ByteLevel"}, {"add_prefix_space", false}};
+  nlohmann::json llama3 = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Split"}, {"pattern", {{"Regex", kLlama3SplitRegex}}}, {"behavior", "Isolated"}},
+        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  // Lines that end in a space, a non-ASCII space, punctuation, blank lines, digits after newlines.
+  const char* lines[] = {"the cat\n\n", "  and the\n", "the end \n", "x\u3000\n", "12 cats.\n",
+                         "\n",          "(the)\n",     "naïve\n",    "\t\n"};
   std::string big;
-  for (int i = 0; i < 500000; ++i) big += (i % 3 ? "the cat\n\n" : "  and the\n");
-  write_bytes(dir.file("big.txt"), big);  // > 4 MB: several pieces
+  for (int i = 0; i < 4000; ++i) big += lines[(i * 7 + i / 9) % 9];
+  write_bytes(dir.file("big.txt"), big);  // read in many 4 KB pieces
   write_bytes(dir.file("small.txt"), "the end");
-  TextShardOptions o;
-  o.out_dir = dir.file("out");
-  ShardSet set = tokenize_text_files({dir.file("big.txt"), dir.file("small.txt")}, *tok, o);
-  std::vector<uint32_t> expected = tok->encode(big);
-  expected.push_back(260);
-  for (uint32_t id : tok->encode("the end")) expected.push_back(id);
-  expected.push_back(260);
-  EXPECT_EQ(all_tokens(set.train_shards), expected);
-  EXPECT_EQ(TokenShard::open(set.train_shards[0])->token_bytes(), 2);
+  for (const auto& pre : {gpt2, llama3}) {
+    nlohmann::json j = {
+        {"added_tokens", {{{"id", 260}, {"content", "<|endoftext|>"}, {"special", true}}}},
+        {"pre_tokenizer", pre},
+        {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"Ġ t", "h e", "Ġt he", "Ċ Ċ"}}}}};
+    write_bytes(dir.file("tokenizer.json"), j.dump());
+    auto tok = make_tokenizer(dir.file("tokenizer.json"));
+    TextShardOptions o;
+    o.out_dir = dir.file("out");
+    o.read_piece_bytes = 4 << 10;
+    ShardSet set = tokenize_text_files({dir.file("big.txt"), dir.file("small.txt")}, *tok, o);
+    std::vector<uint32_t> expected = tok->encode(big);
+    expected.push_back(260);
+    for (uint32_t id : tok->encode("the end")) expected.push_back(id);
+    expected.push_back(260);
+    EXPECT_EQ(all_tokens(set.train_shards), expected) << pre.dump();
+    EXPECT_EQ(TokenShard::open(set.train_shards[0])->token_bytes(), 2);
+  }
 }
 
 TEST(Corpus, EnsureShardsIsCachedAndNoticesChanges) {
