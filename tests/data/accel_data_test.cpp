@@ -50,7 +50,7 @@ TEST_F(AccelData, TokenizesTextIntoTrainAndEvalShards) {
   write_bytes(dir.file("b.txt"), text);
   const std::string out = dir.file("shards");
   ToolRun r = run("--tokenizer byte --out " + out + " --eval-fraction 0.1 --shard-tokens 4000 '" +
-              dir.file("*.txt") + "'");
+                  dir.file("*.txt") + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("tokenizer: byte-level (vocab 256)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(out + "/train/train-00000.tok"), std::string::npos) << r.output;
