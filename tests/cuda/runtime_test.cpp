@@ -122,6 +122,26 @@ TEST(CudaRuntime, StridedCastCopyMatchesCpu) {
     }
 }
 
+TEST(CudaRuntime, ContiguousCastsMatchCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t n : {1, 7, 4099}) {  // the vector body and the tail
+    Tensor f = random_tensor({n}, DType::F32, rng, -1e3, 1e3);
+    Tensor want = Tensor::empty({n}, DType::BF16);
+    kernels::copy(want, f);
+    Tensor got = poisoned({n}, DType::BF16);
+    kernels::copy(got, f.to(gpu()));
+    expect_close(got, want, 0, 0, "f32 -> bf16");
+    Tensor back = poisoned({n}, DType::F32);
+    kernels::copy(back, got);
+    Tensor want_back = Tensor::empty({n}, DType::F32);
+    kernels::copy(want_back, want);
+    expect_close(back, want_back, 0, 0, "bf16 -> f32");
+  }
+}
+
 TEST(CudaRuntime, FillAndAccumulate) {
   ACCEL_SKIP_WITHOUT_CUDA();
   uint64_t seed = fresh_seed();
