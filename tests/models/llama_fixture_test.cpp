@@ -29,17 +29,21 @@ double rel_error(const Tensor& a, const Tensor& b) {
   return diff / std::max(ref, 1e-30);
 }
 
-class LlamaFixture : public ::testing::TestWithParam<const char*> {};
+// (fixture, device): the same fixture on the CPU and, where one is present, on the GPU.
+class LlamaFixture : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
 
 TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
-  const std::string dir = fixture_dir(GetParam());
+  const std::string dir = fixture_dir(std::get<0>(GetParam()));
+  const bool on_gpu = std::get<1>(GetParam());
+  if (on_gpu && !cuda::available()) GTEST_SKIP() << "no CUDA device: GPU fixture test skipped";
+  const Device device = on_gpu ? Device::cuda(0) : Device::cpu();
   LlamaConfig cfg = read_hf_llama_config(dir + "/config.json");
-  LlamaForCausalLM model(cfg, DType::F32, Device::cpu(), /*seed=*/123);
+  LlamaForCausalLM model(cfg, DType::F32, device, /*seed=*/123);
   load_hf_weights(model, dir);
 
   SafetensorsReader batch(dir + "/batch.safetensors");
   SafetensorsReader expected(dir + "/expected.safetensors");
-  Tensor ids = batch.load("input_ids");
+  Tensor ids = batch.load("input_ids").to(device);
   Tensor targets = shift_labels(ids);
 
   Tensor logits = model.forward(ids);
@@ -88,7 +92,9 @@ TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HuggingFace, LlamaFixture,
-                         ::testing::Values("llama_default", "llama_tied_mha", "llama_gqa4_theta"));
+                         ::testing::Combine(::testing::Values("llama_default", "llama_tied_mha",
+                                                              "llama_gqa4_theta"),
+                                            ::testing::Values(false, true)));
 
 TEST(LlamaConfigFile, RopeThetaFromEitherSpelling) {
   LlamaConfig c = read_hf_llama_config(fixture_dir("llama_gqa4_theta") + "/config.json");
