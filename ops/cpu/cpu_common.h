@@ -168,8 +168,13 @@ void parallel_for(int64_t n, int64_t grain, F&& f) {
   if (n > grain && threads > 1 && !omp_in_parallel()) {
     const int64_t g = std::max<int64_t>(grain, 1);
     const int64_t chunks = std::min<int64_t>(threads, (n + g - 1) / g);
+    if (chunks <= 1) {
+      f(int64_t{0}, n);
+      return;
+    }
     const int64_t chunk = (n + chunks - 1) / chunks;
-#pragma omp parallel for num_threads(static_cast <int>(chunks)) schedule(static, 1)
+    const int team = static_cast<int>(chunks);
+#pragma omp parallel for num_threads(team) schedule(static, 1)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (b < e) f(b, e);

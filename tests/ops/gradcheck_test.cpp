@@ -72,6 +72,9 @@ TEST(GradCheck, WhereAndMaskedFill) {
   Tensor cond = greater(randn({3, 4}, 18), Tensor::zeros({}, DType::F64));
   grad_check("where", [cond](const V& x) { return where(cond, x[0], x[1]); }, {a, b});
   grad_check("masked_fill", [cond](const V& x) { return masked_fill(x[0], cond, -3.0); }, {a});
+  Tensor row_cond = greater(randn({4}, 71), Tensor::zeros({}, DType::F64));  // broadcast condition
+  grad_check("where broadcast cond", [row_cond](const V& x) { return where(row_cond, x[0], x[1]); },
+             {a, randn({3, 1}, 72)});
 }
 
 TEST(GradCheck, Reductions) {
@@ -82,6 +85,12 @@ TEST(GradCheck, Reductions) {
   grad_check("mean", [](const V& x) { return mean(x[0], {1}); }, {a});
   grad_check("max", [](const V& x) { return max(x[0], 1); }, {a});
   grad_check("max keepdim last", [](const V& x) { return max(x[0], -1, true); }, {a});
+  grad_check("max of transposed", [](const V& x) { return max(transpose(x[0], 0, 2), 1); }, {a});
+  grad_check("sum of expanded",
+             [](const V& x) {
+               return sum(expand(x[0], {3, 2, 4}), {0, 2});
+             },
+             {randn({2, 1}, 70)});
   grad_check("sum_to_shape", [](const V& x) { return sum_to_shape(x[0], {3, 1}); }, {a});
 }
 
