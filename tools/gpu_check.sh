@@ -38,8 +38,8 @@ echo "== CUDA tests"
 "$B/tests/accel_cuda_tests" --gtest_output="xml:$OUT/tests.xml" >"$OUT/tests.log" 2>&1
 TEST_RC=$?
 PASSED=$(grep -c '^\[       OK \]' "$OUT/tests.log")
-FAILED=$(grep -c '^\[  FAILED  \] .*(' "$OUT/tests.log")
-SKIPPED=$(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")
+FAILED=$(grep -cE '^\[  FAILED  \] .* ms\)$' "$OUT/tests.log")
+SKIPPED=$(grep -cE '^\[  SKIPPED \] .* ms\)$' "$OUT/tests.log")
 echo "tests: $PASSED passed, $FAILED failed, $SKIPPED skipped (exit $TEST_RC; log $OUT/tests.log)"
 if [ "$FAILED" -gt 0 ] || [ "$TEST_RC" -ne 0 ]; then
   echo "-- failures (first lines of each):"
