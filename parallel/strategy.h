@@ -7,6 +7,7 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,15 +36,25 @@ class Strategy {
   // max_grad_norm (<= 0: off), update, refresh compute copies and clear gradients.
   virtual StepResult step(double lr, double max_grad_norm, double grad_scale) = 0;
 
-  // Full fp32 weights by Hugging Face name (gathered where sharded; every rank calls this).
+  // Full weights by Hugging Face name for the checkpoint's model.safetensors (gathered where
+  // sharded; every rank calls this): fp32 master weights, except ZeRO-3, which returns the
+  // 16-bit compute weights with zero3_save_16bit_model and nothing otherwise (its checkpoints then
+  // hold only shards; accel-checkpoint consolidate rebuilds the weights).
   virtual std::vector<std::pair<std::string, Tensor>> full_state_dict() = 0;
   // Optimizer state this rank holds, by "<param>.exp_avg" names, and the step count.
   virtual std::vector<std::pair<std::string, Tensor>> optimizer_state() = 0;
   virtual int64_t optimizer_steps() const = 0;
-  // Restores weights (full, by name) and this rank's optimizer state.
+  // Restores weights (full, by name; may be empty where optimizer_state holds the weight
+  // shards) and this rank's optimizer state.
   virtual void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
                           const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                           int64_t optimizer_steps) = 0;
+  // What a checkpoint needs to interpret optimizer_state() of every rank (TrainerState.extra):
+  // strategy, world size, shard layout. Null when the state is keyed by parameter names.
+  virtual nlohmann::json checkpoint_manifest() const;
+  // True when forward issues collectives (sharded parameters): every rank must run every forward
+  // (evaluation and sampling included) together.
+  virtual bool forward_is_collective() const { return false; }
 };
 
 // One process: fp32 master weights and optimizer state for every parameter; with a 16-bit

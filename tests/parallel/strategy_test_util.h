@@ -46,7 +46,7 @@ struct RunSpec {
   bool offload_optimizer = false;
   bool save_16bit = false;
   bool activation_checkpointing = false;
-  double lr = 1e-2, clip = 1.0;
+  double lr = 1e-3, clip = 1.0;  // see test_optimizer() on the tolerance
   uint64_t seed = 7;
 };
 
@@ -70,7 +70,10 @@ inline OptimizerOptions test_optimizer() {
   o.name = "adamw";
   o.beta1 = 0.9;
   o.beta2 = 0.95;
-  o.eps = 1e-8;
+  // Adam amplifies a gradient element's absolute rounding error d into an update error of up
+  // to lr * d / eps (at a gradient near zero); 1e-6 keeps that far below the 1e-5 tolerance of
+  // the parity tests whatever the reduction order.
+  o.eps = 1e-6;
   o.weight_decay = 0.1;
   return o;
 }
@@ -159,7 +162,9 @@ inline Weights full_weights(Strategy& s) {
   return s.full_state_dict();
 }
 
-// max |a - b| <= rel * max |b| for every tensor; "" or the first mismatch.
+// ||a - b|| <= rel * ||b|| (L2 over each tensor) for every tensor; "" or the first mismatch.
+// (Per element the relative error is unbounded: an element near zero may differ by a few ulps
+// of its neighbours.)
 inline std::string compare_weights(const Weights& got, const Weights& want, double rel) {
   std::map<std::string, Tensor> g(got.begin(), got.end());
   if (got.size() != want.size())
@@ -169,14 +174,17 @@ inline std::string compare_weights(const Weights& got, const Weights& want, doub
     if (it == g.end()) return "missing " + name;
     std::vector<double> a = it->second.to_vector(), b = w.to_vector();
     if (a.size() != b.size()) return name + ": size differs";
-    double diff = 0, scale = 0;
+    double diff = 0, scale = 0, worst = 0;
     for (size_t i = 0; i < a.size(); ++i) {
-      diff = std::max(diff, std::abs(a[i] - b[i]));
-      scale = std::max(scale, std::abs(b[i]));
+      diff += (a[i] - b[i]) * (a[i] - b[i]);
+      scale += b[i] * b[i];
+      worst = std::max(worst, std::abs(a[i] - b[i]));
     }
+    diff = std::sqrt(diff);
+    scale = std::sqrt(scale);
     if (!(diff <= rel * scale))
-      return name + ": max |diff| " + std::to_string(diff) + " vs max |ref| " +
-             std::to_string(scale);
+      return name + ": ||diff|| " + std::to_string(diff) + " vs ||ref|| " + std::to_string(scale) +
+             " (largest element difference " + std::to_string(worst) + ")";
   }
   return "";
 }

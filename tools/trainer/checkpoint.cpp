@@ -12,7 +12,9 @@ namespace accel {
 namespace fs = std::filesystem;
 
 namespace {
-std::string optimizer_file(int rank) { return "optimizer.rank" + std::to_string(rank) + ".safetensors"; }
+std::string optimizer_file(int rank) {
+  return "optimizer.rank" + std::to_string(rank) + ".safetensors";
+}
 
 std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& root) {
   std::vector<std::pair<int64_t, fs::path>> out;
@@ -53,7 +55,10 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
   save_safetensors((tmp / optimizer_file(w.rank)).string(), optimizer_state,
                    {{"format", "accel-optimizer"}, {"rank", std::to_string(w.rank)}});
   if (w.rank == 0) {
-    save_safetensors((tmp / "model.safetensors").string(), full_weights, {{"format", "pt"}});
+    // A strategy that keeps weights only in its shards (ZeRO-3) hands none over; the folder
+    // then holds no model.safetensors (accel-checkpoint consolidate writes one).
+    if (!full_weights.empty())
+      save_safetensors((tmp / "model.safetensors").string(), full_weights, {{"format", "pt"}});
     write_hf_llama_config(model_config, (tmp / "config.json").string());
     write_text(tmp / "config.yaml", config_yaml);
   }
@@ -117,9 +122,14 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
     throw std::runtime_error(dir + ": saved with " + std::to_string(c.state.world_size) +
                              " processes, resuming with " + std::to_string(world_size) +
                              "; resume with the same num_processes, or start a new run with "
-                             "model.init_from pointing at this folder (weights only)");
-  SafetensorsReader model((fs::path(dir) / "model.safetensors").string());
-  for (const std::string& n : model.names()) c.weights.push_back({n, model.load(n)});
+                             "model.init_from pointing at this folder (weights only; for a "
+                             "sharded checkpoint without model.safetensors run `accel-checkpoint "
+                             "consolidate` first)");
+  const fs::path model_file = fs::path(dir) / "model.safetensors";
+  if (fs::exists(model_file) || c.state.extra.is_null() || !c.state.extra.value("sharded", false)) {
+    SafetensorsReader model(model_file.string());
+    for (const std::string& n : model.names()) c.weights.push_back({n, model.load(n)});
+  }
   SafetensorsReader opt((fs::path(dir) / optimizer_file(rank)).string());
   for (const std::string& n : opt.names())
     c.optimizer_state.push_back({n, opt.load(n, MemCategory::OptimizerState)});

@@ -1,5 +1,7 @@
 // Training checkpoints: OUTPUT_DIR/checkpoints/step_N/ holding
-//   model.safetensors + config.json   full fp32 weights with Hugging Face names (transformers loads it)
+//   model.safetensors + config.json   full fp32 weights with Hugging Face names (transformers loads
+//                                      it); ZeRO-3: 16-bit weights with zero3_save_16bit_model,
+//                                      else no model.safetensors (the weights are in the shards)
 //   optimizer.rank<R>.safetensors      each rank's optimizer state (whole, or its shards)
 //   trainer_state.json                 step, data position, seed, world size, the file manifest
 //   config.yaml                        the effective run configuration
@@ -26,7 +28,7 @@ struct TrainerState {
   int world_size = 1;
   nlohmann::json data_position;
   double loss_scale = 1.0;
-  nlohmann::json extra;  // strategy-specific manifest
+  nlohmann::json extra;  // strategy-specific manifest (Strategy::checkpoint_manifest)
 };
 
 struct CheckpointWriter {
@@ -47,7 +49,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
 struct LoadedCheckpoint {
   std::string dir;
   TrainerState state;
-  std::vector<std::pair<std::string, Tensor>> weights;
+  std::vector<std::pair<std::string, Tensor>> weights;          // empty when only shards were saved
   std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
 };
 

@@ -1,0 +1,480 @@
+#include "parallel/zero.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+
+#include "runtime/kernels.h"
+
+namespace accel {
+
+namespace {
+// Gradient reductions allowed in flight before the oldest is waited for (bounds the transient
+// flat gradients of stages 2-3 and the reduce-scatter outputs).
+constexpr size_t kMaxInFlight = 2;
+
+// Outermost modules whose type is one of `types`, in pre-order (= forward order for models that
+// run their children in registration order).
+std::vector<Module*> find_units(Module& root, const std::vector<std::string>& types) {
+  std::vector<Module*> out;
+  std::function<void(Module&)> visit = [&](Module& m) {
+    for (const auto& [name, child] : m.children()) {
+      if (std::find(types.begin(), types.end(), child->type_name()) != types.end())
+        out.push_back(child);
+      else
+        visit(*child);
+    }
+  };
+  visit(root);
+  return out;
+}
+}  // namespace
+
+FlatDataParallel::FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParallelOptions options)
+    : comm_(std::move(pg)), options_(std::move(options)) {
+  const int st = options_.zero_stage;
+  if (st < 0 || st > 3)
+    throw std::invalid_argument("deepspeed_config.zero_stage must be 1, 2 or 3, got " +
+                                std::to_string(st));
+  if (options_.offload_optimizer && st == 0)
+    throw std::invalid_argument(
+        "optimizer offload needs ZeRO (distributed_type DEEPSPEED with zero_stage >= 1)");
+  if (options_.offload_params && st != 3)
+    throw std::invalid_argument("deepspeed_config.offload_param_device cpu needs zero_stage 3");
+  if (!(options_.bucket_cap_mb > 0))
+    throw std::invalid_argument("distributed.ddp_bucket_cap_mb must be > 0, got " +
+                                std::to_string(options_.bucket_cap_mb));
+}
+
+FlatDataParallel::~FlatDataParallel() {
+  // Collectives still in flight reference our buffers; let them finish quietly.
+  for (Pending& p : pending_) {
+    try {
+      p.work->wait();
+    } catch (...) {
+    }
+  }
+}
+
+std::string FlatDataParallel::name() const {
+  return options_.zero_stage == 0 ? "ddp" : "zero" + std::to_string(options_.zero_stage);
+}
+
+void FlatDataParallel::build_groups(Module& model,
+                                    std::vector<std::vector<Parameter*>>* group_params,
+                                    std::vector<Module*>* units, bool* root_unit) {
+  std::vector<Parameter*> params = model.parameters();
+  *root_unit = false;
+  if (options_.zero_stage < 3) {
+    // Gradients arrive roughly in reverse registration order.
+    std::vector<Parameter*> backward(params.rbegin(), params.rend());
+    *group_params = make_buckets(backward, options_.bucket_cap_mb * 1024.0 * 1024.0,
+                                 dtype_size(options_.compute_dtype));
+    return;
+  }
+  *units = find_units(model, options_.unit_types);
+  std::set<Parameter*> in_unit;
+  std::vector<std::vector<Parameter*>> forward;
+  for (Module* u : *units) {
+    forward.push_back(u->parameters());
+    for (Parameter* p : forward.back())
+      if (!in_unit.insert(p).second)
+        throw std::invalid_argument("ZeRO-3: parameter " + p->name +
+                                    " is shared by two gather units; it cannot be partitioned");
+  }
+  // Units that hold no parameters would never see a gradient; drop them.
+  std::vector<Module*> kept;
+  std::vector<std::vector<Parameter*>> kept_params;
+  for (size_t i = 0; i < units->size(); ++i)
+    if (!forward[i].empty()) {
+      kept.push_back((*units)[i]);
+      kept_params.push_back(forward[i]);
+    }
+  *units = kept;
+  // Backward order: the last unit first, the root unit (embeddings, final norm, head) last.
+  group_params->assign(kept_params.rbegin(), kept_params.rend());
+  std::vector<Parameter*> rest;
+  for (Parameter* p : params)
+    if (!in_unit.count(p)) rest.push_back(p);
+  if (!rest.empty()) {
+    group_params->push_back(rest);
+    *root_unit = true;
+  }
+}
+
+int FlatDataParallel::unit_of_group(int g) const {
+  // Groups are [unit L-1, ..., unit 0, root]; the scheduler numbers units in forward order.
+  return g < num_layer_units_ ? num_layer_units_ - 1 - g : num_layer_units_;
+}
+
+void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
+  if (!groups_.empty()) throw std::logic_error(name() + ": setup called twice");
+  const int stage = options_.zero_stage;
+  const int world = comm_.size(), rank = comm_.rank();
+  const DType cdt = options_.compute_dtype;
+  std::vector<Parameter*> all = model.parameters();
+  if (all.empty()) throw std::invalid_argument(name() + ": the model has no parameters");
+  device_ = all[0]->value.device();
+  for (Parameter* p : all) {
+    if (p->value.dtype() != DType::F32)
+      throw std::logic_error("strategy setup expects fp32 parameters, " + p->name + " is " +
+                             dtype_name(p->value.dtype()));
+    if (p->value.device() != device_)
+      throw std::logic_error("strategy setup expects every parameter on " + device_.str() + ", " +
+                             p->name + " is on " + p->value.device().str());
+  }
+
+  std::vector<std::vector<Parameter*>> group_params;
+  std::vector<Module*> units;
+  bool root_unit = false;
+  build_groups(model, &group_params, &units, &root_unit);
+  num_layer_units_ = static_cast<int>(units.size());
+
+  const Device host = Device::cpu();
+  const Device master_dev = options_.offload_optimizer ? host : device_;
+  std::vector<Tensor> masters;
+  std::vector<std::string> names;
+  NoGradGuard no_grad;
+  for (size_t gi = 0; gi < group_params.size(); ++gi) {
+    Group g;
+    const std::string gname = "group" + std::to_string(gi);
+    // fp32 values of rank 0, flat and padded: the source of the master weights.
+    FlatLayout layout(group_params[gi], world);
+    Tensor flat32 =
+        Tensor::zeros({layout.padded_numel}, DType::F32, device_, MemCategory::OptimizerState);
+    for (const FlatSlot& s : layout.slots)
+      flat_view(flat32, s.offset, s.shape).copy_(s.param->value);
+    comm_.broadcast(flat32, 0)->wait();
+    for (const FlatSlot& s : layout.slots)
+      s.param->value.copy_(flat_view(flat32, s.offset, s.shape));
+
+    g.flat = FlatParamGroup::make(gname, group_params[gi], world, cdt, device_);
+    const bool fp32_here = cdt == DType::F32 && !options_.offload_optimizer;
+    if (stage == 0) {
+      g.master_is_compute = fp32_here;
+      g.master = fp32_here ? g.flat->full() : flat32.to(master_dev);
+    } else if (stage < 3) {
+      g.master_is_compute = fp32_here;
+      if (fp32_here) {
+        g.master = g.flat->full_chunk(rank);
+      } else {
+        g.master = Tensor::empty({layout.shard_numel}, DType::F32, master_dev,
+                                 MemCategory::OptimizerState);
+        g.master.copy_(flat_view(flat32, rank * layout.shard_numel, {layout.shard_numel}));
+      }
+    } else {
+      const Device shard_dev = options_.offload_params ? host : device_;
+      g.shard = Tensor::empty({layout.shard_numel}, cdt, shard_dev, MemCategory::Params);
+      g.shard.copy_(g.flat->full_chunk(rank));
+      g.master_is_compute = fp32_here && !options_.offload_params;
+      if (g.master_is_compute) {
+        g.master = g.shard;
+      } else {
+        g.master = Tensor::empty({layout.shard_numel}, DType::F32, master_dev,
+                                 MemCategory::OptimizerState);
+        g.master.copy_(flat_view(flat32, rank * layout.shard_numel, {layout.shard_numel}));
+      }
+    }
+    flat32 = Tensor();
+    if (stage <= 1) g.flat->allocate_grad();
+    if (stage >= 2)
+      g.shard_grad = Tensor::zeros({layout.shard_numel}, cdt, device_, MemCategory::Grads);
+    masters.push_back(g.master);
+    names.push_back(gname);
+    groups_.push_back(std::move(g));
+  }
+  optimizer_ = std::make_unique<Optimizer>(opts, masters, names);
+
+  std::vector<std::vector<Tensor>> leaves;
+  std::vector<std::vector<std::string>> leaf_names;
+  for (const Group& g : groups_) {
+    leaves.push_back(g.flat->params());
+    leaf_names.emplace_back();
+    for (const FlatSlot& s : g.flat->layout().slots) leaf_names.back().push_back(s.name);
+  }
+  GradReadiness::Callbacks cb;
+  cb.on_grad = [this](int g, int slot) {
+    FlatParamGroup& f = *groups_[g].flat;
+    if (!f.grad().defined()) f.allocate_grad();
+    f.adopt_grad(static_cast<size_t>(slot));
+  };
+  cb.launch = [this](int g) { launch_reduction(g); };
+  if (stage == 3) {
+    cb.on_first = [this](int g) { scheduler_->backward_unit_started(unit_of_group(g)); };
+    cb.on_complete = [this](int g) { scheduler_->backward_unit_done(unit_of_group(g)); };
+  }
+  readiness_ = std::make_unique<GradReadiness>(leaves, leaf_names, std::move(cb));
+
+  if (stage == 3) {
+    UnitScheduler::Callbacks sc;
+    auto group_of = [this](int unit) -> Group& {
+      return groups_[unit < num_layer_units_ ? num_layer_units_ - 1 - unit : num_layer_units_];
+    };
+    sc.start_gather = [this, group_of](int unit) {
+      Group& g = group_of(unit);
+      g.flat->materialize();
+      Tensor chunk = g.flat->full_chunk(comm_.rank());
+      chunk.copy_(g.shard);
+      return comm_.all_gather(g.flat->full(), chunk);
+    };
+    sc.release = [group_of](int unit) { group_of(unit).flat->release(); };
+    scheduler_ = std::make_unique<UnitScheduler>(model, units, root_unit, std::move(sc));
+    scheduler_->release_all();
+  }
+}
+
+void FlatDataParallel::begin_micro_batch(bool last) {
+  const int stage = options_.zero_stage;
+  // Stages 0-1 keep full gradients and communicate only after the last micro-batch; 2-3 reduce
+  // every micro-batch (their gradients are partitioned).
+  readiness_->set_active(stage >= 2 || last);
+  if (stage <= 1)
+    for (Group& g : groups_) g.flat->attach_grad_views();
+}
+
+void FlatDataParallel::end_micro_batch() {
+  if (readiness_->active()) {
+    readiness_->finish(options_.find_unused_parameters);
+    wait_pending(0);
+  }
+  if (scheduler_) scheduler_->end_backward();
+  readiness_->set_active(true);
+}
+
+void FlatDataParallel::launch_reduction(int gi) {
+  Group& g = groups_[gi];
+  FlatParamGroup& f = *g.flat;
+  const int stage = options_.zero_stage;
+  if (!f.grad().defined()) f.allocate_grad();  // every parameter unused: zeros
+  Pending p;
+  if (stage == 0) {
+    p.work = comm_.all_reduce(f.grad(), ReduceOp::Avg);
+  } else {
+    Tensor out = Tensor::empty({f.layout().shard_numel}, f.dtype(), device_, MemCategory::Comm);
+    Tensor in = f.grad();
+    p.work = comm_.reduce_scatter(out, in, ReduceOp::Avg);
+    if (stage == 1) {
+      Tensor chunk = f.grad_chunk(comm_.rank());
+      p.done = [chunk, out] { chunk.copy_(out); };
+    } else {
+      f.free_grad();  // `in` stays alive until the reduction is done
+      Tensor acc = g.shard_grad;
+      p.done = [acc, out, in] { kernels::accumulate(acc, out); };
+    }
+  }
+  pending_.push_back(std::move(p));
+  if (stage >= 1) wait_pending(kMaxInFlight);
+}
+
+void FlatDataParallel::wait_pending(size_t keep) {
+  while (pending_.size() > keep) {
+    Pending p = std::move(pending_.front());
+    pending_.pop_front();
+    p.work->wait();
+    if (p.done) p.done();
+  }
+}
+
+std::vector<Tensor> FlatDataParallel::owned_grads() const {
+  std::vector<Tensor> out;
+  const int stage = options_.zero_stage;
+  for (const Group& g : groups_) {
+    if (stage == 0)
+      out.push_back(g.flat->grad());
+    else if (stage == 1)
+      out.push_back(g.flat->grad_chunk(comm_.rank()));
+    else
+      out.push_back(g.shard_grad);
+  }
+  return out;
+}
+
+void FlatDataParallel::refresh_compute() {
+  NoGradGuard no_grad;
+  const int stage = options_.zero_stage, rank = comm_.rank();
+  std::vector<WorkPtr> works;
+  for (Group& g : groups_) {
+    if (stage == 0) {
+      if (!g.master_is_compute) g.flat->full().copy_(g.master);
+    } else if (stage < 3) {
+      Tensor chunk = g.flat->full_chunk(rank);
+      if (!g.master_is_compute) chunk.copy_(g.master);
+      works.push_back(comm_.all_gather(g.flat->full(), chunk));
+    } else if (!g.master_is_compute) {
+      g.shard.copy_(g.master);
+    }
+  }
+  for (const WorkPtr& w : works) w->wait();
+}
+
+StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_scale) {
+  if (readiness_->pending()) end_micro_batch();
+  wait_pending(0);
+  const int stage = options_.zero_stage;
+  std::vector<Tensor> grads = owned_grads();
+  StepResult r;
+  double sq = sum_of_squares(grads);
+  if (stage >= 1) sq = comm_.sum(sq, device_);
+  r.grad_norm = std::sqrt(sq * grad_scale * grad_scale);
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+  } else {
+    std::vector<Tensor> opt_grads = grads;
+    if (options_.offload_optimizer)
+      for (Tensor& t : opt_grads) t = t.to(Device::cpu());
+    optimizer_->step(opt_grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
+    refresh_compute();
+  }
+  for (Group& g : groups_) {
+    if (stage <= 1)
+      g.flat->grad().zero_();
+    else
+      g.shard_grad.zero_();
+  }
+  return r;
+}
+
+Tensor FlatDataParallel::gather_group_fp32(int gi) {
+  Group& g = groups_[gi];
+  if (options_.zero_stage == 0) return g.master;
+  const FlatLayout& l = g.flat->layout();
+  Tensor full32 = Tensor::empty({l.padded_numel}, DType::F32, device_, MemCategory::Other);
+  Tensor chunk = flat_view(full32, comm_.rank() * l.shard_numel, {l.shard_numel});
+  chunk.copy_(g.master);
+  comm_.all_gather(full32, chunk)->wait();
+  return full32;
+}
+
+std::vector<std::pair<std::string, Tensor>> FlatDataParallel::gather_fp32_weights() {
+  NoGradGuard no_grad;
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (int gi = 0; gi < num_groups(); ++gi) {
+    Tensor full32 = gather_group_fp32(gi);
+    for (const FlatSlot& s : groups_[gi].flat->layout().slots)
+      out.push_back({s.name, flat_view(full32, s.offset, s.shape)});
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> FlatDataParallel::full_state_dict() {
+  if (options_.zero_stage < 3) return gather_fp32_weights();
+  std::vector<std::pair<std::string, Tensor>> out;
+  if (!options_.save_16bit_model) return out;
+  // One unit at a time, so the extra memory is one unit in fp32 plus the model in 16 bits.
+  NoGradGuard no_grad;
+  for (int gi = 0; gi < num_groups(); ++gi) {
+    Tensor full32 = gather_group_fp32(gi);
+    for (const FlatSlot& s : groups_[gi].flat->layout().slots) {
+      Tensor w = Tensor::empty(s.shape, options_.compute_dtype, device_, MemCategory::Other);
+      w.copy_(flat_view(full32, s.offset, s.shape));
+      out.push_back({s.name, w});
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> FlatDataParallel::optimizer_state() {
+  std::vector<std::pair<std::string, Tensor>> st = optimizer_->state_tensors();
+  std::vector<std::pair<std::string, Tensor>> out;
+  if (options_.zero_stage == 0) {
+    // Whole per-parameter tensors, named like the single-process strategy's.
+    for (const auto& [key, t] : st) {
+      size_t dot = key.find('.');
+      int gi = std::stoi(key.substr(5, dot - 5));
+      std::string suffix = key.substr(dot);
+      for (const FlatSlot& s : groups_[gi].flat->layout().slots)
+        out.push_back({s.name + suffix, flat_view(t, s.offset, s.shape)});
+    }
+    return out;
+  }
+  for (const Group& g : groups_) out.push_back({g.flat->name() + ".master", g.master});
+  out.insert(out.end(), st.begin(), st.end());
+  return out;
+}
+
+int64_t FlatDataParallel::optimizer_steps() const { return optimizer_->step_count(); }
+
+void FlatDataParallel::load_state(
+    const std::vector<std::pair<std::string, Tensor>>& full_weights,
+    const std::vector<std::pair<std::string, Tensor>>& optimizer_state, int64_t optimizer_steps) {
+  std::map<std::string, Tensor> weights(full_weights.begin(), full_weights.end());
+  std::map<std::string, Tensor> state(optimizer_state.begin(), optimizer_state.end());
+  const int stage = options_.zero_stage, rank = comm_.rank();
+  NoGradGuard no_grad;
+  auto weight = [&](const FlatSlot& s) -> const Tensor& {
+    auto it = weights.find(s.name);
+    if (it == weights.end()) throw std::runtime_error("checkpoint has no weight '" + s.name + "'");
+    if (it->second.shape() != s.shape)
+      throw std::runtime_error("checkpoint weight '" + s.name + "' has shape " +
+                               shape_str(it->second.shape()) + ", the model expects " +
+                               shape_str(s.shape));
+    return it->second;
+  };
+  auto tensor = [&](const std::string& key, const Shape& shape) -> const Tensor& {
+    auto it = state.find(key);
+    if (it == state.end())
+      throw std::runtime_error("checkpoint optimizer state has no tensor '" + key +
+                               "' (was it written by another strategy?)");
+    if (it->second.shape() != shape)
+      throw std::runtime_error(
+          "checkpoint optimizer state tensor '" + key + "' has shape " +
+          shape_str(it->second.shape()) + ", this run's layout needs " + shape_str(shape) +
+          "; resume with the same num_processes, zero_stage and distributed.ddp_bucket_cap_mb "
+          "as the run that wrote it");
+    return it->second;
+  };
+
+  std::vector<std::pair<std::string, Tensor>> group_state;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = groups_[gi];
+    const FlatLayout& l = g.flat->layout();
+    if (stage == 0) {
+      for (const FlatSlot& s : l.slots) flat_view(g.master, s.offset, s.shape).copy_(weight(s));
+      continue;
+    }
+    const std::string key = g.flat->name() + ".master";
+    if (state.count(key)) {
+      g.master.copy_(tensor(key, {l.shard_numel}));
+    } else {
+      Tensor full32 = Tensor::zeros({l.padded_numel}, DType::F32, Device::cpu());
+      for (const FlatSlot& s : l.slots) flat_view(full32, s.offset, s.shape).copy_(weight(s));
+      g.master.copy_(flat_view(full32, rank * l.shard_numel, {l.shard_numel}));
+    }
+  }
+  // Optimizer state under the optimizer's own names ("group<i>.<suffix>").
+  for (const auto& [key, t] : optimizer_->state_tensors()) {
+    size_t dot = key.find('.');
+    int gi = std::stoi(key.substr(5, dot - 5));
+    if (stage == 0) {
+      Tensor flat = Tensor::zeros(t.shape(), t.dtype(), t.device(), MemCategory::Other);
+      for (const FlatSlot& s : groups_[gi].flat->layout().slots)
+        flat_view(flat, s.offset, s.shape).copy_(tensor(s.name + key.substr(dot), s.shape));
+      group_state.push_back({key, flat});
+    } else {
+      group_state.push_back({key, tensor(key, t.shape())});
+    }
+  }
+  optimizer_->load_state(group_state, optimizer_steps);
+  refresh_compute();
+}
+
+nlohmann::json FlatDataParallel::checkpoint_manifest() const {
+  nlohmann::json groups = nlohmann::json::array();
+  for (const Group& g : groups_) {
+    nlohmann::json j = g.flat->layout().to_json();
+    j["name"] = g.flat->name();
+    groups.push_back(j);
+  }
+  return {{"strategy", name()},
+          {"zero_stage", options_.zero_stage},
+          {"world_size", comm_.size()},
+          {"compute_dtype", dtype_name(options_.compute_dtype)},
+          {"bucket_cap_mb", options_.bucket_cap_mb},
+          {"sharded", options_.zero_stage >= 1},
+          {"groups", groups}};
+}
+
+}  // namespace accel

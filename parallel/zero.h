@@ -1,0 +1,117 @@
+// ZeRO stages 1-3 (distributed_type DEEPSPEED) and, as stage 0, DDP: one engine over the shared
+// core in parallel/sharding.h. What each stage keeps per rank (P parameters, N ranks, 16-bit
+// compute with fp32 Adam; MemCategory in brackets):
+//
+//   stage 0 (DDP)  compute params 2P [Params], grads 2P [Grads], fp32 master + Adam 12P
+//                  [OptimizerState]; gradient buckets all-reduced (average) during the backward
+//                  of the last micro-batch
+//   stage 1        as DDP but master + Adam only for the rank's chunk: 12P/N; the last
+//                  micro-batch's backward reduce-scatters each bucket into its owner's chunk;
+//                  after the update every bucket's compute params are all-gathered
+//   stage 2        also gradients: each micro-batch's backward reduce-scatters each bucket as it
+//                  completes and only the owned chunk (2P/N) is kept
+//   stage 3        also parameters (2P/N): each unit (decoder layer; the root's remaining
+//                  parameters form one more unit) is all-gathered before its forward and again
+//                  for its backward, the next unit prefetched, and released after use
+//
+// With fp32 compute the master weights are the compute buffer (or its chunk) itself.
+// docs/parallel.md has the details (buckets, layouts, checkpoints).
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "parallel/sharding.h"
+#include "parallel/strategy.h"
+
+namespace accel {
+
+struct DataParallelOptions {
+  int zero_stage = 0;  // 0 = DDP (replicated), 1, 2, 3
+  DType compute_dtype = DType::F32;
+  double bucket_cap_mb = 25;            // gradient buckets (stages 0-2)
+  bool find_unused_parameters = false;  // reduce zeros for parameters without a gradient
+  bool offload_optimizer = false;       // master weights, Adam state and the update on the host
+  bool offload_params = false;          // stage 3: parameter shards on the host
+  bool save_16bit_model = false;        // stage 3: full_state_dict gathers the compute weights
+  // Stage 3 gather units: modules of these type_name()s (outermost ones).
+  std::vector<std::string> unit_types = {"LlamaDecoderLayer"};
+};
+
+class FlatDataParallel : public Strategy {
+ public:
+  FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParallelOptions options);
+  ~FlatDataParallel() override;
+  std::string name() const override;
+
+  void setup(Module& model, const OptimizerOptions& opts) override;
+  void begin_micro_batch(bool last) override;
+  void end_micro_batch() override;
+  StepResult step(double lr, double max_grad_norm, double grad_scale) override;
+
+  // Stages 0-2: fp32 weights. Stage 3: compute-dtype weights with save_16bit_model, else none
+  // (the weights are only in the shards; accel-checkpoint consolidate rebuilds them).
+  std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
+  // Stage 0: "<param>.exp_avg" ... like the single process. Stages 1-3: this rank's chunks as
+  // "group<i>.master", "group<i>.exp_avg", "group<i>.exp_avg_sq" (or ".momentum_buffer"), laid
+  // out as checkpoint_manifest() describes.
+  std::vector<std::pair<std::string, Tensor>> optimizer_state() override;
+  int64_t optimizer_steps() const override;
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                  const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                  int64_t optimizer_steps) override;
+  nlohmann::json checkpoint_manifest() const override;
+  bool forward_is_collective() const override { return options_.zero_stage == 3; }
+
+  // The fp32 master weights, gathered (every rank calls this; for tests and tools).
+  std::vector<std::pair<std::string, Tensor>> gather_fp32_weights();
+
+  const DataParallelOptions& options() const { return options_; }
+  int num_groups() const { return static_cast<int>(groups_.size()); }
+  const FlatParamGroup& group(int i) const { return *groups_.at(i).flat; }
+
+ private:
+  struct Group {
+    std::unique_ptr<FlatParamGroup> flat;
+    Tensor master;                   // fp32: [padded_numel] (stage 0) or this rank's [shard_numel]
+    bool master_is_compute = false;  // master aliases the compute buffer (fp32, not offloaded)
+    Tensor shard;                    // stage 3: the compute-dtype chunk this rank keeps
+    Tensor shard_grad;               // stages 2-3: reduced gradient of this rank's chunk
+  };
+  struct Pending {
+    WorkPtr work;
+    std::function<void()> done;
+  };
+
+  void build_groups(Module& model, std::vector<std::vector<Parameter*>>* group_params,
+                    std::vector<Module*>* units, bool* root_unit);
+  void launch_reduction(int g);
+  Tensor gather_group_fp32(int g);
+  void wait_pending(size_t keep);
+  void refresh_compute();
+  std::vector<Tensor> owned_grads() const;
+  int unit_of_group(int g) const;
+
+  Comm comm_;
+  DataParallelOptions options_;
+  Device device_;
+  std::vector<Group> groups_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradReadiness> readiness_;
+  std::unique_ptr<UnitScheduler> scheduler_;
+  int num_layer_units_ = 0;
+  std::deque<Pending> pending_;
+};
+
+// distributed_type DEEPSPEED.
+class ZeroStrategy : public FlatDataParallel {
+ public:
+  ZeroStrategy(std::shared_ptr<ProcessGroup> pg, DataParallelOptions options)
+      : FlatDataParallel(std::move(pg), std::move(options)) {}
+};
+
+}  // namespace accel

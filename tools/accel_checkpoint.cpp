@@ -1,0 +1,158 @@
+// accel-checkpoint consolidate CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16]
+//
+// Turns a training checkpoint (checkpoints/step_N written by accel-train) into a Hugging Face
+// model folder: OUT_DIR/model.safetensors + config.json, which transformers loads and which
+// accel-train takes as model.init_from at any world size. For a sharded checkpoint (ZeRO: the
+// manifest in trainer_state.json "extra" and the fp32 master chunks "group<i>.master" in every
+// rank's optimizer.rank<R>.safetensors) the weights are rebuilt from the shards; otherwise the
+// checkpoint's model.safetensors is converted.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace accel {
+namespace {
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  if (!in) throw std::runtime_error(p.string() + ": cannot open (is this a checkpoint folder?)");
+  try {
+    nlohmann::json j;
+    in >> j;
+    return j;
+  } catch (const std::exception& e) {
+    throw std::runtime_error(p.string() + ": not valid JSON (" + e.what() + ")");
+  }
+}
+
+using Named = std::vector<std::pair<std::string, Tensor>>;
+
+// Weights rebuilt from every rank's master chunks.
+Named from_shards(const fs::path& dir, const nlohmann::json& manifest, int world) {
+  const fs::path state_file = dir / "trainer_state.json";
+  std::vector<std::unique_ptr<SafetensorsReader>> ranks;
+  for (int r = 0; r < world; ++r) {
+    fs::path f = dir / ("optimizer.rank" + std::to_string(r) + ".safetensors");
+    if (!fs::exists(f))
+      throw std::runtime_error(f.string() + ": missing; a sharded checkpoint of " +
+                               std::to_string(world) + " ranks needs one file per rank");
+    ranks.push_back(std::make_unique<SafetensorsReader>(f.string()));
+  }
+  Named out;
+  try {
+    for (const nlohmann::json& g : manifest.at("groups")) {
+      const std::string name = g.at("name");
+      const int64_t shard = g.at("shard_numel"), padded = g.at("padded_numel");
+      if (shard * world != padded)
+        throw std::runtime_error("group " + name + ": shard_numel * world_size != padded_numel");
+      Tensor full = Tensor::empty({padded}, DType::F32);
+      for (int r = 0; r < world; ++r) {
+        const std::string key = name + ".master";
+        if (!ranks[r]->contains(key))
+          throw std::runtime_error(ranks[r]->path() + ": no tensor '" + key +
+                                   "' (the manifest lists it; was the file replaced?)");
+        Tensor chunk = ranks[r]->load(key);
+        if (chunk.numel() != shard || chunk.dtype() != DType::F32)
+          throw std::runtime_error(ranks[r]->path() + ": '" + key + "' is " + chunk.str() +
+                                   ", the manifest says f32 [" + std::to_string(shard) + "]");
+        Tensor dst = Tensor::from_storage(full.storage(), DType::F32, {shard}, {1}, r * shard);
+        dst.copy_(chunk);
+      }
+      for (const nlohmann::json& p : g.at("params")) {
+        Shape shape = p.at("shape").get<Shape>();
+        const int64_t offset = p.at("offset");
+        if (offset < 0 || offset + shape_numel(shape) > padded)
+          throw std::runtime_error("parameter " + p.at("name").get<std::string>() +
+                                   " lies outside its group");
+        Tensor view = Tensor::from_storage(full.storage(), DType::F32, shape,
+                                           contiguous_strides(shape), offset);
+        out.push_back({p.at("name").get<std::string>(), view.clone(MemCategory::Params)});
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(state_file.string() + ": malformed shard manifest under \"extra\" (" +
+                             e.what() + ")");
+  }
+  return out;
+}
+
+int consolidate(const std::string& ckpt, const std::string& out_dir, const std::string& dtype) {
+  const fs::path dir(ckpt);
+  nlohmann::json state = read_json(dir / "trainer_state.json");
+  nlohmann::json manifest = state.value("extra", nlohmann::json());
+  const bool sharded = manifest.is_object() && manifest.value("sharded", false);
+  Named weights;
+  if (sharded) {
+    int world = manifest.value("world_size", state.value("world_size", 0));
+    if (world < 1) throw std::runtime_error(ckpt + ": the manifest has no world_size");
+    weights = from_shards(dir, manifest, world);
+  } else {
+    fs::path model = dir / "model.safetensors";
+    if (!fs::exists(model))
+      throw std::runtime_error(ckpt +
+                               ": no model.safetensors and no shard manifest; nothing to "
+                               "consolidate");
+    SafetensorsReader r(model.string());
+    for (const std::string& n : r.names()) weights.push_back({n, r.load(n)});
+  }
+  DType target = dtype == "bf16" ? DType::BF16 : dtype == "fp16" ? DType::F16 : DType::F32;
+  for (auto& [name, t] : weights)
+    if (t.dtype() != target) {
+      Tensor c = Tensor::empty(t.shape(), target);
+      c.copy_(t);
+      t = c;
+    }
+  if (!fs::exists(dir / "config.json"))
+    throw std::runtime_error(ckpt + ": no config.json (the model shape); copy it from the run");
+  fs::create_directories(out_dir);
+  save_safetensors((fs::path(out_dir) / "model.safetensors").string(), weights, {{"format", "pt"}});
+  if (fs::absolute(dir / "config.json") != fs::absolute(fs::path(out_dir) / "config.json"))
+    fs::copy_file(dir / "config.json", fs::path(out_dir) / "config.json",
+                  fs::copy_options::overwrite_existing);
+  std::fprintf(
+      stderr, "accel-checkpoint: wrote %zu tensors (%s) from %s%s to %s\n", weights.size(),
+      dtype_name(target), ckpt.c_str(),
+      sharded ? (" (" + std::to_string(manifest.value("world_size", 0)) + " shards)").c_str() : "",
+      out_dir.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace accel
+
+int main(int argc, char** argv) {
+  CLI::App app{"accel-checkpoint: tools for accel-train checkpoints"};
+  app.require_subcommand(1);
+  CLI::App* cons = app.add_subcommand(
+      "consolidate",
+      "write a Hugging Face model folder (model.safetensors + config.json) from a "
+      "checkpoint, rebuilding sharded (ZeRO) weights");
+  std::string ckpt, out, dtype = "fp32";
+  cons->add_option("CKPT_DIR", ckpt, "checkpoint folder (…/checkpoints/step_N)")->required();
+  cons->add_option("OUT_DIR", out, "output folder")->required();
+  cons->add_option("--dtype", dtype, "dtype of the written weights")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  try {
+    return accel::consolidate(ckpt, out, dtype);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "accel-checkpoint: %s\n", e.what());
+    return 1;
+  }
+}
