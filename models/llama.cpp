@@ -134,7 +134,8 @@ Tensor new_param(const Shape& shape, DType dtype, Device device) {
 Linear::Linear(int64_t in, int64_t out, DType dtype, Device device)
     : weight(register_parameter("weight", new_param({out, in}, dtype, device))) {}
 Tensor Linear::forward(const Tensor& x) {
-  return with_forward_hooks(*this, [&] { return linear(x, weight.value); });
+  return with_forward_hooks(
+      *this, [&] { return linear_fn ? linear_fn(x, weight.value) : linear(x, weight.value); });
 }
 
 Embedding::Embedding(int64_t num, int64_t dim, DType dtype, Device device)

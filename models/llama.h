@@ -2,6 +2,7 @@
 // loadable from and savable to a Hugging Face model folder.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,9 @@ class Linear : public Module {
   std::string type_name() const override { return "Linear"; }
   Tensor forward(const Tensor& x);
   Parameter& weight;
+  // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): fp8 training
+  // installs one (models/fp8_linear.h).
+  std::function<Tensor(const Tensor& x, const Tensor& weight)> linear_fn;
 };
 
 class Embedding : public Module {

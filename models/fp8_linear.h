@@ -1,0 +1,100 @@
+// FP8 training of a model's Linear layers (mixed_precision: fp8): which layers run in fp8, the
+// scaling state they share, the per-step amax all-reduce and scale update, and evaluation in bf16
+// or fp8. Everything that is not a converted Linear (embedding, norms, attention, a tied LM head)
+// keeps running in the compute dtype (bf16).
+//
+//   auto fp8 = apply_fp8(model, cfg.fp8, device);   // after building the model
+//   ... forward, backward, optimizer step ...
+//   fp8->step_end(process_group);                   // once per optimizer step
+//   { Fp8EvalScope eval(fp8.get()); evaluate(); }   // bf16 unless use_autocast_during_eval
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ops/fp8.h"
+#include "runtime/config.h"
+#include "runtime/module.h"
+
+namespace accel {
+
+class ProcessGroup;
+
+// The recipe an fp8_config asks for. Throws std::invalid_argument naming the key for settings the
+// runtime cannot honour.
+Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg);
+
+struct Fp8LayerChoice {
+  std::string name;  // module name, "model.layers.0.self_attn.q_proj"
+  int64_t in_features = 0, out_features = 0;
+  bool fp8 = false;
+  std::string reason;  // why it stays in high precision
+};
+
+// Which Linear layers of `model` (in module order) an fp8_config converts:
+// TE (and MXFP8): every Linear whose dimensions are both divisible by 16 (as Accelerate's
+// TransformerEngine conversion); AO: the same, except that pad_inner_dim admits any dimensions,
+// and the first and the last Linear (Accelerate's default filter; a tied LM head counts as the
+// last) and layers whose name contains one of exclude_modules stay in high precision.
+std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cfg);
+
+class Fp8Training {
+ public:
+  // Installs fp8 linear functions in the chosen Linear layers of `model` (which must outlive the
+  // layers' use; the layers keep the shared state alive).
+  Fp8Training(Module& model, const Fp8Config& cfg, Device device);
+
+  const Fp8Recipe& recipe() const { return recipe_; }
+  const std::vector<Fp8LayerChoice>& layers() const { return layers_; }
+  int64_t num_fp8_layers() const;
+  // A few lines for the start of a run: backend, effective recipe, evaluation mode, how many
+  // layers run in fp8 and which stay in high precision (and why).
+  std::string describe() const;
+
+  // Once per optimizer step, after it. Delayed scaling: one MAX all-reduce of every current amax
+  // over `group` (skipped when null or of size 1), then the scale update and history roll.
+  // Nothing to do for dynamic and MX scaling.
+  void step_end(ProcessGroup* group);
+  // The same with a caller-supplied reduction: all_reduce_max(amaxes) must leave in `amaxes` (f32
+  // [n], on the model's device) the elementwise max over the data-parallel ranks.
+  void step_end(const std::function<void(const Tensor& amaxes)>& all_reduce_max);
+
+  // Null unless the recipe is delayed scaling.
+  const std::shared_ptr<Fp8DelayedScaling>& delayed() const { return delayed_; }
+  Fp8Autocast& autocast() { return *autocast_; }
+  bool eval_in_fp8() const { return eval_in_fp8_; }
+  // The run-time context of one converted layer by module name (null if it is not fp8); e.g. to
+  // install a weight_provider for FSDP's fp8 all-gather.
+  Fp8LinearContext* layer_context(const std::string& name);
+
+ private:
+  Fp8Recipe recipe_;
+  Fp8Config cfg_;
+  Device device_;
+  std::vector<Fp8LayerChoice> layers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Fp8LinearContext>>> contexts_;
+  std::shared_ptr<Fp8DelayedScaling> delayed_;
+  std::shared_ptr<Fp8Autocast> autocast_;
+  bool eval_in_fp8_ = false;
+};
+
+// Converts `model` per `cfg` (see Fp8Training).
+std::unique_ptr<Fp8Training> apply_fp8(Module& model, const Fp8Config& cfg, Device device);
+
+// For the duration of an evaluation: fp8 layers run in high precision, or in fp8 with
+// use_autocast_during_eval, but never record amaxes. A null Fp8Training makes it a no-op.
+class Fp8EvalScope {
+ public:
+  explicit Fp8EvalScope(Fp8Training* fp8);
+  ~Fp8EvalScope();
+  Fp8EvalScope(const Fp8EvalScope&) = delete;
+  Fp8EvalScope& operator=(const Fp8EvalScope&) = delete;
+
+ private:
+  Fp8Training* fp8_;
+  Fp8Autocast saved_;
+};
+
+}  // namespace accel

@@ -1,0 +1,369 @@
+// CUDA fp8 kernels other than the GEMM (ops/fp8_kernels.h): the fused cast + amax (+ transpose),
+// the amax reduction and scale computation of dynamic scaling, the byte transpose, the
+// delayed-scaling update of all slots in one launch, and the MX fake quantization.
+//
+// Rounding: the casts use the hardware cvt.rn.satfinite (sm_89+) which rounds to nearest even and
+// saturates exactly as detail::encode(..., saturate=true) in runtime/dtype.h does on the CPU
+// (tests/cuda/fp8_cast_test.cpp compares them bit for bit); NaN stays NaN.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "ops/cuda/common.cuh"
+#include "ops/fp8_kernels.h"
+
+namespace accel::fp8_kernels::cuda {
+namespace {
+
+using accel::cuda::block_max;
+using accel::cuda::grid_for;
+using accel::cuda::OpScope;
+using accel::cuda::to_f;
+
+constexpr int kTile = 64;      // cast+transpose tile: 64 x 64 elements
+constexpr int kThreads = 256;  // per tile: 8 elements per thread per pass, 2 passes
+constexpr int kSmemStride = kTile + 8;
+
+template <bool kE5M2>
+__device__ __forceinline__ uint16_t cvt2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE,
+                                  kE5M2 ? __NV_E5M2 : __NV_E4M3);
+#else
+  const detail::SmallFloat fmt = kE5M2 ? detail::kE5M2 : detail::kE4M3;
+  return static_cast<uint16_t>(detail::encode(lo, fmt, true) |
+                               (detail::encode(hi, fmt, true) << 8));
+#endif
+}
+template <bool kE5M2>
+__device__ __forceinline__ uint8_t cvt1(float v) {
+  return static_cast<uint8_t>(cvt2<kE5M2>(v, 0.0f) & 0xffu);
+}
+
+// amax accumulation: non-negative floats order like their bit patterns.
+__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
+  atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
+}
+
+// Loads 8 consecutive elements as floats (16-byte aligned for 16-bit types, 32 for f32).
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]);
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float (&v)[8]) {
+  float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = to_f(h[i]);
+}
+
+// Fused cast + amax + transpose over 64 x 64 tiles. Requires C % 8 == 0, Cp % 8 == 0 and
+// Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded outputs get 0.
+template <class T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const T* __restrict__ x, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
+                          const float* __restrict__ scale_ptr, uint8_t* __restrict__ data,
+                          uint8_t* __restrict__ data_t, float* __restrict__ amax,
+                          float* __restrict__ scale_inv) {
+  __shared__ __align__(16) uint8_t tile[kTile][kSmemStride];
+  __shared__ float red[32];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const float s = *scale_ptr;
+  const int tc = (threadIdx.x % 8) * 8;  // column of this thread's 8 elements in the tile
+  float m = 0.0f;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int tr = threadIdx.x / 8 + pass * 32;
+    const int64_t r = r0 + tr, c = c0 + tc;
+    float v[8];
+    if (r < R && c < C) {  // C % 8 == 0: all 8 or none are inside
+      load8<T>(x + r * C + c, v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+      m = fmaxf(m, fmaxf(fabsf(v[i]), fabsf(v[i + 1])));
+      lo |= static_cast<uint32_t>(cvt2<kE5M2>(v[i] * s, v[i + 1] * s)) << (8 * i);
+    }
+#pragma unroll
+    for (int i = 4; i < 8; i += 2) {
+      m = fmaxf(m, fmaxf(fabsf(v[i]), fabsf(v[i + 1])));
+      hi |= static_cast<uint32_t>(cvt2<kE5M2>(v[i] * s, v[i + 1] * s)) << (8 * (i - 4));
+    }
+    if (data && r < Rp && c < Cp) *reinterpret_cast<uint2*>(data + r * Cp + c) = make_uint2(lo, hi);
+    if (data_t) *reinterpret_cast<uint2*>(&tile[tr][tc]) = make_uint2(lo, hi);
+  }
+  if (data_t) {
+    __syncthreads();
+    // Thread -> (column cc of the tile, 16 consecutive rows): 4 threads write one 64-byte run.
+    const int cc = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16;
+    const int64_t c = c0 + cc, r = r0 + rs;
+    if (c < Cp && r < Rp) {  // Rp % 16 == 0: the 16 rows are all inside
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        w[k] = static_cast<uint32_t>(tile[rs + 4 * k][cc]) |
+               (static_cast<uint32_t>(tile[rs + 4 * k + 1][cc]) << 8) |
+               (static_cast<uint32_t>(tile[rs + 4 * k + 2][cc]) << 16) |
+               (static_cast<uint32_t>(tile[rs + 4 * k + 3][cc]) << 24);
+      *reinterpret_cast<uint4*>(data_t + c * Rp + r) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  if (amax) {
+    m = block_max(m, red);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, m);
+  }
+  if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
+}
+
+// Any shapes and alignments: one thread per padded element, written to data then data_t.
+template <class T, bool kE5M2>
+__global__ void cast_generic_kernel(const T* __restrict__ x, int64_t R, int64_t C, int64_t Rp,
+                                    int64_t Cp, const float* __restrict__ scale_ptr,
+                                    uint8_t* __restrict__ data, uint8_t* __restrict__ data_t,
+                                    float* __restrict__ amax, float* __restrict__ scale_inv) {
+  __shared__ float red[32];
+  const float s = *scale_ptr;
+  const int64_t n = Rp * Cp;
+  float m = 0.0f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (data) {  // i walks data row-major
+      const int64_t r = i / Cp, c = i % Cp;
+      float v = r < R && c < C ? to_f(x[r * C + c]) : 0.0f;
+      m = fmaxf(m, fabsf(v));
+      data[i] = cvt1<kE5M2>(v * s);
+    }
+    if (data_t) {  // i walks data_t row-major
+      const int64_t c = i / Rp, r = i % Rp;
+      float v = r < R && c < C ? to_f(x[r * C + c]) : 0.0f;
+      if (!data) m = fmaxf(m, fabsf(v));
+      data_t[i] = cvt1<kE5M2>(v * s);
+    }
+  }
+  if (amax) {
+    m = block_max(m, red);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, m);
+  }
+  if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
+}
+
+template <class T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ out) {
+  __shared__ float red[32];
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const bool vec = (reinterpret_cast<uintptr_t>(x) % 32) == 0;
+  if (vec) {
+    const int64_t n8 = n / 8;
+    for (int64_t j = i; j < n8; j += stride) {
+      float v[8];
+      load8<T>(x + j * 8, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+    }
+    for (int64_t j = n8 * 8 + i; j < n; j += stride) m = fmaxf(m, fabsf(to_f(x[j])));
+  } else {
+    for (int64_t j = i; j < n; j += stride) m = fmaxf(m, fabsf(to_f(x[j])));
+  }
+  m = block_max(m, red);
+  if (threadIdx.x == 0) atomic_max_nonneg(out, m);
+}
+
+__global__ void scale_from_amax_kernel(const float* amax, float* scale, float* scale_inv,
+                                       float fp8_max, int margin) {
+  const float s = fp8_scale_for_amax(*amax, fp8_max, margin, 1.0f);
+  *scale = s;
+  *scale_inv = 1.0f / s;
+}
+
+__global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out,
+                                       int64_t R, int64_t C) {
+  __shared__ uint8_t t[32][33];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32,
+                c0 = static_cast<int64_t>(blockIdx.x) * 32;
+  for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+    int64_t r = r0 + k, c = c0 + threadIdx.x;
+    if (r < R && c < C) t[k][threadIdx.x] = in[r * C + c];
+  }
+  __syncthreads();
+  for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+    int64_t c = c0 + k, r = r0 + threadIdx.x;
+    if (r < R && c < C) out[c * R + r] = t[threadIdx.x][k];
+  }
+}
+
+// One thread per slot (adjacent slots are adjacent in memory, so the history walk is coalesced).
+__global__ void delayed_update_kernel(float* __restrict__ h, float* __restrict__ scale,
+                                      float* __restrict__ scale_inv,
+                                      const float* __restrict__ fp8_max, int64_t L, int64_t n,
+                                      bool use_max, int margin, bool recompute) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= n) return;
+  const float newest = h[j];
+  float a = fp8_amax_usable(newest) ? newest : 0.0f;
+  if (L > 1) {
+    const float second = h[n + j];  // row 1, the oldest: only counts before it drops out
+    if (use_max && fp8_amax_usable(second)) a = fmaxf(a, second);
+    for (int64_t i = 1; i + 1 < L; ++i) {
+      const float v = h[(i + 1) * n + j];
+      if (use_max && fp8_amax_usable(v)) a = fmaxf(a, v);
+      h[i * n + j] = v;
+    }
+    h[(L - 1) * n + j] = newest;
+  }
+  h[j] = 0.0f;
+  if (recompute) {
+    const float old = scale[j];
+    const float s = fp8_scale_for_amax(a, fp8_max[j], margin, old);
+    if (s != old) {
+      scale[j] = s;
+      scale_inv[j] = 1.0f / s;
+    }
+  }
+}
+
+// One thread per block of 32 elements along block_dim.
+template <class T, bool kE5M2>
+__global__ void mx_fake_quant_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t R,
+                                     int64_t C, int block_dim) {
+  const int64_t outer = block_dim == 1 ? R : C, inner = block_dim == 1 ? C : R;
+  const int64_t nblocks = (inner + 31) / 32;
+  const int64_t total = outer * nblocks;
+  const float fmax = kE5M2 ? kE5M2Max : kE4M3Max;
+  const detail::SmallFloat fmt = kE5M2 ? detail::kE5M2 : detail::kE4M3;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // Columnwise: adjacent threads take adjacent columns of the same block row (coalesced).
+    const int64_t o = block_dim == 1 ? t / nblocks : t % outer;
+    const int64_t b = block_dim == 1 ? t % nblocks : t / outer;
+    const int64_t i0 = b * 32, i1 = i0 + 32 < inner ? i0 + 32 : inner;
+    auto at = [&](int64_t i) { return block_dim == 1 ? o * C + i : i * C + o; };
+    float m = 0.0f;
+    for (int64_t i = i0; i < i1; ++i) m = fmaxf(m, fabsf(to_f(x[at(i)])));
+    const int e = fp8_mx_block_exponent(m, fmax);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float v = to_f(x[at(i)]);
+      const float back = detail::decode(cvt1<kE5M2>(ldexpf(v, -e)), fmt);
+      out[at(i)] = accel::cuda::from_f<T>(ldexpf(back, e));
+    }
+  }
+}
+
+template <class F>
+void dispatch_fp8(DType fmt, F&& f) {
+  if (fmt == DType::E5M2)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
+float* fptr(const Tensor& t) { return t.defined() ? static_cast<float*>(t.data_ptr()) : nullptr; }
+uint8_t* bptr(const Tensor& t) {
+  return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;
+}
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
+          const Tensor& amax, const Tensor& scale_inv) {
+  OpScope scope(x);
+  const int64_t R = x.size(0), C = x.size(1);
+  const int64_t Rp = data.defined() ? data.size(0) : data_t.size(1);
+  const int64_t Cp = data.defined() ? data.size(1) : data_t.size(0);
+  const DType fmt = data.defined() ? data.dtype() : data_t.dtype();
+  const size_t vec_align = x.dtype() == DType::F32 ? 32 : 16;
+  const bool fast = Rp > 0 && Cp > 0 && C % 8 == 0 && Cp % 8 == 0 && Rp % 16 == 0 &&
+                    aligned(x.data_ptr(), vec_align) &&
+                    (!data.defined() || aligned(data.data_ptr(), 8)) &&
+                    (!data_t.defined() || aligned(data_t.data_ptr(), 16));
+  accel::cuda::dispatch_float(x.dtype(), "fp8_cast", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_fp8(fmt, [&](auto e5m2) {
+      constexpr bool kE5M2 = decltype(e5m2)::value;
+      const T* xp = static_cast<const T*>(x.data_ptr());
+      if (fast) {
+        dim3 grid(static_cast<unsigned>((Cp + kTile - 1) / kTile),
+                  static_cast<unsigned>((Rp + kTile - 1) / kTile));
+        cast_transpose_kernel<T, kE5M2><<<grid, kThreads, 0, scope.stream>>>(
+            xp, R, C, Rp, Cp, fptr(scale), bptr(data), bptr(data_t), fptr(amax), fptr(scale_inv));
+      } else {
+        // (Also for empty tensors: one block still records amax 0 and scale_inv.)
+        const int blocks = std::max(1, grid_for(Rp * Cp, 256));
+        cast_generic_kernel<T, kE5M2><<<blocks, 256, 0, scope.stream>>>(
+            xp, R, C, Rp, Cp, fptr(scale), bptr(data), bptr(data_t), fptr(amax), fptr(scale_inv));
+      }
+    });
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_cast");
+}
+
+void amax(const Tensor& x, const Tensor& out) {
+  OpScope scope(x);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  accel::cuda::dispatch_float(x.dtype(), "fp8_amax", [&](auto tag) {
+    using T = decltype(tag);
+    amax_kernel<T><<<grid_for((n + 7) / 8, 256, 4), 256, 0, scope.stream>>>(
+        static_cast<const T*>(x.data_ptr()), n, fptr(out));
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_amax");
+}
+
+void scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
+                     float fp8_max, int margin) {
+  OpScope scope(amax);
+  scale_from_amax_kernel<<<1, 1, 0, scope.stream>>>(fptr(amax), fptr(scale), fptr(scale_inv),
+                                                    fp8_max, margin);
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_scale_from_amax");
+}
+
+void transpose(const Tensor& data_t, const Tensor& data) {
+  OpScope scope(data);
+  const int64_t R = data.size(0), C = data.size(1);
+  if (R == 0 || C == 0) return;
+  dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>((R + 31) / 32));
+  transpose_bytes_kernel<<<grid, dim3(32, 8), 0, scope.stream>>>(bptr(data), bptr(data_t), R, C);
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_transpose");
+}
+
+void delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
+                    const Tensor& fp8_max, bool use_max, int margin, bool recompute) {
+  OpScope scope(history);
+  const int64_t L = history.size(0), n = history.size(1);
+  if (n == 0) return;
+  delayed_update_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, scope.stream>>>(
+      fptr(history), fptr(scale), fptr(scale_inv), fptr(fp8_max), L, n, use_max, margin, recompute);
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_delayed_update");
+}
+
+void mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) {
+  OpScope scope(x);
+  const int64_t R = x.size(0), C = x.size(1);
+  const int64_t blocks = (block_dim == 1 ? R * ((C + 31) / 32) : C * ((R + 31) / 32));
+  if (blocks == 0) return;
+  accel::cuda::dispatch_float(x.dtype(), "fp8_mx_fake_quant", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_fp8(fmt, [&](auto e5m2) {
+      mx_fake_quant_kernel<T, decltype(e5m2)::value>
+          <<<grid_for(blocks, 256), 256, 0, scope.stream>>>(static_cast<const T*>(x.data_ptr()),
+                                                            static_cast<T*>(out.data_ptr()), R, C,
+                                                            block_dim);
+    });
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_mx_fake_quant");
+}
+
+}  // namespace accel::fp8_kernels::cuda

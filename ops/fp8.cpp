@@ -1,0 +1,491 @@
+// ops/fp8.h: argument checks, device dispatch, delayed-scaling bookkeeping and the fp8 linear op.
+#include "ops/fp8.h"
+
+#include <sstream>
+#include <stdexcept>
+
+#include "ops/common.h"
+#include "ops/fp8_kernels.h"
+
+namespace accel {
+using detail::op_error;
+
+// Runs the CPU or the CUDA version of a kernel for the device `dev`.
+#define FP8_DISPATCH(dev, fn, ...)        \
+  do {                                    \
+    if ((dev).is_cuda())                  \
+      fp8_kernels::cuda::fn(__VA_ARGS__); \
+    else                                  \
+      fp8_kernels::cpu::fn(__VA_ARGS__);  \
+  } while (0)
+
+namespace {
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+bool is_fp8(DType t) { return t == DType::E4M3 || t == DType::E5M2; }
+bool is_compute_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+void check_fp8_format(const char* op, DType fmt) {
+  if (!is_fp8(fmt))
+    op_error(op, std::string("target dtype must be e4m3 or e5m2, got ") + dtype_name(fmt));
+}
+
+void check_scalar_f32(const char* op, const Tensor& t, const char* what, Device dev) {
+  if (!t.defined()) op_error(op, std::string(what) + " is undefined");
+  if (t.dtype() != DType::F32 || t.numel() != 1)
+    op_error(op, std::string(what) + " must be an f32 tensor of one element, got " + t.str());
+  if (t.device() != dev)
+    op_error(op, std::string(what) + " is on " + t.device().str() + ", the data on " + dev.str());
+}
+
+void check_cast_input(const char* op, const Tensor& x, const Fp8CastOptions& opts) {
+  detail::check_defined(op, x, "input");
+  if (x.dim() != 2) op_error(op, "input must be 2-d [rows, cols], got " + x.str());
+  if (!is_compute_float(x.dtype()))
+    op_error(op, std::string("input must be f32, bf16 or f16, got ") + dtype_name(x.dtype()));
+  if (!opts.rowwise && !opts.columnwise)
+    op_error(op, "nothing to produce: both rowwise and columnwise are off");
+  if (opts.pad < 1) op_error(op, "pad must be at least 1, got " + std::to_string(opts.pad));
+}
+
+// Allocates the outputs of a cast of x [R, C].
+Fp8Tensor make_fp8(const Tensor& x, DType fmt, const Fp8CastOptions& opts) {
+  Fp8Tensor q;
+  q.rows = x.size(0);
+  q.cols = x.size(1);
+  const int64_t rp = round_up(q.rows, opts.pad), cp = round_up(q.cols, opts.pad);
+  if (opts.rowwise) q.data = Tensor::empty({rp, cp}, fmt, x.device());
+  if (opts.columnwise) q.data_t = Tensor::empty({cp, rp}, fmt, x.device());
+  q.scale_inv = Tensor::empty({1}, DType::F32, x.device());
+  return q;
+}
+
+Tensor contiguous_raw(const Tensor& x) { return x.is_contiguous() ? x : x.clone(); }
+
+// The [rows, cols] corner of a padded 2-d result (a view when only rows were padded).
+Tensor unpad(const Tensor& t, int64_t rows, int64_t cols) {
+  if (t.size(1) == cols) return t.size(0) == rows ? t : narrow(t, 0, 0, rows);
+  return contiguous(narrow(narrow(t, 0, 0, rows), 1, 0, cols));
+}
+
+}  // namespace
+
+// ---- recipe -----------------------------------------------------------------------------------
+
+std::string Fp8Recipe::str() const {
+  std::ostringstream o;
+  switch (scaling) {
+    case Fp8Scaling::Delayed:
+      o << "delayed scaling (amax_history_len " << amax_history_len << ", amax_compute_algo "
+        << (amax_algo == AmaxAlgo::Max ? "max" : "most_recent") << ", margin " << margin
+        << ", interval " << interval << ")";
+      break;
+    case Fp8Scaling::Dynamic:
+      o << "dynamic per-tensor scaling (scale from each tensor's current amax";
+      if (margin) o << ", margin " << margin;
+      o << ")";
+      break;
+    case Fp8Scaling::MxBlock:
+      o << "MXFP8 block scaling, EMULATED (1x32 blocks, e8m0 scales; quantize-dequantize + bf16 "
+           "GEMMs: MX numerics, no fp8 speed-up)";
+      break;
+  }
+  o << ", " << dtype_name(forward_dtype) << " forward / " << dtype_name(backward_dtype)
+    << " gradients, GEMMs fprop " << (hp_fprop ? "high-precision" : "fp8") << " dgrad "
+    << (hp_dgrad ? "high-precision" : "fp8") << " wgrad " << (hp_wgrad ? "high-precision" : "fp8");
+  return o.str();
+}
+
+// ---- casts ------------------------------------------------------------------------------------
+
+Fp8Tensor fp8_cast(const Tensor& x, DType fmt, const Tensor& scale, const Tensor& amax_accum,
+                   const Fp8CastOptions& opts) {
+  const char* op = "fp8_cast";
+  check_cast_input(op, x, opts);
+  check_fp8_format(op, fmt);
+  check_scalar_f32(op, scale, "scale", x.device());
+  if (amax_accum.defined()) check_scalar_f32(op, amax_accum, "amax", x.device());
+  Tensor xc = contiguous_raw(x);
+  Fp8Tensor q = make_fp8(xc, fmt, opts);
+  q.scale = scale;
+  FP8_DISPATCH(x.device(), cast, xc, scale, q.data, q.data_t, amax_accum, q.scale_inv);
+  return q;
+}
+
+Fp8Tensor fp8_cast_dynamic(const Tensor& x, DType fmt, const Fp8CastOptions& opts, int margin) {
+  const char* op = "fp8_cast_dynamic";
+  check_cast_input(op, x, opts);
+  check_fp8_format(op, fmt);
+  Tensor xc = contiguous_raw(x);
+  Fp8Tensor q = make_fp8(xc, fmt, opts);
+  Tensor amax = Tensor::zeros({1}, DType::F32, x.device());
+  q.scale = Tensor::empty({1}, DType::F32, x.device());
+  FP8_DISPATCH(x.device(), amax, xc, amax);
+  FP8_DISPATCH(x.device(), scale_from_amax, amax, q.scale, q.scale_inv, fp8_max_value(fmt), margin);
+  FP8_DISPATCH(x.device(), cast, xc, q.scale, q.data, q.data_t, Tensor(), Tensor());
+  return q;
+}
+
+Fp8Tensor fp8_with_transpose(const Fp8Tensor& q) {
+  if (!q.data.defined()) op_error("fp8_with_transpose", "the fp8 tensor has no row-major data");
+  if (q.data_t.defined()) return q;
+  Fp8Tensor r = q;
+  r.data_t = Tensor::empty({q.data.size(1), q.data.size(0)}, q.data.dtype(), q.data.device());
+  FP8_DISPATCH(q.data.device(), transpose, r.data_t, q.data);
+  return r;
+}
+
+Tensor fp8_dequantize(const Fp8Tensor& q, DType dtype) {
+  const char* op = "fp8_dequantize";
+  if (!q.data.defined() && !q.data_t.defined()) op_error(op, "the fp8 tensor holds no data");
+  check_scalar_f32(op, q.scale_inv, "scale_inv", q.device());
+  NoGradGuard no_grad;
+  Tensor codes = q.data.defined() ? q.data : transpose(q.data_t, 0, 1);
+  codes = narrow(narrow(codes, 0, 0, q.rows), 1, 0, q.cols);
+  Tensor v = mul(cast(codes, DType::F32), q.scale_inv);
+  return dtype == DType::F32 ? v : cast(v, dtype);
+}
+
+Tensor fp8_amax(const Tensor& x) {
+  detail::check_defined("fp8_amax", x, "input");
+  if (!is_compute_float(x.dtype()))
+    op_error("fp8_amax",
+             std::string("input must be f32, bf16 or f16, got ") + dtype_name(x.dtype()));
+  Tensor out = Tensor::zeros({1}, DType::F32, x.device());
+  FP8_DISPATCH(x.device(), amax, contiguous_raw(x), out);
+  return out;
+}
+
+// ---- GEMM -------------------------------------------------------------------------------------
+
+void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+              const Tensor& b_scale_inv, bool fast_accum) {
+  const char* op = "fp8_gemm";
+  detail::check_defined(op, a, "a");
+  detail::check_defined(op, b, "b");
+  detail::check_defined(op, out, "out");
+  if (a.dim() != 2 || b.dim() != 2 || out.dim() != 2)
+    op_error(op, "a [M, K], b [N, K] and out [M, N] must be 2-d, got " + a.str() + ", " + b.str() +
+                     ", " + out.str());
+  if (!is_fp8(a.dtype()) || !is_fp8(b.dtype()))
+    op_error(op, "a and b must be e4m3 or e5m2, got " + a.str() + " and " + b.str());
+  if (a.dtype() == DType::E5M2 && b.dtype() == DType::E5M2)
+    op_error(op, "e5m2 x e5m2 is not a supported fp8 GEMM (one operand must be e4m3)");
+  if (!is_compute_float(out.dtype()))
+    op_error(op, std::string("out must be f32, bf16 or f16, got ") + dtype_name(out.dtype()));
+  if (a.size(1) != b.size(1))
+    op_error(op, "contraction dims differ: a " + shape_str(a.shape()) + ", b " +
+                     shape_str(b.shape()) + " (both operands are [rows, K])");
+  if (out.size(0) != a.size(0) || out.size(1) != b.size(0))
+    op_error(op, "out " + shape_str(out.shape()) + " is not [M, N] = [" +
+                     std::to_string(a.size(0)) + ", " + std::to_string(b.size(0)) + "]");
+  if (!a.is_contiguous() || !b.is_contiguous() || !out.is_contiguous())
+    op_error(op, "a, b and out must be contiguous");
+  detail::check_same_device(op, a, b);
+  detail::check_same_device(op, a, out);
+  check_scalar_f32(op, a_scale_inv, "a_scale_inv", a.device());
+  check_scalar_f32(op, b_scale_inv, "b_scale_inv", a.device());
+  if (out.numel() == 0) return;
+  FP8_DISPATCH(a.device(), gemm, out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+}
+
+Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+                const Tensor& b_scale_inv, DType out_dtype, bool fast_accum) {
+  detail::check_defined("fp8_gemm", a, "a");
+  detail::check_defined("fp8_gemm", b, "b");
+  if (a.dim() != 2 || b.dim() != 2)
+    op_error("fp8_gemm", "a [M, K] and b [N, K] must be 2-d, got " + a.str() + ", " + b.str());
+  Tensor out = Tensor::empty({a.size(0), b.size(0)}, out_dtype, a.device());
+  fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+  return out;
+}
+
+Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim) {
+  const char* op = "fp8_mx_fake_quant";
+  check_cast_input(op, x, Fp8CastOptions{});
+  check_fp8_format(op, fmt);
+  if (block_dim != 0 && block_dim != 1)
+    op_error(op, "block_dim must be 0 or 1, got " + std::to_string(block_dim));
+  Tensor xc = contiguous_raw(x);
+  Tensor out = Tensor::empty(xc.shape(), xc.dtype(), xc.device());
+  FP8_DISPATCH(x.device(), mx_fake_quant, out, xc, fmt, block_dim);
+  return out;
+}
+
+// ---- delayed scaling --------------------------------------------------------------------------
+
+Fp8DelayedScaling::Fp8DelayedScaling(const Fp8Recipe& recipe, Device device)
+    : recipe_(recipe), device_(device) {
+  if (recipe.amax_history_len < 1)
+    throw std::invalid_argument("[fp8] amax_history_len must be at least 1, got " +
+                                std::to_string(recipe.amax_history_len));
+  if (recipe.interval < 1)
+    throw std::invalid_argument("[fp8] interval must be at least 1, got " +
+                                std::to_string(recipe.interval));
+}
+
+int Fp8DelayedScaling::add_slot(DType fmt) {
+  check_fp8_format("fp8_delayed_scaling", fmt);
+  if (history_.defined())
+    throw std::logic_error("[fp8] slots must be added before the scaling state is first used");
+  formats_.push_back(fmt);
+  return static_cast<int>(formats_.size()) - 1;
+}
+
+void Fp8DelayedScaling::allocate() {
+  if (history_.defined()) return;
+  const int64_t n = num_slots();
+  history_ = Tensor::zeros({recipe_.amax_history_len, n}, DType::F32, device_);
+  scale_ = Tensor::ones({n}, DType::F32, device_);
+  scale_inv_ = Tensor::ones({n}, DType::F32, device_);
+  std::vector<float> maxes;
+  for (DType f : formats_) maxes.push_back(fp8_max_value(f));
+  max_values_ = Tensor::from_vector(maxes, {n}, DType::F32, device_);
+}
+
+namespace {
+Tensor slot_view(const Tensor& t, int slot, int64_t n) {
+  if (slot < 0 || slot >= n)
+    throw std::logic_error("[fp8] slot " + std::to_string(slot) + " out of range (" +
+                           std::to_string(n) + " slots)");
+  return t.as_strided({1}, {1}, t.offset() + slot);
+}
+}  // namespace
+
+Tensor Fp8DelayedScaling::scale(int slot) {
+  allocate();
+  return slot_view(scale_, slot, num_slots());
+}
+Tensor Fp8DelayedScaling::scale_inv(int slot) {
+  allocate();
+  return slot_view(scale_inv_, slot, num_slots());
+}
+Tensor Fp8DelayedScaling::amax(int slot) {
+  allocate();
+  return slot_view(history_, slot, num_slots());
+}
+Tensor Fp8DelayedScaling::amax_history() {
+  allocate();
+  return history_;
+}
+Tensor Fp8DelayedScaling::scales() {
+  allocate();
+  return scale_;
+}
+Tensor Fp8DelayedScaling::scale_invs() {
+  allocate();
+  return scale_inv_;
+}
+Tensor Fp8DelayedScaling::current_amaxes() {
+  allocate();
+  return history_.as_strided({num_slots()}, {1}, history_.offset());
+}
+
+void Fp8DelayedScaling::update() {
+  allocate();
+  ++updates_;
+  const bool recompute = (updates_ - 1) % recipe_.interval == 0;
+  if (num_slots() == 0) return;
+  FP8_DISPATCH(device_, delayed_update, history_, scale_, scale_inv_, max_values_,
+               recipe_.amax_algo == AmaxAlgo::Max, recipe_.margin, recompute);
+}
+
+std::vector<std::pair<std::string, Tensor>> Fp8DelayedScaling::state_tensors() {
+  allocate();
+  return {{"fp8.amax_history", history_},
+          {"fp8.scale", scale_},
+          {"fp8.scale_inv", scale_inv_},
+          {"fp8.updates", Tensor::from_vector(std::vector<int64_t>{updates_}, {1})}};
+}
+
+void Fp8DelayedScaling::load_state(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  allocate();
+  int found = 0;
+  NoGradGuard no_grad;
+  for (const auto& [name, t] : tensors) {
+    Tensor* dst = name == "fp8.amax_history" ? &history_
+                  : name == "fp8.scale"      ? &scale_
+                  : name == "fp8.scale_inv"  ? &scale_inv_
+                                             : nullptr;
+    if (name == "fp8.updates") {
+      updates_ = static_cast<int64_t>(t.item());
+      ++found;
+      continue;
+    }
+    if (!dst) continue;
+    if (t.shape() != dst->shape())
+      throw std::invalid_argument("[fp8] checkpoint tensor " + name + " has shape " +
+                                  shape_str(t.shape()) + ", this model's fp8 state needs " +
+                                  shape_str(dst->shape()) +
+                                  " (different model, fp8 layers or amax_history_len)");
+    dst->copy_(t.device() == device_ ? t : t.to(device_));
+    ++found;
+  }
+  if (found != 4)
+    throw std::invalid_argument(
+        "[fp8] checkpoint lacks part of the delayed-scaling state (fp8.amax_history, fp8.scale, "
+        "fp8.scale_inv, fp8.updates)");
+}
+
+// ---- fp8 linear -------------------------------------------------------------------------------
+
+namespace {
+
+struct LinearShapes {
+  Shape x_shape;
+  int64_t M, N, K;
+  DType x_dtype, w_dtype;
+};
+
+// MXFP8, emulated: each GEMM operand is quantized in 1x32 blocks along that GEMM's contraction
+// dimension, from the high-precision tensor (an MX tensor cannot be transposed exactly), and the
+// GEMM runs in the operands' precision on the exactly representable dequantized values.
+Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const Fp8Recipe& r,
+                 bool want_dx, bool want_dw, const Tensor& x, const Tensor& weight) {
+  Tensor wx = w.dtype() == s.x_dtype ? w : cast(w, s.x_dtype);
+  Tensor y2;
+  {
+    NoGradGuard no_grad;
+    Tensor a = r.hp_fprop ? x2 : fp8_mx_fake_quant(x2, r.forward_dtype, 1);
+    Tensor b = r.hp_fprop ? wx : fp8_mx_fake_quant(wx, r.forward_dtype, 1);
+    y2 = matmul(a, transpose(b, 0, 1));
+  }
+  Shape out_shape = s.x_shape;
+  out_shape.back() = s.N;
+  Tensor y = y2.as_strided(out_shape, contiguous_strides(out_shape), y2.offset());
+  if (!want_dx && !want_dw) return y;
+  return record("fp8_linear", y, {x, weight}, [=](const Tensor& g) {
+    Tensor g2 = contiguous(reshape(g, {-1, s.N}));
+    Tensor dx, dw;
+    if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K], contraction over N
+      Tensor a = r.hp_dgrad ? g2 : fp8_mx_fake_quant(g2, r.backward_dtype, 1);
+      Tensor b = r.hp_dgrad ? wx : fp8_mx_fake_quant(wx, r.forward_dtype, 0);
+      dx = reshape(matmul(a, b), s.x_shape);
+    }
+    if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K], contraction over M
+      Tensor a = r.hp_wgrad ? g2 : fp8_mx_fake_quant(g2, r.backward_dtype, 0);
+      Tensor b = r.hp_wgrad ? x2 : fp8_mx_fake_quant(x2, r.forward_dtype, 0);
+      dw = matmul(transpose(a, 0, 1), b);
+      if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
+    }
+    return std::vector<Tensor>{dx, dw};
+  });
+}
+
+}  // namespace
+
+Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                  const Fp8LinearContext& ctx) {
+  const char* op = "fp8_linear";
+  detail::check_defined(op, x, "input");
+  detail::check_defined(op, weight, "weight");
+  if (weight.dim() != 2) op_error(op, "weight must be 2-d [out, in], got " + weight.str());
+  if (x.dim() < 1 || x.size(-1) != weight.size(1))
+    op_error(op, "input " + shape_str(x.shape()) + " does not end in in_features=" +
+                     std::to_string(weight.size(1)) + " of weight " + shape_str(weight.shape()));
+  if (!is_compute_float(x.dtype()) || !is_compute_float(weight.dtype()))
+    op_error(op,
+             "input and weight must be f32, bf16 or f16, got " + x.str() + " and " + weight.str());
+  detail::check_same_device(op, x, weight);
+  const Fp8Autocast mode = ctx.autocast ? *ctx.autocast : Fp8Autocast{};
+  if (!mode.enabled) return linear(x, weight, bias);
+
+  const Fp8Recipe& r = ctx.recipe;
+  LinearShapes s{x.shape(), 0, weight.size(0), weight.size(1), x.dtype(), weight.dtype()};
+  if (x.numel() == 0 || s.K == 0) return linear(x, weight, bias);  // nothing to quantize
+  Tensor x2 = x.is_contiguous()
+                  ? x.detach().as_strided({x.numel() / s.K, s.K}, {s.K, 1}, x.offset())
+                  : reshape(x.detach(), {-1, s.K});
+  s.M = x2.size(0);
+  const bool want_dx = grad_enabled() && x.requires_grad();
+  const bool want_dw = grad_enabled() && weight.requires_grad();
+  const bool need_grad = want_dx || want_dw;
+
+  Tensor y;
+  if (r.scaling == Fp8Scaling::MxBlock) {
+    y = mx_linear(x2, weight.detach(), s, r, want_dx, want_dw, x, weight);
+  } else {
+    if (r.scaling == Fp8Scaling::Delayed &&
+        (!ctx.delayed || ctx.slot_input < 0 || ctx.slot_weight < 0 || ctx.slot_grad_output < 0))
+      throw std::logic_error("[fp8_linear] delayed scaling without a scaling state and slots");
+    const bool record_amax = mode.record_amax;
+    auto delayed = ctx.delayed;
+    auto quantize = [r, delayed, record_amax](const Tensor& t, DType fmt, int slot, bool row,
+                                              bool col) -> Fp8Tensor {
+      if (!row && !col) return Fp8Tensor{};
+      Fp8CastOptions o{row, col, 16};
+      if (r.scaling == Fp8Scaling::Delayed)
+        return fp8_cast(t, fmt, delayed->scale(slot), record_amax ? delayed->amax(slot) : Tensor(),
+                        o);
+      return fp8_cast_dynamic(t, fmt, o, r.margin);
+    };
+    Fp8Tensor qx =
+        quantize(x2, r.forward_dtype, ctx.slot_input, !r.hp_fprop, want_dw && !r.hp_wgrad);
+    Fp8Tensor qw;
+    if (ctx.weight_provider) {
+      qw = ctx.weight_provider(weight);
+      if (qw.rows != s.N || qw.cols != s.K)
+        op_error(op, "the weight provider returned an fp8 tensor of [" + std::to_string(qw.rows) +
+                         ", " + std::to_string(qw.cols) + "] for weight " + weight.str());
+      if (!r.hp_fprop && !qw.data.defined())
+        op_error(op, "the weight provider's fp8 tensor has no row-major data");
+      if (qw.data.defined() &&
+          (qw.data.size(0) != round_up(s.N, 16) || qw.data.size(1) != round_up(s.K, 16)))
+        op_error(op, "the weight provider's fp8 data " + qw.data.str() +
+                         " is not padded to multiples of 16");
+      if (want_dx && !r.hp_dgrad) qw = fp8_with_transpose(qw);
+    } else {
+      qw = quantize(weight.detach(), r.forward_dtype, ctx.slot_weight, !r.hp_fprop,
+                    want_dx && !r.hp_dgrad);
+    }
+    Tensor y2;
+    if (r.hp_fprop) {
+      NoGradGuard no_grad;
+      Tensor w = weight.dtype() == s.x_dtype ? weight.detach() : cast(weight.detach(), s.x_dtype);
+      y2 = matmul(x2, transpose(w, 0, 1));
+    } else {
+      y2 = unpad(fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, s.x_dtype, true), s.M, s.N);
+    }
+    Shape out_shape = s.x_shape;
+    out_shape.back() = s.N;
+    y = y2.as_strided(out_shape, contiguous_strides(out_shape), y2.offset());
+    if (need_grad) {
+      // Saved for backward: the fp8 transposes (1 byte per element), or the high-precision
+      // tensors for the GEMMs that run in high precision.
+      Tensor x_t = qx.data_t, x_si = qx.scale_inv, w_t = qw.data_t, w_si = qw.scale_inv;
+      Tensor x_hp = r.hp_wgrad ? x2 : Tensor();
+      Tensor w_hp = r.hp_dgrad ? weight.detach() : Tensor();
+      const int slot_g = ctx.slot_grad_output;
+      y = record("fp8_linear", y, {x, weight}, [=](const Tensor& g) {
+        Tensor g2 = contiguous(reshape(g, {-1, s.N}));
+        const bool dx_fp8 = want_dx && !r.hp_dgrad, dw_fp8 = want_dw && !r.hp_wgrad;
+        Fp8Tensor qg = quantize(g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
+        Tensor dx, dw;
+        if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
+          Tensor dx2;
+          if (r.hp_dgrad) {
+            Tensor w = w_hp.dtype() == g2.dtype() ? w_hp : cast(w_hp, g2.dtype());
+            dx2 = matmul(g2, w);
+          } else {
+            dx2 = unpad(fp8_gemm(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, false), s.M, s.K);
+          }
+          dx = dx2.as_strided(s.x_shape, contiguous_strides(s.x_shape), dx2.offset());
+        }
+        if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
+          if (r.hp_wgrad) {
+            dw = matmul(transpose(g2, 0, 1), x_hp);
+            if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
+          } else {
+            dw = unpad(fp8_gemm(qg.data_t, qg.scale_inv, x_t, x_si, s.w_dtype, false), s.N, s.K);
+          }
+        }
+        return std::vector<Tensor>{dx, dw};
+      });
+    }
+  }
+  if (bias.defined()) y = add(y, bias.dtype() == y.dtype() ? bias : cast(bias, y.dtype()));
+  return y;
+}
+
+}  // namespace accel

@@ -1,0 +1,205 @@
+// FP8 training primitives: per-tensor scaled casts to e4m3/e5m2 (with the transposed copies that
+// Hopper's TN-only fp8 GEMMs need), fp8 GEMMs, TE-style delayed scaling state, and the fp8 linear
+// autograd op. ../shared/reference/ALGORITHMS.md section 4 has the math; docs/fp8.md the usage.
+//
+// Scale convention (TE, torchao, cuBLASLt): q = sat(rne(x * scale)), x ~= q * scale_inv with
+// scale_inv = 1 / scale; scale = fp8_max / amax / 2^margin. Scales live in fp32 tensors on the
+// data's device so GPU kernels read them without a host round trip.
+//
+// Every function runs on the CPU (an exact emulation: the same rounding bit for bit, GEMMs in fp32
+// on the decoded values) and on CUDA (fused cast+amax+transpose kernels, cuBLASLt fp8 GEMMs).
+#pragma once
+
+#include <cfloat>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace accel {
+
+// ---- scalar scale math (host and device share it, so both round the same way) -----------------
+
+ACCEL_HD float fp8_max_value(DType fmt) { return fmt == DType::E5M2 ? kE5M2Max : kE4M3Max; }
+
+// An amax a scale can be computed from: positive and finite (0, inf and NaN carry no range).
+ACCEL_HD bool fp8_amax_usable(float amax) { return amax > 0.0f && amax <= FLT_MAX; }
+
+// scale = fp8_max / amax / 2^margin, clamped to [FLT_MIN, FLT_MAX] so that scale_inv stays finite
+// (a tiny amax gives FLT_MAX, as TE does). `fallback` when the amax is unusable: TE's delayed
+// scaling keeps the previous scale, current scaling uses 1.
+ACCEL_HD float fp8_scale_for_amax(float amax, float fp8_max, int margin, float fallback) {
+  if (!fp8_amax_usable(amax)) return fallback;
+  float s = fp8_max / amax;
+  s = ldexpf(s, -margin);  // exact: a power of two
+  if (s > FLT_MAX) s = FLT_MAX;
+  if (s < FLT_MIN) s = FLT_MIN;
+  return s;
+}
+
+// MX block scaling: the exponent e of the power-of-two block scale 2^e (stored as e8m0) such that
+// amax / 2^e <= fp8_max with e as small as possible (TE rounds the exponent up, so the block
+// maximum never saturates). 0 (scale 1) for an amax of 0, inf or NaN. Clamped to [-127, 127].
+ACCEL_HD int fp8_mx_block_exponent(float amax, float fp8_max) {
+  if (!fp8_amax_usable(amax)) return 0;
+  int ea, ef;
+  frexpf(amax, &ea);
+  frexpf(fp8_max, &ef);
+  int e = ea - ef;  // amax / fp8_max lies in (2^(e-1), 2^(e+1))
+  if (e < -127) return -127;
+  if (amax > ldexpf(fp8_max, e)) ++e;  // exact: fp8_max * 2^e is a normal float here (or inf)
+  return e > 127 ? 127 : e;
+}
+
+// ---- recipes ----------------------------------------------------------------------------------
+
+enum class Fp8Scaling {
+  Delayed,  // TE DelayedScaling: scale from an amax history of past steps
+  Dynamic,  // torchao tensorwise / TE current scaling: scale from this tensor's own amax
+  MxBlock,  // MXFP8 (1x32 blocks, e8m0 scales). Hopper has no MX GEMMs: emulated (see docs/fp8.md)
+};
+enum class AmaxAlgo { Max, MostRecent };
+
+struct Fp8Recipe {
+  Fp8Scaling scaling = Fp8Scaling::Delayed;
+  DType forward_dtype = DType::E4M3;   // inputs and weights
+  DType backward_dtype = DType::E5M2;  // output gradients (HYBRID); E4M3 for the E4M3 format
+  // Delayed scaling.
+  int64_t amax_history_len = 1024;
+  AmaxAlgo amax_algo = AmaxAlgo::MostRecent;
+  int margin = 0;        // also applied by dynamic scaling
+  int64_t interval = 1;  // scales are recomputed after steps 1, 1 + interval, 1 + 2 interval, ...
+  // override_linear_precision: true runs that GEMM in the inputs' precision instead of fp8.
+  bool hp_fprop = false, hp_dgrad = false, hp_wgrad = false;
+
+  // "delayed scaling (history 1024, most_recent, margin 0, interval 1), e4m3 forward / e5m2
+  // backward, GEMMs fprop fp8 dgrad fp8 wgrad fp8"
+  std::string str() const;
+};
+
+// ---- fp8 tensors and casts --------------------------------------------------------------------
+
+// A 2-d tensor [rows, cols] quantized with one per-tensor scale. `data` is the row-major copy
+// [rows_p, cols_p] and `data_t` the transposed copy [cols_p, rows_p]; either may be absent. Both
+// are zero-padded to a multiple of `pad` in each dimension (cuBLASLt's fp8 GEMMs need the
+// contraction dimension % 16; zeros add nothing to a dot product).
+struct Fp8Tensor {
+  Tensor data, data_t;  // E4M3 or E5M2
+  Tensor scale;         // f32 [1]
+  Tensor scale_inv;     // f32 [1], 1 / scale (what GEMMs and dequantization use)
+  int64_t rows = 0, cols = 0;
+  DType dtype() const { return data.defined() ? data.dtype() : data_t.dtype(); }
+  Device device() const { return scale_inv.device(); }
+};
+
+struct Fp8CastOptions {
+  bool rowwise = true;      // fill `data`
+  bool columnwise = false;  // fill `data_t`
+  int64_t pad = 1;          // pad both dims of the copies to a multiple of this (16 for GEMMs)
+};
+
+// Casts x (2-d, f32/bf16/f16, any device) with the given scale (f32 [1] on x's device).
+// When `amax_accum` (f32 [1]) is defined, max(amax_accum, max|x|) is stored into it in the same
+// pass (NaN elements are ignored; the history of delayed scaling is fed this way). The result's
+// scale_inv is a new tensor holding 1 / scale.
+Fp8Tensor fp8_cast(const Tensor& x, DType fmt, const Tensor& scale,
+                   const Tensor& amax_accum = Tensor(), const Fp8CastOptions& opts = {});
+// Current (dynamic) scaling: scale = fp8_scale_for_amax(max|x|, fp8_max, margin, 1).
+Fp8Tensor fp8_cast_dynamic(const Tensor& x, DType fmt, const Fp8CastOptions& opts = {},
+                           int margin = 0);
+// Adds the transposed copy to a tensor that has only the row-major one (a byte transpose).
+Fp8Tensor fp8_with_transpose(const Fp8Tensor& q);
+// [rows, cols] values q * scale_inv in `dtype` (from data, or data_t when data is absent).
+Tensor fp8_dequantize(const Fp8Tensor& q, DType dtype = DType::F32);
+// max |x| as an f32 [1] tensor on x's device (NaN ignored).
+Tensor fp8_amax(const Tensor& x);
+
+// The fp8 GEMM in the one layout Hopper runs ("TN"): both operands contraction-contiguous.
+// out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv, accumulated in fp32; a and b
+// fp8 (not both e5m2), out f32/bf16/f16. On CUDA K % 16 == 0 and N % 8 == 0 (pad the operands).
+// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do).
+void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+              const Tensor& b_scale_inv, bool fast_accum);
+Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+                const Tensor& b_scale_inv, DType out_dtype, bool fast_accum);
+
+// MXFP8 emulation: x (2-d) quantized in blocks of 32 consecutive elements along `block_dim`
+// (1: along rows' elements, 0: down columns) with e8m0 scales, then dequantized back to x's
+// dtype. Exact in bf16/f32, so a high-precision GEMM on the results computes what an MX GEMM would
+// (up to accumulation order).
+Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim);
+
+// ---- delayed scaling state (TE DelayedScaling) -----------------------------------------------
+
+// Amax histories and scales of a set of fp8 tensor slots, one buffer per quantity so that one
+// all-reduce covers every current amax and one kernel updates every scale.
+// amax_history is [L, n] as TE lays it out: row 0 accumulates the current step's amaxes.
+class Fp8DelayedScaling {
+ public:
+  Fp8DelayedScaling(const Fp8Recipe& recipe, Device device);
+  // Registers a slot for tensors cast to `fmt`; all slots are added before the first use.
+  int add_slot(DType fmt);
+  int64_t num_slots() const { return static_cast<int64_t>(formats_.size()); }
+  const Fp8Recipe& recipe() const { return recipe_; }
+  Device device() const { return device_; }
+
+  // f32 [1] views of one slot (allocating the buffers on first use).
+  Tensor scale(int slot);
+  Tensor scale_inv(int slot);
+  Tensor amax(int slot);  // the current step's accumulator, amax_history[0][slot]
+  Tensor amax_history();  // [L, n]
+  Tensor scales();        // [n]
+  Tensor scale_invs();    // [n]
+  // Row 0 of the history, contiguous [n]: all-reduce MAX it across data-parallel ranks before
+  // update() so that every rank computes the same scales.
+  Tensor current_amaxes();
+
+  // End of a training step: on recompute steps (1, 1 + interval, ...) every slot's scale becomes
+  // fp8_max / a / 2^margin with a = max over the history ('max') or its row 0 ('most_recent'),
+  // non-finite entries ignored; a slot without a positive finite amax keeps its scale. Then the
+  // histories roll (row 0 moves to row L-1, rows shift up, row 0 restarts at 0).
+  void update();
+  int64_t updates() const { return updates_; }
+
+  // For checkpoints: history, scales, and the update count.
+  std::vector<std::pair<std::string, Tensor>> state_tensors();
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
+
+ private:
+  void allocate();
+  Fp8Recipe recipe_;
+  Device device_;
+  std::vector<DType> formats_;
+  Tensor history_, scale_, scale_inv_, max_values_;
+  int64_t updates_ = 0;
+};
+
+// ---- the fp8 linear op ------------------------------------------------------------------------
+
+// Mode switches shared by all fp8 layers of a model.
+struct Fp8Autocast {
+  bool enabled = true;      // false: layers run the plain high-precision linear
+  bool record_amax = true;  // false (evaluation): delayed-scaling histories are left alone
+};
+
+// What one fp8 linear layer needs at run time.
+struct Fp8LinearContext {
+  Fp8Recipe recipe;
+  std::shared_ptr<Fp8DelayedScaling> delayed;  // Delayed scaling only
+  int slot_input = -1, slot_weight = -1, slot_grad_output = -1;
+  std::shared_ptr<const Fp8Autocast> autocast;  // null: enabled and recording
+  // Supplies the weight already in fp8 (e.g. gathered by FSDP as e4m3 with a global scale)
+  // instead of casting `weight` here; it must describe the same [out, in] values.
+  std::function<Fp8Tensor(const Tensor& weight)> weight_provider;
+};
+
+// y [..., out] = x [..., in] . weight[out, in]^T (+ bias), with the GEMMs the recipe puts in fp8:
+// fprop e4m3 x e4m3 (fast accumulation), dgrad grad(e5m2 for HYBRID) x weight, wgrad grad x input
+// (precise accumulation). Output and input gradient in x's dtype, weight gradient in weight's.
+// The fp8 transposed copies of x and weight are made in the forward cast and saved for backward.
+Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                  const Fp8LinearContext& ctx);
+
+}  // namespace accel

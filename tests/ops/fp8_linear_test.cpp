@@ -1,0 +1,241 @@
+// The fp8 linear op on the CPU emulation, against the high-precision linear: every recipe
+// (delayed, dynamic, MX emulation), GEMM precision overrides, odd (padded) shapes, evaluation
+// switches and a supplied fp8 weight.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops/fp8.h"
+#include "tests/ops/op_test_util.h"
+
+namespace accel {
+namespace {
+
+double sqnr_db(const Tensor& ref, const Tensor& got) {
+  std::vector<double> a = ref.to_vector(), b = got.to_vector();
+  EXPECT_EQ(a.size(), b.size());
+  double s = 0, e = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    s += a[i] * a[i];
+    e += (a[i] - b[i]) * (a[i] - b[i]);
+  }
+  return 10.0 * std::log10(s / std::max(e, 1e-300));
+}
+
+struct Result {
+  Tensor y, dx, dw;
+};
+
+// y = f(x, w); loss = sum(y * g) so that dy = g.
+Result run(const std::function<Tensor(const Tensor&, const Tensor&)>& f, const Tensor& x0,
+           const Tensor& w0, const Tensor& g) {
+  Tensor x = x0.clone().set_requires_grad(true), w = w0.clone().set_requires_grad(true);
+  Tensor y = f(x, w);
+  y.backward(g);
+  return {y.detach(), x.grad(), w.grad()};
+}
+
+struct Problem {
+  Tensor x, w, g;
+  Result ref;  // the f32 linear on the same (bf16-rounded) values
+};
+
+Problem make_problem(Shape x_shape, int64_t out, uint64_t seed, DType dtype = DType::BF16) {
+  const int64_t in = x_shape.back();
+  Problem p;
+  p.x = test::randn(x_shape, seed, dtype);
+  p.w = test::randn({out, in}, seed + 1, dtype, 1.0 / std::sqrt(static_cast<double>(in)));
+  Shape y_shape = x_shape;
+  y_shape.back() = out;
+  p.g = test::randn(y_shape, seed + 2, dtype, 1e-3);  // gradients are small, as in training
+  p.ref = run([](const Tensor& x, const Tensor& w) { return linear(x, w); }, cast(p.x, DType::F32),
+              cast(p.w, DType::F32), cast(p.g, DType::F32));
+  return p;
+}
+
+Fp8LinearContext dynamic_ctx() {
+  Fp8LinearContext c;
+  c.recipe.scaling = Fp8Scaling::Dynamic;
+  return c;
+}
+
+Fp8LinearContext delayed_ctx(int64_t history = 4) {
+  Fp8LinearContext c;
+  c.recipe.scaling = Fp8Scaling::Delayed;
+  c.recipe.amax_history_len = history;
+  c.recipe.amax_algo = AmaxAlgo::Max;
+  c.delayed = std::make_shared<Fp8DelayedScaling>(c.recipe, Device::cpu());
+  c.slot_input = c.delayed->add_slot(DType::E4M3);
+  c.slot_weight = c.delayed->add_slot(DType::E4M3);
+  c.slot_grad_output = c.delayed->add_slot(DType::E5M2);
+  return c;
+}
+
+Result run_fp8(const Problem& p, const Fp8LinearContext& ctx) {
+  return run([&](const Tensor& x, const Tensor& w) { return fp8_linear(x, w, Tensor(), ctx); }, p.x,
+             p.w, p.g);
+}
+
+// Thresholds in the spirit of torchao's test_base (output >= 18 dB, grads >= 17 dB vs bf16).
+void expect_sqnr(const Problem& p, const Result& r, double y_db, double dx_db, double dw_db,
+                 const std::string& what) {
+  ASSERT_EQ(r.y.shape(), p.ref.y.shape()) << what;
+  ASSERT_EQ(r.dx.shape(), p.ref.dx.shape()) << what;
+  ASSERT_EQ(r.dw.shape(), p.ref.dw.shape()) << what;
+  EXPECT_EQ(r.y.dtype(), p.x.dtype()) << what;
+  EXPECT_EQ(r.dx.dtype(), p.x.dtype()) << what;
+  EXPECT_EQ(r.dw.dtype(), p.w.dtype()) << what;
+  EXPECT_GE(sqnr_db(p.ref.y, r.y), y_db) << what << " output";
+  EXPECT_GE(sqnr_db(p.ref.dx, r.dx), dx_db) << what << " input gradient";
+  EXPECT_GE(sqnr_db(p.ref.dw, r.dw), dw_db) << what << " weight gradient";
+}
+
+TEST(Fp8Linear, DynamicScalingMatchesHighPrecision) {
+  Problem p = make_problem({2, 16, 64}, 48, 1);
+  expect_sqnr(p, run_fp8(p, dynamic_ctx()), 25, 20, 20, "dynamic");
+}
+
+TEST(Fp8Linear, DelayedScalingAfterTheFirstStepMatchesDynamic) {
+  Problem p = make_problem({2, 16, 64}, 48, 2);
+  Fp8LinearContext ctx = delayed_ctx();
+  // Step 1 casts with the initial scale 1 (as TE does): gradients of 1e-3 lose most bits in e5m2.
+  run_fp8(p, ctx);
+  std::vector<double> h = ctx.delayed->current_amaxes().to_vector();
+  EXPECT_GT(h[0], 1.0);   // input amax recorded in the forward cast
+  EXPECT_GT(h[1], 0.1);   // weight amax
+  EXPECT_GT(h[2], 1e-4);  // grad-output amax recorded in the backward cast
+  ctx.delayed->update();
+  // Step 2 uses scales from step 1's amaxes: the same tensors, so the same scales as dynamic.
+  Result r2 = run_fp8(p, ctx);
+  Result rd = run_fp8(p, dynamic_ctx());
+  EXPECT_EQ(r2.y.to_vector(), rd.y.to_vector());
+  EXPECT_EQ(r2.dx.to_vector(), rd.dx.to_vector());
+  EXPECT_EQ(r2.dw.to_vector(), rd.dw.to_vector());
+  expect_sqnr(p, r2, 25, 20, 20, "delayed");
+}
+
+TEST(Fp8Linear, E4M3FormatUsesE4M3Gradients) {
+  Problem p = make_problem({32, 64}, 32, 3);
+  Fp8LinearContext ctx = dynamic_ctx();
+  ctx.recipe.backward_dtype = DType::E4M3;
+  Result r = run_fp8(p, ctx);
+  expect_sqnr(p, r, 25, 23, 23, "e4m3 gradients");
+  // ... which are more precise than e5m2 ones.
+  Result h = run_fp8(p, dynamic_ctx());
+  EXPECT_GT(sqnr_db(p.ref.dx, r.dx), sqnr_db(p.ref.dx, h.dx));
+}
+
+TEST(Fp8Linear, OddShapesArePaddedForTheGemms) {
+  // M = 7, K = 24, N = 40: none a multiple of 16.
+  Problem p = make_problem({7, 24}, 40, 4);
+  expect_sqnr(p, run_fp8(p, dynamic_ctx()), 25, 20, 20, "padded");
+  Problem q = make_problem({3, 5, 17}, 9, 5, DType::F32);
+  expect_sqnr(q, run_fp8(q, dynamic_ctx()), 25, 20, 20, "padded f32");
+}
+
+TEST(Fp8Linear, OverrideLinearPrecisionRunsThoseGemmsInHighPrecision) {
+  Problem p = make_problem({32, 64}, 48, 6);
+  Result bf16 = run([](const Tensor& x, const Tensor& w) { return linear(x, w); }, p.x, p.w, p.g);
+  Fp8LinearContext ctx = dynamic_ctx();
+  ctx.recipe.hp_wgrad = true;  // TE's (False, False, True)
+  Result r = run_fp8(p, ctx);
+  test::expect_close(r.dw, bf16.dw, 1e-2, 1e-6, "wgrad in bf16");
+  EXPECT_LT(sqnr_db(p.ref.y, r.y), 40.0);  // the forward is still fp8
+  ctx.recipe.hp_fprop = ctx.recipe.hp_dgrad = true;
+  Result all = run_fp8(p, ctx);
+  test::expect_close(all.y, bf16.y, 1e-2, 1e-5, "fprop in bf16");
+  test::expect_close(all.dx, bf16.dx, 1e-2, 1e-8, "dgrad in bf16");
+  test::expect_close(all.dw, bf16.dw, 1e-2, 1e-6, "wgrad in bf16");
+  ctx.recipe.hp_wgrad = false;  // fprop and dgrad in bf16, wgrad in fp8
+  Result w8 = run_fp8(p, ctx);
+  test::expect_close(w8.y, bf16.y, 1e-2, 1e-5, "fprop in bf16");
+  EXPECT_GE(sqnr_db(p.ref.dw, w8.dw), 20);
+  EXPECT_LT(sqnr_db(p.ref.dw, w8.dw), 40);
+}
+
+TEST(Fp8Linear, MxBlockEmulation) {
+  Problem p = make_problem({2, 16, 64}, 48, 7);
+  Fp8LinearContext ctx;
+  ctx.recipe.scaling = Fp8Scaling::MxBlock;
+  ctx.recipe.backward_dtype = DType::E4M3;
+  Result r = run_fp8(p, ctx);
+  expect_sqnr(p, r, 25, 23, 23, "mxfp8");
+  // The forward is exactly a GEMM of the block-quantized operands.
+  Tensor x2 = reshape(p.x, {-1, 64});
+  Tensor want = matmul(fp8_mx_fake_quant(x2, DType::E4M3, 1),
+                       transpose(fp8_mx_fake_quant(p.w, DType::E4M3, 1), 0, 1));
+  EXPECT_EQ(reshape(r.y, {-1, 48}).to_vector(), want.to_vector());
+}
+
+TEST(Fp8Linear, AutocastSwitches) {
+  Problem p = make_problem({16, 32}, 16, 8);
+  Fp8LinearContext ctx = delayed_ctx();
+  auto mode = std::make_shared<Fp8Autocast>();
+  ctx.autocast = mode;
+  mode->enabled = false;  // evaluation in bf16: exactly the plain linear, nothing recorded
+  Result off = run_fp8(p, ctx);
+  Result bf16 = run([](const Tensor& x, const Tensor& w) { return linear(x, w); }, p.x, p.w, p.g);
+  EXPECT_EQ(off.y.to_vector(), bf16.y.to_vector());
+  for (double v : ctx.delayed->amax_history().to_vector()) EXPECT_EQ(v, 0.0);
+  mode->enabled = true;  // evaluation in fp8: histories untouched
+  mode->record_amax = false;
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = fp8_linear(p.x, p.w, Tensor(), ctx);
+  }
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_NE(y.to_vector(), bf16.y.to_vector());
+  for (double v : ctx.delayed->amax_history().to_vector()) EXPECT_EQ(v, 0.0);
+  mode->record_amax = true;
+  {
+    NoGradGuard no_grad;
+    fp8_linear(p.x, p.w, Tensor(), ctx);
+  }
+  EXPECT_GT(ctx.delayed->current_amaxes().to_vector()[0], 0.0);
+}
+
+TEST(Fp8Linear, WeightProviderAndBias) {
+  Problem p = make_problem({16, 32}, 16, 9);
+  Fp8LinearContext ctx = dynamic_ctx();
+  int calls = 0;
+  Fp8LinearContext with = ctx;
+  with.weight_provider = [&](const Tensor& w) {
+    ++calls;
+    return fp8_cast_dynamic(w, DType::E4M3, Fp8CastOptions{true, false, 16});
+  };
+  Result a = run_fp8(p, ctx), b = run_fp8(p, with);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(a.y.to_vector(), b.y.to_vector());
+  EXPECT_EQ(a.dx.to_vector(), b.dx.to_vector());
+  EXPECT_EQ(a.dw.to_vector(), b.dw.to_vector());
+  with.weight_provider = [&](const Tensor& w) {
+    return fp8_cast_dynamic(w, DType::E4M3, Fp8CastOptions{true, false, 1});
+  };
+  Problem odd = make_problem({4, 24}, 8, 10);
+  EXPECT_THROW(run_fp8(odd, with), std::invalid_argument);  // not padded to 16
+
+  Tensor bias = Tensor::from_vector(std::vector<double>(16, 0.5), {16}, DType::BF16);
+  Tensor y0 = fp8_linear(p.x, p.w, Tensor(), ctx), y1 = fp8_linear(p.x, p.w, bias, ctx);
+  test::expect_close(y1, add(y0, bias).to_vector(), 0, 0, "bias");
+}
+
+TEST(Fp8Linear, GradientOnlyWhereNeeded) {
+  Problem p = make_problem({16, 32}, 16, 11);
+  Tensor w = p.w.clone().set_requires_grad(true);
+  Tensor y = fp8_linear(p.x, w, Tensor(), dynamic_ctx());
+  y.backward(p.g);
+  EXPECT_TRUE(w.grad().defined());
+  Tensor x = p.x.clone().set_requires_grad(true);
+  Tensor y2 = fp8_linear(x, p.w, Tensor(), dynamic_ctx());
+  y2.backward(p.g);
+  EXPECT_GE(sqnr_db(p.ref.dx, x.grad()), 20);
+  EXPECT_THROW(fp8_linear(p.x, Tensor::ones({16, 31}, DType::BF16), Tensor(), dynamic_ctx()),
+               std::invalid_argument);
+  Fp8LinearContext broken;  // delayed scaling without a state
+  EXPECT_THROW(fp8_linear(p.x, p.w, Tensor(), broken), std::logic_error);
+}
+
+}  // namespace
+}  // namespace accel

@@ -1,0 +1,320 @@
+// fp8 training of a Llama on the CPU emulation: which layers convert, the recipe an fp8_config
+// gives, evaluation scopes, the per-step amax all-reduce (2 ranks), and short training runs whose
+// loss must fall and stay within a few percent of bf16.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "models/fp8_linear.h"
+#include "models/llama.h"
+#include "parallel/strategy.h"
+#include "tests/parallel/harness.h"
+
+namespace accel {
+namespace {
+
+LlamaConfig tiny_config() {
+  LlamaConfig c;
+  c.hidden_size = 64;
+  c.intermediate_size = 128;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.vocab_size = 64;
+  c.max_position_embeddings = 64;
+  return c;
+}
+
+Fp8Config te_config() {
+  Fp8Config c;
+  c.backend = "TE";
+  c.amax_history_len = 16;
+  c.amax_compute_algo = "max";
+  return c;
+}
+
+Fp8Config ao_config() {
+  Fp8Config c;
+  c.backend = "AO";
+  return c;
+}
+
+std::vector<std::string> fp8_names(const std::vector<Fp8LayerChoice>& layers) {
+  std::vector<std::string> out;
+  for (const auto& l : layers)
+    if (l.fp8) out.push_back(l.name);
+  return out;
+}
+
+TEST(Fp8Layers, TransformerEngineConvertsEveryAlignedLinear) {
+  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
+  auto te = choose_fp8_layers(model, te_config());
+  ASSERT_EQ(te.size(), 15u);  // 2 x (q k v o gate up down) + lm_head
+  EXPECT_EQ(fp8_names(te).size(), 15u);
+  EXPECT_EQ(te.front().name, "model.layers.0.self_attn.q_proj");
+  EXPECT_EQ(te.back().name, "lm_head");
+  EXPECT_EQ(te.back().out_features, 64);
+
+  LlamaConfig odd = tiny_config();
+  odd.intermediate_size = 120;  // gate/up/down not divisible by 16
+  LlamaForCausalLM m2(odd, DType::F32, Device::cpu(), 1);
+  auto t2 = choose_fp8_layers(m2, te_config());
+  EXPECT_EQ(fp8_names(t2).size(), 15u - 6u);
+  for (const auto& l : t2)
+    if (l.name.find("mlp") != std::string::npos) {
+      EXPECT_FALSE(l.fp8) << l.name;
+      EXPECT_NE(l.reason.find("divisible by 16"), std::string::npos);
+    }
+  Fp8Config ao = ao_config();
+  ao.pad_inner_dim = true;
+  EXPECT_EQ(fp8_names(choose_fp8_layers(m2, ao)).size(), 13u);  // padded: only first/last stay
+}
+
+TEST(Fp8Layers, TorchAoKeepsFirstLastAndExcludedLayers) {
+  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
+  auto ao = choose_fp8_layers(model, ao_config());
+  EXPECT_FALSE(ao.front().fp8);
+  EXPECT_FALSE(ao.back().fp8);
+  EXPECT_EQ(fp8_names(ao).size(), 13u);
+  Fp8Config ex = ao_config();
+  ex.exclude_modules = {"mlp.down_proj"};
+  auto ao2 = choose_fp8_layers(model, ex);
+  EXPECT_EQ(fp8_names(ao2).size(), 11u);  // both down_proj layers excluded
+  for (const auto& l : ao2) {
+    if (l.name.find("down_proj") != std::string::npos) {
+      EXPECT_FALSE(l.fp8) << l.name;
+    }
+  }
+  // With a tied head, Hugging Face's last Linear is the (tied) lm_head: the last down_proj
+  // converts.
+  LlamaConfig tied = tiny_config();
+  tied.tie_word_embeddings = true;
+  LlamaForCausalLM mt(tied, DType::F32, Device::cpu(), 1);
+  auto at = choose_fp8_layers(mt, ao_config());
+  ASSERT_EQ(at.size(), 14u);
+  EXPECT_FALSE(at.front().fp8);
+  EXPECT_TRUE(at.back().fp8);
+}
+
+TEST(Fp8Recipe, FromConfig) {
+  Fp8Config c = te_config();
+  Fp8Recipe r = fp8_recipe_from_config(c);
+  EXPECT_EQ(r.scaling, Fp8Scaling::Delayed);
+  EXPECT_EQ(r.forward_dtype, DType::E4M3);
+  EXPECT_EQ(r.backward_dtype, DType::E5M2);
+  EXPECT_EQ(r.amax_algo, AmaxAlgo::Max);
+  EXPECT_EQ(r.amax_history_len, 16);
+  c.fp8_format = "E4M3";
+  c.override_linear_precision_wgrad = true;
+  c.margin = 2;
+  c.interval = 3;
+  r = fp8_recipe_from_config(c);
+  EXPECT_EQ(r.backward_dtype, DType::E4M3);
+  EXPECT_TRUE(r.hp_wgrad);
+  EXPECT_FALSE(r.hp_fprop);
+  EXPECT_EQ(r.margin, 2);
+  EXPECT_EQ(r.interval, 3);
+  c.use_mxfp8_block_scaling = true;
+  EXPECT_EQ(fp8_recipe_from_config(c).scaling, Fp8Scaling::MxBlock);
+  c.fp8_format = "E5M2";
+  EXPECT_THROW(fp8_recipe_from_config(c), std::invalid_argument);
+  Fp8Config ao = ao_config();
+  EXPECT_EQ(fp8_recipe_from_config(ao).scaling, Fp8Scaling::Dynamic);
+  ao.use_mxfp8_block_scaling = true;
+  EXPECT_THROW(fp8_recipe_from_config(ao), std::invalid_argument);
+  ao.backend = "MSAMP";
+  ao.use_mxfp8_block_scaling = false;
+  EXPECT_THROW(fp8_recipe_from_config(ao), std::invalid_argument);
+}
+
+TEST(Fp8Training, DescribeNamesTheEffectiveRecipe) {
+  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
+  auto te = apply_fp8(model, te_config(), Device::cpu());
+  std::string d = te->describe();
+  EXPECT_NE(d.find("backend TE: delayed scaling (amax_history_len 16, amax_compute_algo max"),
+            std::string::npos)
+      << d;
+  EXPECT_NE(d.find("e4m3 forward / e5m2 gradients"), std::string::npos) << d;
+  EXPECT_NE(d.find("15 of 15 linear layers in fp8"), std::string::npos) << d;
+  EXPECT_NE(d.find("evaluation in bf16"), std::string::npos) << d;
+  EXPECT_NE(d.find("emulation"), std::string::npos) << d;
+  EXPECT_EQ(te->delayed()->num_slots(), 45);
+
+  LlamaForCausalLM m2(tiny_config(), DType::F32, Device::cpu(), 1);
+  Fp8Config mx = te_config();
+  mx.use_mxfp8_block_scaling = true;
+  std::string dm = apply_fp8(m2, mx, Device::cpu())->describe();
+  EXPECT_NE(dm.find("EMULATED"), std::string::npos) << dm;
+
+  LlamaForCausalLM m3(tiny_config(), DType::F32, Device::cpu(), 1);
+  std::string da = apply_fp8(m3, ao_config(), Device::cpu())->describe();
+  EXPECT_NE(da.find("dynamic per-tensor scaling"), std::string::npos) << da;
+  EXPECT_NE(da.find("kept in bf16: model.layers.0.self_attn.q_proj"), std::string::npos) << da;
+  EXPECT_NE(da.find("kept in bf16: lm_head"), std::string::npos) << da;
+}
+
+// Arithmetic sequences t_i = (a + b i) mod V: the next token follows from the previous two.
+std::pair<Tensor, Tensor> make_batch(uint64_t seed, int64_t B, int64_t S, int64_t V) {
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> ids(B * S), tg(B * S);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t a = static_cast<int64_t>(rng() % V), d = 1 + static_cast<int64_t>(rng() % 7);
+    for (int64_t t = 0; t < S; ++t) ids[b * S + t] = (a + d * t) % V;
+    for (int64_t t = 0; t < S; ++t) tg[b * S + t] = t + 1 < S ? ids[b * S + t + 1] : -100;
+  }
+  return {Tensor::from_vector(ids, {B, S}), Tensor::from_vector(tg, {B, S})};
+}
+
+std::vector<double> train(const Fp8Config* fp8_cfg, int steps) {
+  LlamaConfig c = tiny_config();  // smaller still: 5 runs of 30 steps must take ~1 s
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.vocab_size = 32;
+  LlamaForCausalLM model(c, DType::F32, Device::cpu(), 42);
+  std::unique_ptr<Fp8Training> fp8 = fp8_cfg ? apply_fp8(model, *fp8_cfg, Device::cpu()) : nullptr;
+  SingleProcessStrategy strategy(DType::BF16);
+  OptimizerOptions oo;
+  oo.weight_decay = 0.0;
+  strategy.setup(model, oo);
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    auto [ids, targets] = make_batch(static_cast<uint64_t>(s), 8, 24, 32);
+    Tensor loss = LlamaForCausalLM::loss(model.forward(ids), targets);
+    losses.push_back(loss.item());
+    loss.backward();
+    strategy.step(3e-3, 1.0, 1.0);
+    if (fp8) fp8->step_end(static_cast<ProcessGroup*>(nullptr));
+  }
+  return losses;
+}
+
+double tail_mean(const std::vector<double>& v, size_t n) {
+  return std::accumulate(v.end() - n, v.end(), 0.0) / static_cast<double>(n);
+}
+
+TEST(Fp8Training, TinyLlamaLossFallsAndTracksBf16) {
+  const int steps = 30;
+  std::vector<double> bf16 = train(nullptr, steps);
+  Fp8Config mx = te_config();
+  mx.use_mxfp8_block_scaling = true;
+  mx.fp8_format = "E4M3";
+  Fp8Config te_e4m3 = te_config();
+  te_e4m3.fp8_format = "E4M3";
+  te_e4m3.amax_compute_algo = "most_recent";
+  struct Run {
+    const char* name;
+    Fp8Config cfg;
+  };
+  const double ref = tail_mean(bf16, 5);
+  ASSERT_LT(ref, 0.8 * bf16.front()) << "the bf16 baseline does not learn";
+  for (const Run& r : {Run{"TE delayed HYBRID", te_config()}, Run{"TE delayed E4M3", te_e4m3},
+                       Run{"AO dynamic", ao_config()}, Run{"MXFP8 emulated", mx}}) {
+    std::vector<double> l = train(&r.cfg, steps);
+    for (double v : l) ASSERT_TRUE(std::isfinite(v)) << r.name;
+    EXPECT_NE(l, bf16) << r.name << ": identical to bf16, the fp8 layers did not run";
+    const double got = tail_mean(l, 5);
+    EXPECT_LT(got, 0.8 * l.front()) << r.name << ": loss does not fall";
+    EXPECT_LT(std::fabs(got - ref) / ref, 0.03)
+        << r.name << ": final loss " << got << " vs bf16 " << ref;
+    std::printf("%s: first %.4f final %.4f (bf16 %.4f -> %.4f)\n", r.name, l.front(), got,
+                bf16.front(), ref);
+  }
+}
+
+TEST(Fp8Training, EvalScope) {
+  LlamaForCausalLM plain(tiny_config(), DType::F32, Device::cpu(), 7);
+  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 7);
+  Fp8Config cfg = te_config();
+  auto fp8 = apply_fp8(model, cfg, Device::cpu());
+  auto [ids, targets] = make_batch(1, 2, 16, 64);
+  NoGradGuard no_grad;
+  const std::vector<double> want = plain.forward(ids).to_vector();
+  {
+    Fp8EvalScope eval(fp8.get());
+    EXPECT_EQ(model.forward(ids).to_vector(), want);  // bf16 path: exactly the plain model
+  }
+  for (double v : fp8->delayed()->amax_history().to_vector()) EXPECT_EQ(v, 0.0);
+  EXPECT_NE(model.forward(ids).to_vector(), want);  // outside the scope: fp8, recording
+  EXPECT_GT(fp8->delayed()->current_amaxes().to_vector()[0], 0.0);
+
+  LlamaForCausalLM m2(tiny_config(), DType::F32, Device::cpu(), 7);
+  cfg.use_autocast_during_eval = true;
+  auto fp8b = apply_fp8(m2, cfg, Device::cpu());
+  {
+    Fp8EvalScope eval(fp8b.get());
+    EXPECT_NE(m2.forward(ids).to_vector(), want);  // fp8, but nothing recorded
+  }
+  for (double v : fp8b->delayed()->amax_history().to_vector()) EXPECT_EQ(v, 0.0);
+  EXPECT_TRUE(fp8b->autocast().record_amax);
+  Fp8EvalScope none(nullptr);  // no fp8: a no-op
+}
+
+TEST(Fp8Training, StepEndReducesThenUpdates) {
+  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 3);
+  auto fp8 = apply_fp8(model, te_config(), Device::cpu());
+  auto [ids, targets] = make_batch(2, 2, 16, 64);
+  LlamaForCausalLM::loss(model.forward(ids), targets).backward();
+  int calls = 0;
+  fp8->step_end([&](const Tensor& amaxes) {
+    ++calls;
+    EXPECT_EQ(amaxes.numel(), 45);
+    for (double v : amaxes.to_vector()) EXPECT_GT(v, 0.0);
+    amaxes.fill_(2.0);  // as if another rank had seen larger values
+  });
+  EXPECT_EQ(calls, 1);
+  std::vector<double> s = fp8->delayed()->scales().to_vector();
+  EXPECT_EQ(s[0], 224.0);        // input slot, e4m3
+  EXPECT_EQ(s[2], 57344.0 / 2);  // grad-output slot, e5m2
+  EXPECT_EQ(fp8->delayed()->updates(), 1);
+  // Dynamic scaling has nothing to reduce.
+  LlamaForCausalLM m2(tiny_config(), DType::F32, Device::cpu(), 3);
+  auto ao = apply_fp8(m2, ao_config(), Device::cpu());
+  ao->step_end([&](const Tensor&) { ++calls; });
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(ao->delayed(), nullptr);
+}
+
+// OpenMP's thread pool does not survive fork(): a forked rank must not start parallel regions
+// (earlier tests of this binary have started the pool).
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+
+TEST(Fp8Training, AmaxAllReduceGivesEveryRankTheSameScales) {
+  const int n = 2, port = testing::pick_free_port();
+  auto exits = testing::run_ranks(n, [&](int rank) {
+    if (omp_set_num_threads) omp_set_num_threads(1);
+    testing::World w = testing::make_world(rank, n, port);
+    LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 3);
+    auto fp8 = apply_fp8(model, te_config(), Device::cpu());
+    auto [ids, targets] = make_batch(100 + rank, 2, 16, 64);  // different data per rank
+    LlamaForCausalLM::loss(model.forward(ids), targets).backward();
+    Tensor local = fp8->delayed()->current_amaxes().clone();
+    fp8->step_end(w.pg.get());
+    Tensor all = Tensor::empty({n * local.numel()});
+    w.pg->all_gather(all, local)->wait();
+    Tensor scales = fp8->delayed()->scales().clone();
+    Tensor all_scales = Tensor::empty({n * scales.numel()});
+    w.pg->all_gather(all_scales, scales)->wait();
+    std::vector<double> a = all.to_vector(), sc = all_scales.to_vector();
+    const int64_t k = local.numel();
+    bool differs = false;
+    for (int64_t i = 0; i < k; ++i) {
+      differs = differs || a[i] != a[k + i];
+      const float m = static_cast<float>(std::max(a[i], a[k + i]));
+      const float fmax = i % 3 == 2 ? kE5M2Max : kE4M3Max;
+      RANK_CHECK(sc[i] == fp8_scale_for_amax(m, fmax, 0, 1.0f), "slot %lld", (long long)i);
+      RANK_CHECK(sc[i] == sc[k + i], "slot %lld differs across ranks", (long long)i);
+    }
+    RANK_CHECK(differs, "the ranks' local amaxes should differ");
+    return 0;
+  });
+  testing::expect_all_ok(exits);
+}
+
+}  // namespace
+}  // namespace accel
