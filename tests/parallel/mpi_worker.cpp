@@ -4,9 +4,10 @@
 //   mpirun -np 3 accel_parallel_worker --mode check --port P
 //   accel_parallel_worker --spawn 3 --mode die --victim 1
 //
-// Modes: check (collectives, then "rank r of n OK"), die (rank --victim exits 3 after the first
-// barrier, the others run an all_reduce that must fail), sleep (write pid files to --pidfile-dir,
-// then sleep until signalled), world (check_world_size against --expect).
+// Modes: check (collectives, then "rank r of n OK"), die (rank --victim exits with --victim-code,
+// default 3, after the first barrier; the others run an all_reduce that must fail), sleep (write
+// pid files to --pidfile-dir, then sleep until signalled), world (check_world_size against
+// --expect).
 #include <unistd.h>
 
 #include <chrono>
@@ -66,7 +67,7 @@ int check(ProcessGroup& pg, const LaunchEnv& env) {
 
 int main(int argc, char** argv) {
   std::string mode = "check", pid_dir;
-  int spawn = 0, victim = -1, port = 0, expect = 0;
+  int spawn = 0, victim = -1, victim_code = 3, port = 0, expect = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--mode")
@@ -75,6 +76,8 @@ int main(int argc, char** argv) {
       spawn = std::stoi(v);
     else if (k == "--victim")
       victim = std::stoi(v);
+    else if (k == "--victim-code")
+      victim_code = std::stoi(v);
     else if (k == "--port")
       port = std::stoi(v);
     else if (k == "--pidfile-dir")
@@ -113,7 +116,7 @@ int main(int argc, char** argv) {
 
     if (mode == "check") return check(*pg, env);
     if (mode == "die") {
-      if (env.rank == victim) return 3;
+      if (env.rank == victim) return victim_code;
       Tensor t = Tensor::ones({1 << 16});
       pg->all_reduce(t)->wait();
       std::fprintf(stderr, "rank %d: all_reduce succeeded without rank %d\n", env.rank, victim);
