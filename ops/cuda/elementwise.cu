@@ -142,13 +142,28 @@ __global__ void map2_strided(void* out, DType ot, StridedLayout ol, Operand a, O
             f(load_c<C>(a.p, a.t, a.l.offset(i)), load_c<C>(b.p, b.t, b.l.offset(i))));
 }
 
-__global__ void where_strided(void* out, DType ot, StridedLayout ol, Operand c, Operand a,
+// Copies the chosen element's bytes (exact for every dtype; `size` is the element size).
+__global__ void where_strided(void* out, int size, StridedLayout ol, Operand c, Operand a,
                               Operand b, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    bool cond = static_cast<const uint8_t*>(c.p)[c.l.offset(i)] != 0;
+    const bool cond = static_cast<const uint8_t*>(c.p)[c.l.offset(i)] != 0;
     const Operand& s = cond ? a : b;
-    store_from_double(out, ot, ol.offset(i), load_as_double(s.p, s.t, s.l.offset(i)));
+    const int64_t si = s.l.offset(i), oi = ol.offset(i);
+    switch (size) {
+      case 1:
+        static_cast<uint8_t*>(out)[oi] = static_cast<const uint8_t*>(s.p)[si];
+        break;
+      case 2:
+        static_cast<uint16_t*>(out)[oi] = static_cast<const uint16_t*>(s.p)[si];
+        break;
+      case 4:
+        static_cast<uint32_t*>(out)[oi] = static_cast<const uint32_t*>(s.p)[si];
+        break;
+      default:
+        static_cast<uint64_t*>(out)[oi] = static_cast<const uint64_t*>(s.p)[si];
+        break;
+    }
   }
 }
 
@@ -309,8 +324,8 @@ void CudaBackend::where(const Tensor& out, const Tensor& cond, const Tensor& a, 
   auto l =
       make_layouts(out.shape(), {out.strides(), cond.strides(), a.strides(), b.strides()}, "where");
   where_strided<<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(
-      out.data_ptr(), out.dtype(), l[0], operand(cond, l[1]), operand(a, l[2]), operand(b, l[3]),
-      n);
+      out.data_ptr(), static_cast<int>(out.element_size()), l[0], operand(cond, l[1]),
+      operand(a, l[2]), operand(b, l[3]), n);
   ACCEL_CUDA_CHECK_LAUNCH("where");
 }
 
