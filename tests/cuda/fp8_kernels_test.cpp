@@ -194,12 +194,17 @@ TEST(CudaFp8, GemmMatchesCpuEmulation) {
     };
     Fp8Tensor ga = on_gpu(qa), gb = on_gpu(qb);
     Tensor got = fp8_gemm(ga.data, ga.scale_inv, gb.data, gb.scale_inv, c.out, c.fast);
+    // Hopper's fp8 tensor cores accumulate partial sums with fewer bits than fp32 before they
+    // are promoted (measured on the H200: ~4e-5 relative at K=256..512), so an fp32 output gets
+    // a bf16-sized allowance rather than fp32's 1e-5.
+    const double extra = c.out == DType::F32 ? 100.0 : (c.fast ? 2.0 : 1.0);
     cuda_test::expect_matches(got.to(Device::cpu()), want, c.out, "fp8 gemm vs cpu emulation",
-                              c.fast ? 2.0 : 1.0);
+                              extra);
     // Against the unquantized fp32 product.
     Tensor exact = matmul(a, transpose(b, 0, 1));
-    if (c.fa == DType::E4M3 && c.fb == DType::E4M3)
+    if (c.fa == DType::E4M3 && c.fb == DType::E4M3) {
       EXPECT_GE(sqnr_db(exact.to_vector(), got.to_vector()), 25.0);
+    }
   }
   Tensor bad = Tensor::zeros({16, 24}, DType::E4M3, gpu());
   Tensor s = Tensor::ones({1}, DType::F32, gpu());
