@@ -82,6 +82,9 @@ class Backend {
   virtual void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                         double momentum, double weight_decay, double grad_scale) = 0;
   virtual double sum_of_squares(const std::vector<Tensor>& xs) = 0;
+  // Lets fp32 GEMMs run on TF32 tensor cores (training.allow_tf32); backends without such a mode
+  // ignore it.
+  virtual void set_allow_tf32(bool allow) { (void)allow; }
   virtual bool has_non_finite(const Tensor& x) = 0;
 };
 

@@ -10,6 +10,7 @@ namespace accel {
 class CudaBackend final : public Backend {
  public:
   const char* name() const override { return "cuda"; }
+  void set_allow_tf32(bool allow) override;
 
   void unary(UnaryOp op, const Tensor& out, const Tensor& x) override;
   void add_scalar(const Tensor& out, const Tensor& x, double s) override;

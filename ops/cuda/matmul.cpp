@@ -176,6 +176,8 @@ bool allow_tf32() { return g_allow_tf32; }
 
 }  // namespace cuda
 
+void CudaBackend::set_allow_tf32(bool allow) { cuda::set_allow_tf32(allow); }
+
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
                          bool trans_b, double alpha, double beta) {
   using namespace cuda;
