@@ -316,9 +316,7 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
   const int stage = options_.zero_stage;
   std::vector<Tensor> grads = owned_grads();
   StepResult r;
-  double sq = sum_of_squares(grads);
-  if (stage >= 1) sq = comm_.sum(sq, device_);
-  r.grad_norm = std::sqrt(sq * grad_scale * grad_scale);
+  r.grad_norm = global_grad_norm(grads, comm_, /*sharded=*/stage >= 1, device_) * grad_scale;
   if (!std::isfinite(r.grad_norm)) {
     r.skipped = true;
   } else {

@@ -19,8 +19,9 @@
 
 namespace accel::testing {
 
-inline LlamaConfig tiny_llama(int64_t layers = 2) {
+inline LlamaConfig tiny_llama(int64_t layers = 2, bool tied = false) {
   LlamaConfig c;
+  c.tie_word_embeddings = tied;
   c.hidden_size = 32;
   c.intermediate_size = 64;
   c.num_hidden_layers = layers;
@@ -46,6 +47,8 @@ struct RunSpec {
   bool offload_optimizer = false;
   bool save_16bit = false;
   bool activation_checkpointing = false;
+  bool tied_embeddings = false;
+  std::string optimizer = "adamw";
   double lr = 1e-3, clip = 1.0;  // see test_optimizer() on the tolerance
   uint64_t seed = 7;
 };
@@ -65,9 +68,9 @@ inline std::unique_ptr<Strategy> make_test_strategy(const RunSpec& s,
   return std::make_unique<ZeroStrategy>(pg, o);
 }
 
-inline OptimizerOptions test_optimizer() {
+inline OptimizerOptions test_optimizer(const std::string& name = "adamw") {
   OptimizerOptions o;
-  o.name = "adamw";
+  o.name = name;
   o.beta1 = 0.9;
   o.beta2 = 0.95;
   // Adam amplifies a gradient element's absolute rounding error d into an update error of up
@@ -123,11 +126,11 @@ struct Trainee {
 inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
                             uint64_t model_seed) {
   Trainee t;
-  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(),
-                                               model_seed);
+  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers, s.tied_embeddings),
+                                               DType::F32, Device::cpu(), model_seed);
   t.model->set_activation_checkpointing(s.activation_checkpointing);
   t.strategy = make_test_strategy(s, pg);
-  t.strategy->setup(*t.model, test_optimizer());
+  t.strategy->setup(*t.model, test_optimizer(s.optimizer));
   return t;
 }
 

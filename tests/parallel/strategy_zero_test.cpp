@@ -198,6 +198,42 @@ TEST(StrategyZero, Stage3WithActivationCheckpointingAndOffloadMatchesSingleProce
   expect_all_ok(exits);
 }
 
+TEST(StrategyZero, TiedEmbeddingsAndSgdMatchSingleProcess) {
+  RunSpec tied;
+  tied.tied_embeddings = true;
+  tied.steps = 5;
+  RunSpec sgd;
+  sgd.optimizer = "sgd";
+  sgd.lr = 0.05;
+  sgd.steps = 5;
+  const RunResult ref_tied = run_training(tied, nullptr, 0, tied.seed);
+  const RunResult ref_sgd = run_training(sgd, nullptr, 0, sgd.seed);
+  const int port = pick_free_port();
+  auto exits = run_ranks(3, [&](int rank) -> int {
+    World w = make_world(rank, 3, port);
+    for (const char* kind : {"ddp", "zero3"}) {
+      RunSpec s = tied;
+      s.world = 3;
+      s.strategy = kind;
+      RunResult a = run_training(s, w.pg, rank, s.seed);
+      std::string d = compare_losses(a.losses, ref_tied.losses, 1e-5) +
+                      compare_weights(a.final_weights, ref_tied.final_weights, 1e-5);
+      RANK_CHECK(d.empty(), "%s, tied embeddings: %s", kind, d.c_str());
+    }
+    for (const char* kind : {"zero1", "zero3"}) {
+      RunSpec s = sgd;
+      s.world = 3;
+      s.strategy = kind;
+      RunResult a = run_training(s, w.pg, rank, s.seed);
+      std::string d = compare_losses(a.losses, ref_sgd.losses, 1e-5) +
+                      compare_weights(a.final_weights, ref_sgd.final_weights, 1e-5);
+      RANK_CHECK(d.empty(), "%s, sgd: %s", kind, d.c_str());
+    }
+    return 0;
+  });
+  expect_all_ok(exits);
+}
+
 TEST(StrategyZero, OptimizerOffloadKeepsStateOnTheHost) {
   RunSpec s;
   s.strategy = "zero2";
