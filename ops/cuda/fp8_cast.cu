@@ -63,8 +63,10 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
   for (int i = 0; i < 8; ++i) v[i] = to_f(h[i]);
 }
 
-// Fused cast + amax + transpose over 64 x 64 tiles. Requires C % 8 == 0, Cp % 8 == 0 and
-// Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded outputs get 0.
+// Fused cast + amax + transpose over 64 x 64 tiles, a grid-stride loop over the tiles (so that a
+// few hundred blocks, not one per tile, contend for the amax atomic). Requires C % 8 == 0,
+// Cp % 8 == 0 and Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded
+// outputs get 0.
 template <class T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
@@ -73,57 +75,61 @@ __global__ void __launch_bounds__(kThreads)
                           float* __restrict__ scale_inv) {
   __shared__ __align__(16) uint8_t tile[kTile][kSmemStride];
   __shared__ float red[32];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const float s = *scale_ptr;
+  const int64_t tiles_x = (Cp + kTile - 1) / kTile, tiles = tiles_x * ((Rp + kTile - 1) / kTile);
   const int tc = (threadIdx.x % 8) * 8;  // column of this thread's 8 elements in the tile
   float m = 0.0f;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_x) * kTile, c0 = (t % tiles_x) * kTile;
+    float v[2][8];
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int tr = threadIdx.x / 8 + pass * 32;
-    const int64_t r = r0 + tr, c = c0 + tc;
-    float v[8];
-    if (r < R && c < C) {  // C % 8 == 0: all 8 or none are inside
-      load8<T>(x + r * C + c, v);
-    } else {
+    for (int pass = 0; pass < 2; ++pass) {  // both loads in flight before any conversion
+      const int64_t r = r0 + threadIdx.x / 8 + pass * 32, c = c0 + tc;
+      if (r < R && c < C) {  // C % 8 == 0: all 8 or none are inside
+        load8<T>(x + r * C + c, v[pass]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-    }
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i += 2) {
-      m = fmaxf(m, fmaxf(fabsf(v[i]), fabsf(v[i + 1])));
-      lo |= static_cast<uint32_t>(cvt2<kE5M2>(v[i] * s, v[i + 1] * s)) << (8 * i);
+        for (int i = 0; i < 8; ++i) v[pass][i] = 0.0f;
+      }
     }
 #pragma unroll
-    for (int i = 4; i < 8; i += 2) {
-      m = fmaxf(m, fmaxf(fabsf(v[i]), fabsf(v[i + 1])));
-      hi |= static_cast<uint32_t>(cvt2<kE5M2>(v[i] * s, v[i + 1] * s)) << (8 * (i - 4));
-    }
-    if (data && r < Rp && c < Cp) *reinterpret_cast<uint2*>(data + r * Cp + c) = make_uint2(lo, hi);
-    if (data_t) *reinterpret_cast<uint2*>(&tile[tr][tc]) = make_uint2(lo, hi);
-  }
-  if (data_t) {
-    __syncthreads();
-    // Thread -> (column cc of the tile, 16 consecutive rows): 4 threads write one 64-byte run.
-    const int cc = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16;
-    const int64_t c = c0 + cc, r = r0 + rs;
-    if (c < Cp && r < Rp) {  // Rp % 16 == 0: the 16 rows are all inside
-      uint32_t w[4];
+    for (int pass = 0; pass < 2; ++pass) {
+      const int tr = threadIdx.x / 8 + pass * 32;
+      const int64_t r = r0 + tr, c = c0 + tc;
+      uint32_t w[2] = {0, 0};
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[k] = static_cast<uint32_t>(tile[rs + 4 * k][cc]) |
-               (static_cast<uint32_t>(tile[rs + 4 * k + 1][cc]) << 8) |
-               (static_cast<uint32_t>(tile[rs + 4 * k + 2][cc]) << 16) |
-               (static_cast<uint32_t>(tile[rs + 4 * k + 3][cc]) << 24);
-      *reinterpret_cast<uint4*>(data_t + c * Rp + r) = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int i = 0; i < 8; i += 2) {
+        m = fmaxf(m, fmaxf(fabsf(v[pass][i]), fabsf(v[pass][i + 1])));
+        w[i / 4] |= static_cast<uint32_t>(cvt2<kE5M2>(v[pass][i] * s, v[pass][i + 1] * s))
+                    << (8 * (i % 4));
+      }
+      if (data && r < Rp && c < Cp)
+        *reinterpret_cast<uint2*>(data + r * Cp + c) = make_uint2(w[0], w[1]);
+      if (data_t) *reinterpret_cast<uint2*>(&tile[tr][tc]) = make_uint2(w[0], w[1]);
+    }
+    if (data_t) {
+      __syncthreads();
+      // Thread -> (column cc of the tile, 16 consecutive rows): 4 threads write one 64-byte run.
+      const int cc = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16;
+      const int64_t c = c0 + cc, r = r0 + rs;
+      if (c < Cp && r < Rp) {  // Rp % 16 == 0: the 16 rows are all inside
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          w[k] = static_cast<uint32_t>(tile[rs + 4 * k][cc]) |
+                 (static_cast<uint32_t>(tile[rs + 4 * k + 1][cc]) << 8) |
+                 (static_cast<uint32_t>(tile[rs + 4 * k + 2][cc]) << 16) |
+                 (static_cast<uint32_t>(tile[rs + 4 * k + 3][cc]) << 24);
+        *reinterpret_cast<uint4*>(data_t + c * Rp + r) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      __syncthreads();  // the tile is rewritten by the next iteration
     }
   }
   if (amax) {
     m = block_max(m, red);
-    if (threadIdx.x == 0) atomic_max_nonneg(amax, m);
+    if (threadIdx.x == 0 && m > __ldcg(amax)) atomic_max_nonneg(amax, m);
   }
-  if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
+  if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
 }
 
 // Any shapes and alignments: one thread per padded element, written to data then data_t.
@@ -153,7 +159,7 @@ __global__ void cast_generic_kernel(const T* __restrict__ x, int64_t R, int64_t 
   }
   if (amax) {
     m = block_max(m, red);
-    if (threadIdx.x == 0) atomic_max_nonneg(amax, m);
+    if (threadIdx.x == 0 && m > __ldcg(amax)) atomic_max_nonneg(amax, m);
   }
   if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
 }
@@ -178,7 +184,7 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* __restric
     for (int64_t j = i; j < n; j += stride) m = fmaxf(m, fabsf(to_f(x[j])));
   }
   m = block_max(m, red);
-  if (threadIdx.x == 0) atomic_max_nonneg(out, m);
+  if (threadIdx.x == 0 && m > __ldcg(out)) atomic_max_nonneg(out, m);
 }
 
 __global__ void scale_from_amax_kernel(const float* amax, float* scale, float* scale_inv,
@@ -295,8 +301,8 @@ void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor
       constexpr bool kE5M2 = decltype(e5m2)::value;
       const T* xp = static_cast<const T*>(x.data_ptr());
       if (fast) {
-        dim3 grid(static_cast<unsigned>((Cp + kTile - 1) / kTile),
-                  static_cast<unsigned>((Rp + kTile - 1) / kTile));
+        const int64_t tiles = ((Cp + kTile - 1) / kTile) * ((Rp + kTile - 1) / kTile);
+        const int grid = grid_for(tiles * kThreads, kThreads, 8);
         cast_transpose_kernel<T, kE5M2><<<grid, kThreads, 0, scope.stream>>>(
             xp, R, C, Rp, Cp, fptr(scale), bptr(data), bptr(data_t), fptr(amax), fptr(scale_inv));
       } else {
