@@ -48,6 +48,8 @@ StepResult SingleProcessStrategy::step(double lr, double max_grad_norm, double g
   r.grad_norm = std::sqrt(sq);
   if (!std::isfinite(r.grad_norm)) {
     r.skipped = true;
+    for (size_t i = 0; i < params_.size() && r.first_non_finite.empty(); ++i)
+      if (grads[i].defined() && has_non_finite(grads[i])) r.first_non_finite = params_[i]->name;
   } else {
     optimizer_->step(grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
     if (compute_dtype_ != DType::F32) {

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -272,6 +273,16 @@ int train(const TrainOptions& opt) {
   double loss_scale = cdt == DType::F16 ? cfg.training.loss_scale_init : 1.0;
   int64_t good_steps = 0, skipped_steps = 0;
 
+  // Test hook (docs/fault_tolerance.md): ACCEL_TEST_INJECT_NAN_STEP=N makes step N's loss NaN
+  // (ACCEL_TEST_INJECT_NAN_WHERE=grad: only the gradients, the logged loss stays finite;
+  // ACCEL_TEST_INJECT_NAN_RANK=R: only on rank R).
+  const char* inject_env = std::getenv("ACCEL_TEST_INJECT_NAN_STEP");
+  const int64_t inject_step = inject_env ? std::atoll(inject_env) : -1;
+  const char* inject_where_env = std::getenv("ACCEL_TEST_INJECT_NAN_WHERE");
+  const bool inject_grad_only = inject_where_env && std::string(inject_where_env) == "grad";
+  const char* inject_rank_env = std::getenv("ACCEL_TEST_INJECT_NAN_RANK");
+  const bool inject_here = !inject_rank_env || std::atoi(inject_rank_env) == pre.rank;
+
   int64_t step = 0;
   if (resuming) {
     auto found = find_checkpoint(out_dir, opt.resume);
@@ -350,9 +361,12 @@ int train(const TrainOptions& opt) {
       Tensor logits = model.forward(b.input_ids.to(device));
       Tensor loss = LlamaForCausalLM::loss(logits, b.labels.to(device));
       logits = Tensor();
+      const bool inject = inject_here && step + 1 == inject_step && micro == accum - 1;
+      if (inject && !inject_grad_only) loss = mul(loss, NAN);
       double l = loss.item();
       loss_sum += l;
       Tensor scaled = mul(loss, loss_scale / static_cast<double>(accum));
+      if (inject && inject_grad_only) scaled = mul(scaled, NAN);
       scaled.backward();
       strategy->end_micro_batch();
     }
@@ -372,7 +386,10 @@ int train(const TrainOptions& opt) {
     if (r.skipped || !std::isfinite(loss)) {
       ++skipped_steps;
       std::string what = "non-finite " + std::string(std::isfinite(loss) ? "gradients" : "loss") +
-                         " at step " + std::to_string(step);
+                         " at step " + std::to_string(step) + "; first non-finite gradient: " +
+                         (r.first_non_finite.empty()
+                              ? "(not named by strategy " + strategy->name() + ")"
+                              : r.first_non_finite);
       if (cdt != DType::F16 && cfg.training.nan_policy == "stop")
         throw std::runtime_error(what + " (training.nan_policy: stop; use skip to skip such steps)");
       if (cdt != DType::F16) progress.println("warning: " + what + "; step skipped");
