@@ -41,8 +41,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     op_error("matmul", "needs at least 2-d inputs, got " + a.str() + " and " + b.str());
   int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
   if (b.size(-2) != K)
-    op_error("matmul", "inner dimensions differ: " + shape_str(a.shape()) + " @ " +
-                           shape_str(b.shape()));
+    op_error("matmul",
+             "inner dimensions differ: " + shape_str(a.shape()) + " @ " + shape_str(b.shape()));
   Shape batch_a(a.shape().begin(), a.shape().end() - 2);
   Shape batch_b(b.shape().begin(), b.shape().end() - 2);
   Shape batch = detail::broadcast_shapes("matmul", batch_a, batch_b);
@@ -68,9 +68,18 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   bool need_a = a.requires_grad(), need_b = b.requires_grad();
   return record("matmul", out, {a, b}, [a, b, need_a, need_b](const Tensor& g) {
     Tensor ad = a.detach(), bd = b.detach();
-    return std::vector<Tensor>{
-        need_a ? sum_to_shape(matmul(g, transpose(bd, -1, -2)), a.shape()) : Tensor(),
-        need_b ? sum_to_shape(matmul(transpose(ad, -1, -2), g), b.shape()) : Tensor()};
+    Tensor ga = need_a ? sum_to_shape(matmul(g, transpose(bd, -1, -2)), a.shape()) : Tensor();
+    Tensor gb;
+    if (need_b) {
+      // When b is a transposed view of a contiguous matrix (linear's weight^T), compute the
+      // gradient in that matrix's own layout (same GEMM, operands swapped): the transpose's
+      // backward then hands the weight a contiguous gradient instead of a strided copy.
+      const bool b_transposed = a.dim() == 2 && b.dim() == 2 && b.size(1) > 1 &&
+                                b.strides()[0] == 1 && b.strides()[1] == b.size(0);
+      gb = b_transposed ? transpose(matmul(transpose(g, -1, -2), ad), -1, -2)
+                        : sum_to_shape(matmul(transpose(ad, -1, -2), g), b.shape());
+    }
+    return std::vector<Tensor>{ga, gb};
   });
 }
 
@@ -79,9 +88,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   detail::check_defined("linear", weight, "weight");
   if (weight.dim() != 2) op_error("linear", "weight must be 2-d [out, in], got " + weight.str());
   if (x.dim() < 1 || x.size(-1) != weight.size(1))
-    op_error("linear", "input " + shape_str(x.shape()) + " does not end in in_features=" +
-                           std::to_string(weight.size(1)) + " of weight " +
-                           shape_str(weight.shape()));
+    op_error("linear", "input " + shape_str(x.shape()) +
+                           " does not end in in_features=" + std::to_string(weight.size(1)) +
+                           " of weight " + shape_str(weight.shape()));
   Shape out_shape = x.shape();
   out_shape.back() = weight.size(0);
   Tensor x2 = reshape(x, {-1, weight.size(1)});

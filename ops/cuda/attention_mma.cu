@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/common.cuh"
 
@@ -86,38 +88,49 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, in
   }
 }
 
-constexpr int kBr = 64, kBc = 64, kWarps = 4;
+constexpr int kBc = 64, kWarps = 4;
+// Backward m16 tiles per warp for head dim 64 (see launch_bwd).
+constexpr int kDefaultDqMt = 1, kDefaultDkvMt = 1;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <class T, int D>
+// m16 tiles per warp: two for head dim 64 (each K/V fragment loaded from shared memory feeds two
+// MMAs, halving ldmatrix traffic, which bounds the one-tile version), one for 128 (registers).
+template <int D>
+constexpr int mtiles() {
+  return D <= 64 ? 2 : 1;
+}
+
+template <class T, int D, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_fwd_mma(AttnParams p, T* __restrict__ out, float* __restrict__ lse,
                  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v) {
-  constexpr int KD = D / 16;   // k-steps over the head dim
-  constexpr int NB = kBc / 8;  // 8-key blocks per tile
-  constexpr int ND = D / 8;    // 8-dim blocks of the output
+  constexpr int BR = 16 * kWarps * MT;  // query rows per block
+  constexpr int KD = D / 16;            // k-steps over the head dim
+  constexpr int NB = kBc / 8;           // 8-key blocks per tile
+  constexpr int ND = D / 8;             // 8-dim blocks of the output
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* qs = reinterpret_cast<T*>(smem_raw);
-  T* kv = qs + kBr * D;  // [2 buffers][K tile, V tile]
+  T* kv = qs + BR * D;  // [2 buffers][K tile, V tile]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
   const int64_t qblk = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // long rows first
-  const int64_t i0 = qblk * kBr;
+  const int64_t i0 = qblk * BR;
   const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
   const T* qg = q + (b * p.sq * p.hq + h) * D;
   const T* kg = k + (b * p.sk * p.hkv + hk) * D;
   const T* vg = v + (b * p.sk * p.hkv + hk) * D;
+  const int64_t diag = p.sk - p.sq;  // key j is visible to row i when j <= i + diag
 
-  const int64_t last_row = (i0 + kBr < p.sq ? i0 + kBr : p.sq) - 1;
+  const int64_t last_row = (i0 + BR < p.sq ? i0 + BR : p.sq) - 1;
   int64_t n_keys = p.sk;
   if (p.causal) {
-    n_keys = last_row + 1 + (p.sk - p.sq);
+    n_keys = last_row + 1 + diag;
     n_keys = n_keys < 0 ? 0 : (n_keys > p.sk ? p.sk : n_keys);
   }
   const int n_tiles = static_cast<int>((n_keys + kBc - 1) / kBc);
 
-  load_tile<T, D, kBr>(qs, qg, i0, p.sq, q_stride);
+  load_tile<T, D, BR>(qs, qg, i0, p.sq, q_stride);
   if (n_tiles > 0) {
     load_tile<T, D, kBc>(kv, kg, 0, p.sk, kv_stride);
     load_tile<T, D, kBc>(kv + kBc * D, vg, 0, p.sk, kv_stride);
@@ -125,13 +138,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   cp_async_commit();
 
   const int g = lane >> 2, tq = lane & 3;
-  const int64_t row_a = i0 + warp * 16 + g, row_b = row_a + 8;
+  const int wr0 = warp * 16 * MT;   // first row of this warp inside the block
+  const int64_t wfirst = i0 + wr0;  // ... and in the sequence
+  const int64_t wlast = wfirst + 16 * MT - 1;
   const float scale2 = p.scale * kLog2e;
-  float o[ND][4];
+  float o[MT][ND][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int i = 0; i < ND; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
-  uint32_t qf[KD][4];
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < ND; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+  uint32_t qf[MT][KD][4];
 
   for (int t = 0; t < n_tiles; ++t) {
     T* ks = kv + (t & 1) * 2 * kBc * D;
@@ -148,89 +168,110 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();
     if (t == 0) {
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk)
-        ldsm_x4(qf[kk], qs + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+          ldsm_x4(qf[mt][kk], qs + swz<D>(wr0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
     }
-    // S = Q K^T for this warp's 16 rows x 64 keys.
-    float s[NB][4];
-#pragma unroll
-    for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        uint32_t bf[4];
-        ldsm_x4(bf, ks + swz<D>(nb2 * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                kk * 2 + ((lane >> 3) & 1)));
-        Mma<T>::run(s[2 * nb2], qf[kk], bf);
-        Mma<T>::run(s[2 * nb2 + 1], qf[kk], bf + 2);
-      }
-    }
-    // Scale into the exp2 domain and mask.
     const int64_t j0 = int64_t(t) * kBc;
-    const bool need_mask = j0 + kBc > p.sk || (p.causal && j0 + kBc > i0 + 1 + (p.sk - p.sq));
+    // A tile wholly above the diagonal for every row of this warp adds nothing.
+    const bool skip = p.causal && j0 > wlast + diag;
+    if (!skip) {
+      // S = Q K^T for this warp's rows x 64 keys.
+      float s[MT][NB][4];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nb][e] * scale2;
-        if (need_mask) {
-          const int64_t j = j0 + nb * 8 + tq * 2 + (e & 1);
-          const int64_t i = e < 2 ? row_a : row_b;
-          if (j >= p.sk || (p.causal && j >= i + 1 + (p.sk - p.sq))) x = -INFINITY;
+        for (int i = 0; i < NB; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+      for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+          uint32_t bf[4];
+          ldsm_x4(bf, ks + swz<D>(nb2 * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                  kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(s[mt][2 * nb2], qf[mt][kk], bf);
+            Mma<T>::run(s[mt][2 * nb2 + 1], qf[mt][kk], bf + 2);
+          }
         }
-        s[nb][e] = x;
       }
-    float mt_a = -INFINITY, mt_b = -INFINITY;
+      const bool need_mask = j0 + kBc > p.sk || (p.causal && j0 + kBc - 1 > wfirst + diag);
+      if (need_mask) {
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      mt_a = fmaxf(mt_a, fmaxf(s[nb][0], s[nb][1]));
-      mt_b = fmaxf(mt_b, fmaxf(s[nb][2], s[nb][3]));
-    }
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mt_a = fmaxf(mt_a, __shfl_xor_sync(0xffffffffu, mt_a, off));
-      mt_b = fmaxf(mt_b, __shfl_xor_sync(0xffffffffu, mt_b, off));
-    }
-    const float mn_a = fmaxf(m_a, mt_a), mn_b = fmaxf(m_b, mt_b);
-    const float use_a = mn_a == -INFINITY ? 0.f : mn_a, use_b = mn_b == -INFINITY ? 0.f : mn_b;
-    const float al_a = exp2f(m_a - use_a), al_b = exp2f(m_b - use_b);
-    m_a = mn_a;
-    m_b = mn_b;
-    float ls_a = 0.f, ls_b = 0.f;
+          for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      s[nb][0] = exp2f(s[nb][0] - use_a);
-      s[nb][1] = exp2f(s[nb][1] - use_a);
-      s[nb][2] = exp2f(s[nb][2] - use_b);
-      s[nb][3] = exp2f(s[nb][3] - use_b);
-      ls_a += s[nb][0] + s[nb][1];
-      ls_b += s[nb][2] + s[nb][3];
-    }
-    l_a = l_a * al_a + ls_a;
-    l_b = l_b * al_b + ls_b;
+            for (int e = 0; e < 4; ++e) {
+              const int64_t j = j0 + nb * 8 + tq * 2 + (e & 1);
+              const int64_t i = wfirst + mt * 16 + g + (e < 2 ? 0 : 8);
+              if (j >= p.sk || (p.causal && j > i + diag)) s[mt][nb][e] = -INFINITY;
+            }
+      }
 #pragma unroll
-    for (int nd = 0; nd < ND; ++nd) {
-      o[nd][0] *= al_a;
-      o[nd][1] *= al_a;
-      o[nd][2] *= al_b;
-      o[nd][3] *= al_b;
-    }
-    // O += P V.
+      for (int mt = 0; mt < MT; ++mt) {
+        // Online softmax in the exp2 domain; the running max is kept pre-scaled.
+        float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      uint32_t pf[4];
-      pf[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      pf[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      pf[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pf[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int nb = 0; nb < NB; ++nb) {
+          mx_a = fmaxf(mx_a, fmaxf(s[mt][nb][0], s[mt][nb][1]));
+          mx_b = fmaxf(mx_b, fmaxf(s[mt][nb][2], s[mt][nb][3]));
+        }
 #pragma unroll
-      for (int nd2 = 0; nd2 < ND / 2; ++nd2) {
-        uint32_t bf[4];
-        ldsm_x4_trans(bf, vs + swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                      nd2 * 2 + (lane >> 4)));
-        Mma<T>::run(o[2 * nd2], pf, bf);
-        Mma<T>::run(o[2 * nd2 + 1], pf, bf + 2);
+        for (int off = 1; off <= 2; off <<= 1) {
+          mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+          mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+        }
+        const float mn_a = fmaxf(m[mt][0], mx_a * scale2), mn_b = fmaxf(m[mt][1], mx_b * scale2);
+        const float use_a = mn_a == -INFINITY ? 0.f : mn_a;
+        const float use_b = mn_b == -INFINITY ? 0.f : mn_b;
+        const float al_a = exp2f(m[mt][0] - use_a), al_b = exp2f(m[mt][1] - use_b);
+        m[mt][0] = mn_a;
+        m[mt][1] = mn_b;
+        float ls_a = 0.f, ls_b = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          s[mt][nb][0] = exp2f(fmaf(s[mt][nb][0], scale2, -use_a));
+          s[mt][nb][1] = exp2f(fmaf(s[mt][nb][1], scale2, -use_a));
+          s[mt][nb][2] = exp2f(fmaf(s[mt][nb][2], scale2, -use_b));
+          s[mt][nb][3] = exp2f(fmaf(s[mt][nb][3], scale2, -use_b));
+          ls_a += s[mt][nb][0] + s[mt][nb][1];
+          ls_b += s[mt][nb][2] + s[mt][nb][3];
+        }
+        l[mt][0] = l[mt][0] * al_a + ls_a;
+        l[mt][1] = l[mt][1] * al_b + ls_b;
+#pragma unroll
+        for (int nd = 0; nd < ND; ++nd) {
+          o[mt][nd][0] *= al_a;
+          o[mt][nd][1] *= al_a;
+          o[mt][nd][2] *= al_b;
+          o[mt][nd][3] *= al_b;
+        }
+      }
+      // O += P V.
+#pragma unroll
+      for (int kk = 0; kk < kBc / 16; ++kk) {
+        uint32_t pf[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          pf[mt][0] = Mma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pf[mt][1] = Mma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pf[mt][2] = Mma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pf[mt][3] = Mma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int nd2 = 0; nd2 < ND / 2; ++nd2) {
+          uint32_t bf[4];
+          ldsm_x4_trans(bf, vs + swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                        nd2 * 2 + (lane >> 4)));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(o[mt][2 * nd2], pf[mt], bf);
+            Mma<T>::run(o[mt][2 * nd2 + 1], pf[mt], bf + 2);
+          }
+        }
       }
     }
     __syncthreads();  // the buffer is refilled two tiles later
@@ -238,155 +279,183 @@ __global__ void __launch_bounds__(kWarps * 32)
   cp_async_wait<0>();
 
 #pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-  }
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
-  if (row_a < p.sq) {
-    T* orow = out + ((b * p.sq + row_a) * p.hq + h) * D;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int nd = 0; nd < ND; ++nd)
-      *reinterpret_cast<uint32_t*>(orow + nd * 8 + tq * 2) =
-          Mma<T>::pack(o[nd][0] * inv_a, o[nd][1] * inv_a);
-    if (tq == 0)
-      lse[(b * p.hq + h) * p.sq + row_a] = l_a > 0.f ? (m_a + log2f(l_a)) * kLn2 : -INFINITY;
-  }
-  if (row_b < p.sq) {
-    T* orow = out + ((b * p.sq + row_b) * p.hq + h) * D;
+    for (int hf = 0; hf < 2; ++hf) {
+      float lv = l[mt][hf];
+      lv += __shfl_xor_sync(0xffffffffu, lv, 1);
+      lv += __shfl_xor_sync(0xffffffffu, lv, 2);
+      const int64_t row = wfirst + mt * 16 + g + hf * 8;
+      if (row >= p.sq) continue;
+      const float inv = lv > 0.f ? 1.f / lv : 0.f;
+      T* orow = out + ((b * p.sq + row) * p.hq + h) * D;
 #pragma unroll
-    for (int nd = 0; nd < ND; ++nd)
-      *reinterpret_cast<uint32_t*>(orow + nd * 8 + tq * 2) =
-          Mma<T>::pack(o[nd][2] * inv_b, o[nd][3] * inv_b);
-    if (tq == 0)
-      lse[(b * p.hq + h) * p.sq + row_b] = l_b > 0.f ? (m_b + log2f(l_b)) * kLn2 : -INFINITY;
+      for (int nd = 0; nd < ND; ++nd)
+        *reinterpret_cast<uint32_t*>(orow + nd * 8 + tq * 2) =
+            Mma<T>::pack(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+      if (tq == 0)
+        lse[(b * p.hq + h) * p.sq + row] = lv > 0.f ? (m[mt][hf] + log2f(lv)) * kLn2 : -INFINITY;
+    }
   }
 }
 
 template <class T, int D>
 void launch_fwd(const AttnParams& p, const Tensor& out, const Tensor& lse, const Tensor& q,
                 const Tensor& k, const Tensor& v, cudaStream_t stream) {
-  const size_t smem = (kBr + 4 * kBc) * D * sizeof(T);
+  constexpr int MT = mtiles<D>();
+  constexpr int BR = 16 * kWarps * MT;
+  const size_t smem = (BR + 4 * kBc) * D * sizeof(T);
   static bool attr_set = false;  // per instantiation; the limit is per device but the same here
   if (!attr_set) {
-    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(
-        attn_fwd_mma<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_mma<T, D, MT>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
     attr_set = true;
   }
-  dim3 grid(static_cast<unsigned>((p.sq + kBr - 1) / kBr), static_cast<unsigned>(p.hq),
+  dim3 grid(static_cast<unsigned>((p.sq + BR - 1) / BR), static_cast<unsigned>(p.hq),
             static_cast<unsigned>(p.b));
-  attn_fwd_mma<T, D><<<grid, kWarps * 32, smem, stream>>>(
+  attn_fwd_mma<T, D, MT><<<grid, kWarps * 32, smem, stream>>>(
       p, static_cast<T*>(out.data_ptr()), static_cast<float*>(lse.data_ptr()),
       static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
       static_cast<const T*>(v.data_ptr()));
   ACCEL_CUDA_CHECK_LAUNCH("attention (tensor cores)");
 }
 
-// ---- backward
-// ------------------------------------------------------------------------------------- Two
-// kernels, no atomics: dQ walks key tiles for a block of 64 query rows; dK/dV walks query tiles (of
-// every q head of the group) for a block of 64 keys. Both recompute P from the saved lse; delta =
-// rowsum(dO * O) is computed beforehand.
+// ---- backward ----------------------------------------------------------------------------------
+// Two kernels, no atomics: dQ walks key tiles for a block of query rows; dK/dV walks query tiles
+// (of every q head of the group) for a block of keys. Both recompute P from the saved lse;
+// delta = rowsum(dO * O) is computed beforehand. Each warp owns MT m16 tiles so that every B
+// fragment read from shared memory feeds MT MMAs.
 
-// c[16 x 64] = A[16 rows from a_row0 of a_tile] x B^T where b_tile holds 64 rows of D.
-template <class T, int D>
-__device__ __forceinline__ void mm_abt(float (&c)[kBc / 8][4], const T* a_tile, int a_row0,
+// c[MT x 16 rows][NC] = A[rows a_row0.. of a_tile] x B^T where b_tile holds NC rows of D.
+template <class T, int D, int MT, int NC>
+__device__ __forceinline__ void mm_abt(float (&c)[MT][NC / 8][4], const T* a_tile, int a_row0,
                                        const T* b_tile, int lane) {
 #pragma unroll
-  for (int i = 0; i < kBc / 8; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < NC / 8; ++i) c[mt][i][0] = c[mt][i][1] = c[mt][i][2] = c[mt][i][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t af[4];
-    ldsm_x4(af, a_tile + swz<D>(a_row0 + (lane & 15), kk * 2 + (lane >> 4)));
+    uint32_t af[MT][4];
 #pragma unroll
-    for (int nb2 = 0; nb2 < kBc / 16; ++nb2) {
+    for (int mt = 0; mt < MT; ++mt)
+      ldsm_x4(af[mt], a_tile + swz<D>(a_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+    for (int nb2 = 0; nb2 < NC / 16; ++nb2) {
       uint32_t bf[4];
       ldsm_x4(bf, b_tile + swz<D>(nb2 * 16 + (lane & 7) + ((lane >> 4) << 3),
                                   kk * 2 + ((lane >> 3) & 1)));
-      Mma<T>::run(c[2 * nb2], af, bf);
-      Mma<T>::run(c[2 * nb2 + 1], af, bf + 2);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma<T>::run(c[mt][2 * nb2], af[mt], bf);
+        Mma<T>::run(c[mt][2 * nb2 + 1], af[mt], bf + 2);
+      }
     }
   }
 }
 
-// acc[16 x D] += P[16 x 64] (accumulator layout) x B where b_tile holds 64 rows (k) of D (n).
-template <class T, int D>
-__device__ __forceinline__ void mm_pb(float (&acc)[D / 8][4], const float (&pm)[kBc / 8][4],
+// acc[MT x 16][D] += P[MT x 16][KR] (accumulator layout) x B where b_tile holds KR rows (k) of D.
+template <class T, int D, int MT, int KR>
+__device__ __forceinline__ void mm_pb(float (&acc)[MT][D / 8][4], const float (&pm)[MT][KR / 8][4],
                                       const T* b_tile, int lane) {
 #pragma unroll
-  for (int kk = 0; kk < kBc / 16; ++kk) {
-    uint32_t pf[4];
-    pf[0] = Mma<T>::pack(pm[2 * kk][0], pm[2 * kk][1]);
-    pf[1] = Mma<T>::pack(pm[2 * kk][2], pm[2 * kk][3]);
-    pf[2] = Mma<T>::pack(pm[2 * kk + 1][0], pm[2 * kk + 1][1]);
-    pf[3] = Mma<T>::pack(pm[2 * kk + 1][2], pm[2 * kk + 1][3]);
+  for (int kk = 0; kk < KR / 16; ++kk) {
+    uint32_t pf[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      pf[mt][0] = Mma<T>::pack(pm[mt][2 * kk][0], pm[mt][2 * kk][1]);
+      pf[mt][1] = Mma<T>::pack(pm[mt][2 * kk][2], pm[mt][2 * kk][3]);
+      pf[mt][2] = Mma<T>::pack(pm[mt][2 * kk + 1][0], pm[mt][2 * kk + 1][1]);
+      pf[mt][3] = Mma<T>::pack(pm[mt][2 * kk + 1][2], pm[mt][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int nd2 = 0; nd2 < D / 16; ++nd2) {
       uint32_t bf[4];
       ldsm_x4_trans(bf, b_tile + swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
                                         nd2 * 2 + (lane >> 4)));
-      Mma<T>::run(acc[2 * nd2], pf, bf);
-      Mma<T>::run(acc[2 * nd2 + 1], pf, bf + 2);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma<T>::run(acc[mt][2 * nd2], pf[mt], bf);
+        Mma<T>::run(acc[mt][2 * nd2 + 1], pf[mt], bf + 2);
+      }
     }
   }
 }
 
-template <class T, int D>
-__device__ __forceinline__ void store_rows(T* base, int64_t row, int64_t rows, int64_t stride,
-                                           const float (&acc)[D / 8][4], int half, float scale,
+template <class T, int D, int MT>
+__device__ __forceinline__ void store_rows(T* base, int64_t row0, int64_t rows, int64_t stride,
+                                           const float (&acc)[MT][D / 8][4], float scale, int g,
                                            int tq) {
-  if (row >= rows) return;
-  T* r = base + row * stride;
 #pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd)
-    *reinterpret_cast<uint32_t*>(r + nd * 8 + tq * 2) =
-        Mma<T>::pack(acc[nd][2 * half] * scale, acc[nd][2 * half + 1] * scale);
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t row = row0 + mt * 16 + g + hf * 8;
+      if (row >= rows) continue;
+      T* r = base + row * stride;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd)
+        *reinterpret_cast<uint32_t*>(r + nd * 8 + tq * 2) =
+            Mma<T>::pack(acc[mt][nd][2 * hf] * scale, acc[mt][nd][2 * hf + 1] * scale);
+    }
 }
 
-template <class T, int D>
+template <class T, int D, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_bwd_dq_mma(AttnParams p, T* __restrict__ dq, const T* __restrict__ q,
                     const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                     const float* __restrict__ lse, const float* __restrict__ delta) {
+  constexpr int BR = 16 * kWarps * MT;
   constexpr int NB = kBc / 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* qs = reinterpret_cast<T*>(smem_raw);
-  T* dos = qs + kBr * D;
-  T* kv = dos + kBr * D;  // [2][K, V]
+  T* dos = qs + BR * D;
+  T* kv = dos + BR * D;  // [2][K, V]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
   const int64_t qblk = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-  const int64_t i0 = qblk * kBr;
+  const int64_t i0 = qblk * BR;
   const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
   const int64_t q_off = (b * p.sq * p.hq + h) * D;
   const T* kg = k + (b * p.sk * p.hkv + hk) * D;
   const T* vg = v + (b * p.sk * p.hkv + hk) * D;
-  const int64_t last_row = (i0 + kBr < p.sq ? i0 + kBr : p.sq) - 1;
+  const int64_t diag = p.sk - p.sq;
+  const int64_t last_row = (i0 + BR < p.sq ? i0 + BR : p.sq) - 1;
   int64_t n_keys = p.sk;
   if (p.causal) {
-    n_keys = last_row + 1 + (p.sk - p.sq);
+    n_keys = last_row + 1 + diag;
     n_keys = n_keys < 0 ? 0 : (n_keys > p.sk ? p.sk : n_keys);
   }
   const int n_tiles = static_cast<int>((n_keys + kBc - 1) / kBc);
-  load_tile<T, D, kBr>(qs, q + q_off, i0, p.sq, q_stride);
-  load_tile<T, D, kBr>(dos, dout + q_off, i0, p.sq, q_stride);
+  load_tile<T, D, BR>(qs, q + q_off, i0, p.sq, q_stride);
+  load_tile<T, D, BR>(dos, dout + q_off, i0, p.sq, q_stride);
   if (n_tiles > 0) {
     load_tile<T, D, kBc>(kv, kg, 0, p.sk, kv_stride);
     load_tile<T, D, kBc>(kv + kBc * D, vg, 0, p.sk, kv_stride);
   }
   cp_async_commit();
   const int g = lane >> 2, tq = lane & 3;
-  const int64_t row_a = i0 + warp * 16 + g, row_b = row_a + 8;
+  const int wr0 = warp * 16 * MT;
+  const int64_t wfirst = i0 + wr0, wlast = wfirst + 16 * MT - 1;
   const float* lse_b = lse + (b * p.hq + h) * p.sq;
   const float* delta_b = delta + (b * p.hq + h) * p.sq;
-  const float lse_a2 = row_a < p.sq ? lse_b[row_a] * kLog2e : 0.f;
-  const float lse_b2 = row_b < p.sq ? lse_b[row_b] * kLog2e : 0.f;
-  const float del_a = row_a < p.sq ? delta_b[row_a] : 0.f;
-  const float del_b = row_b < p.sq ? delta_b[row_b] : 0.f;
-  const float scale2 = p.scale * kLog2e;
-  float acc[D / 8][4];
+  float lse2[MT][2], del[MT][2];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t row = wfirst + mt * 16 + g + hf * 8;
+      lse2[mt][hf] = row < p.sq ? lse_b[row] * kLog2e : 0.f;
+      del[mt][hf] = row < p.sq ? delta_b[row] : 0.f;
+    }
+  const float scale2 = p.scale * kLog2e;
+  float acc[MT][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
   for (int t = 0; t < n_tiles; ++t) {
     T* ks = kv + (t & 1) * 2 * kBc * D;
     T* vs = ks + kBc * D;
@@ -400,75 +469,90 @@ __global__ void __launch_bounds__(kWarps * 32)
       cp_async_wait<0>();
     }
     __syncthreads();
-    float s[NB][4], dp[NB][4];
-    mm_abt<T, D>(s, qs, warp * 16, ks, lane);
-    mm_abt<T, D>(dp, dos, warp * 16, vs, lane);
     const int64_t j0 = int64_t(t) * kBc;
+    if (!(p.causal && j0 > wlast + diag)) {
+      float s[MT][NB][4], dp[MT][NB][4];
+      mm_abt<T, D, MT, kBc>(s, qs, wr0, ks, lane);
+      mm_abt<T, D, MT, kBc>(dp, dos, wr0, vs, lane);
+      const bool need_mask = j0 + kBc > p.sk || (p.causal && j0 + kBc - 1 > wfirst + diag);
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t j = j0 + nb * 8 + tq * 2 + (e & 1);
-        const int64_t i = e < 2 ? row_a : row_b;
-        const bool ok = j < p.sk && !(p.causal && j >= i + 1 + (p.sk - p.sq));
-        const float pr = ok ? exp2f(s[nb][e] * scale2 - (e < 2 ? lse_a2 : lse_b2)) : 0.f;
-        s[nb][e] = pr * (dp[nb][e] - (e < 2 ? del_a : del_b));
-      }
-    mm_pb<T, D>(acc, s, ks, lane);
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int hf = e >> 1;
+            bool ok = true;
+            if (need_mask) {
+              const int64_t j = j0 + nb * 8 + tq * 2 + (e & 1);
+              const int64_t i = wfirst + mt * 16 + g + hf * 8;
+              ok = j < p.sk && !(p.causal && j > i + diag);
+            }
+            const float pr = ok ? exp2f(fmaf(s[mt][nb][e], scale2, -lse2[mt][hf])) : 0.f;
+            s[mt][nb][e] = pr * (dp[mt][nb][e] - del[mt][hf]);
+          }
+      mm_pb<T, D, MT, kBc>(acc, s, ks, lane);
+    }
     __syncthreads();
   }
   cp_async_wait<0>();
-  store_rows<T, D>(dq + q_off, row_a, p.sq, q_stride, acc, 0, p.scale, tq);
-  store_rows<T, D>(dq + q_off, row_b, p.sq, q_stride, acc, 1, p.scale, tq);
+  store_rows<T, D, MT>(dq + q_off, wfirst, p.sq, q_stride, acc, p.scale, g, tq);
 }
 
-template <class T, int D>
+// dK/dV for BK = 16 * kWarps * MT keys per block, over query tiles of BQ rows.
+template <class T, int D, int MT, int BQ>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_bwd_dkv_mma(AttnParams p, T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ q,
                      const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                      const float* __restrict__ lse, const float* __restrict__ delta) {
-  constexpr int NB = kBr / 8;  // query columns per tile / 8
+  constexpr int BK = 16 * kWarps * MT;
+  constexpr int NB = BQ / 8;  // query columns per tile / 8
+  static_assert(2 * BQ <= kWarps * 32, "one thread per statistic");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* ks = reinterpret_cast<T*>(smem_raw);
-  T* vs = ks + kBc * D;
-  T* qd = vs + kBc * D;                                       // [2][Q tile, dO tile]
-  float* stats = reinterpret_cast<float*>(qd + 4 * kBr * D);  // [2][lse2 64, delta 64]
+  T* vs = ks + BK * D;
+  T* qd = vs + BK * D;                                       // [2][Q tile, dO tile]
+  float* stats = reinterpret_cast<float*>(qd + 4 * BQ * D);  // [2][lse2 BQ, delta BQ]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.z, hk = blockIdx.y;
-  const int64_t j0b = int64_t(blockIdx.x) * kBc;
+  const int64_t j0b = int64_t(blockIdx.x) * BK;
   const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
   const int64_t kv_off = (b * p.sk * p.hkv + hk) * D;
-  load_tile<T, D, kBc>(ks, k + kv_off, j0b, p.sk, kv_stride);
-  load_tile<T, D, kBc>(vs, v + kv_off, j0b, p.sk, kv_stride);
-  int64_t i_start = p.causal ? j0b - (p.sk - p.sq) : 0;
-  i_start = i_start < 0 ? 0 : i_start / kBr * kBr;
-  const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + kBr - 1) / kBr) : 0;
+  const int64_t diag = p.sk - p.sq;
+  load_tile<T, D, BK>(ks, k + kv_off, j0b, p.sk, kv_stride);
+  load_tile<T, D, BK>(vs, v + kv_off, j0b, p.sk, kv_stride);
+  int64_t i_start = p.causal ? j0b - diag : 0;
+  i_start = i_start < 0 ? 0 : i_start / BQ * BQ;
+  const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + BQ - 1) / BQ) : 0;
   const int n_it = n_qt * static_cast<int>(p.group);
   auto issue = [&](int it) {
     const int64_t h = hk * p.group + it / n_qt;
-    const int64_t i0 = i_start + int64_t(it % n_qt) * kBr;
+    const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
     const int64_t q_off = (b * p.sq * p.hq + h) * D;
-    T* buf = qd + (it & 1) * 2 * kBr * D;
-    load_tile<T, D, kBr>(buf, q + q_off, i0, p.sq, q_stride);
-    load_tile<T, D, kBr>(buf + kBr * D, dout + q_off, i0, p.sq, q_stride);
-    float* st = stats + (it & 1) * 2 * kBr;
-    const int64_t row = i0 + (threadIdx.x & (kBr - 1));
+    T* buf = qd + (it & 1) * 2 * BQ * D;
+    load_tile<T, D, BQ>(buf, q + q_off, i0, p.sq, q_stride);
+    load_tile<T, D, BQ>(buf + BQ * D, dout + q_off, i0, p.sq, q_stride);
+    float* st = stats + (it & 1) * 2 * BQ;
+    const int64_t row = i0 + (threadIdx.x & (BQ - 1));
     const int64_t base = (b * p.hq + h) * p.sq;
-    if (threadIdx.x < kBr)
+    if (threadIdx.x < BQ)
       st[threadIdx.x] = row < p.sq ? lse[base + row] * kLog2e : 0.f;
-    else if (threadIdx.x < 2 * kBr)
+    else if (threadIdx.x < 2 * BQ)
       st[threadIdx.x] = row < p.sq ? delta[base + row] : 0.f;
   };
   if (n_it > 0) issue(0);
   cp_async_commit();
   const int g = lane >> 2, tq = lane & 3;
-  const int64_t key_a = j0b + warp * 16 + g, key_b = key_a + 8;
+  const int wr0 = warp * 16 * MT;
+  const int64_t kfirst = j0b + wr0, klast = kfirst + 16 * MT - 1;
   const float scale2 = p.scale * kLog2e;
-  float acc_k[D / 8][4], acc_v[D / 8][4];
+  float acc_k[MT][D / 8][4], acc_v[MT][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-    acc_k[i][0] = acc_k[i][1] = acc_k[i][2] = acc_k[i][3] = acc_v[i][0] = acc_v[i][1] =
-        acc_v[i][2] = acc_v[i][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      acc_k[mt][i][0] = acc_k[mt][i][1] = acc_k[mt][i][2] = acc_k[mt][i][3] = acc_v[mt][i][0] =
+          acc_v[mt][i][1] = acc_v[mt][i][2] = acc_v[mt][i][3] = 0.f;
   for (int it = 0; it < n_it; ++it) {
     if (it + 1 < n_it) {
       issue(it + 1);
@@ -478,67 +562,115 @@ __global__ void __launch_bounds__(kWarps * 32)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const T* qs = qd + (it & 1) * 2 * kBr * D;
-    const T* dos = qs + kBr * D;
-    const float* lse2 = stats + (it & 1) * 2 * kBr;
-    const float* dl = lse2 + kBr;
-    const int64_t i0 = i_start + int64_t(it % n_qt) * kBr;
-    float s[NB][4], dp[NB][4];
-    mm_abt<T, D>(s, ks, warp * 16, qs, lane);    // S^T: keys x queries
-    mm_abt<T, D>(dp, vs, warp * 16, dos, lane);  // dP^T
+    const T* qs = qd + (it & 1) * 2 * BQ * D;
+    const T* dos = qs + BQ * D;
+    const float* lse2 = stats + (it & 1) * 2 * BQ;
+    const float* dl = lse2 + BQ;
+    const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
+    // Every key of this warp above the diagonal of every query row of the tile: nothing to add.
+    if (!(p.causal && kfirst > i0 + BQ - 1 + diag)) {
+      float s[MT][NB][4], dp[MT][NB][4];
+      mm_abt<T, D, MT, BQ>(s, ks, wr0, qs, lane);    // S^T: keys x queries
+      mm_abt<T, D, MT, BQ>(dp, vs, wr0, dos, lane);  // dP^T
+      const bool need_mask = i0 + BQ > p.sq || (p.causal && klast > i0 + diag);
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = nb * 8 + tq * 2 + (e & 1);
-        const int64_t i = i0 + col;
-        const int64_t j = e < 2 ? key_a : key_b;
-        const bool ok = i < p.sq && j < p.sk && !(p.causal && j >= i + 1 + (p.sk - p.sq));
-        const float pr = ok ? exp2f(s[nb][e] * scale2 - lse2[col]) : 0.f;
-        s[nb][e] = pr;
-        dp[nb][e] = pr * (dp[nb][e] - dl[col]);
-      }
-    mm_pb<T, D>(acc_v, s, dos, lane);
-    mm_pb<T, D>(acc_k, dp, qs, lane);
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = nb * 8 + tq * 2 + (e & 1);
+            bool ok = true;
+            if (need_mask) {
+              const int64_t i = i0 + col;
+              const int64_t j = kfirst + mt * 16 + g + (e < 2 ? 0 : 8);
+              ok = i < p.sq && j < p.sk && !(p.causal && j > i + diag);
+            }
+            const float pr = ok ? exp2f(fmaf(s[mt][nb][e], scale2, -lse2[col])) : 0.f;
+            s[mt][nb][e] = pr;
+            dp[mt][nb][e] = pr * (dp[mt][nb][e] - dl[col]);
+          }
+      mm_pb<T, D, MT, BQ>(acc_v, s, dos, lane);
+      mm_pb<T, D, MT, BQ>(acc_k, dp, qs, lane);
+    }
     __syncthreads();
   }
   cp_async_wait<0>();
-  store_rows<T, D>(dk + kv_off, key_a, p.sk, kv_stride, acc_k, 0, p.scale, tq);
-  store_rows<T, D>(dk + kv_off, key_b, p.sk, kv_stride, acc_k, 1, p.scale, tq);
-  store_rows<T, D>(dv + kv_off, key_a, p.sk, kv_stride, acc_v, 0, 1.0f, tq);
-  store_rows<T, D>(dv + kv_off, key_b, p.sk, kv_stride, acc_v, 1, 1.0f, tq);
+  store_rows<T, D, MT>(dk + kv_off, kfirst, p.sk, kv_stride, acc_k, p.scale, g, tq);
+  store_rows<T, D, MT>(dv + kv_off, kfirst, p.sk, kv_stride, acc_v, 1.0f, g, tq);
+}
+
+template <class T, int D, int MT>
+void launch_bwd_dq(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_out,
+                   const Tensor& q, const Tensor& k, const Tensor& v, const float* lse,
+                   const float* delta, cudaStream_t stream) {
+  constexpr int BR = 16 * kWarps * MT;
+  const size_t smem = (2 * BR + 4 * kBc) * D * sizeof(T);
+  static bool attr_set = false;
+  if (!attr_set) {
+    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_dq_mma<T, D, MT>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    attr_set = true;
+  }
+  dim3 grid(static_cast<unsigned>((p.sq + BR - 1) / BR), static_cast<unsigned>(p.hq),
+            static_cast<unsigned>(p.b));
+  attn_bwd_dq_mma<T, D, MT><<<grid, kWarps * 32, smem, stream>>>(
+      p, static_cast<T*>(grad_q.data_ptr()), static_cast<const T*>(q.data_ptr()),
+      static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
+      static_cast<const T*>(grad_out.data_ptr()), lse, delta);
+  ACCEL_CUDA_CHECK_LAUNCH("attention_backward dq (tensor cores)");
+}
+
+template <class T, int D, int MT, int BQ>
+void launch_bwd_dkv(const AttnParams& p, const Tensor& grad_k, const Tensor& grad_v,
+                    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const float* lse, const float* delta, cudaStream_t stream) {
+  constexpr int BK = 16 * kWarps * MT;
+  const size_t smem = (2 * BK + 4 * BQ) * D * sizeof(T) + 4 * BQ * sizeof(float);
+  static bool attr_set = false;
+  if (!attr_set) {
+    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_dkv_mma<T, D, MT, BQ>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    attr_set = true;
+  }
+  dim3 grid(static_cast<unsigned>((p.sk + BK - 1) / BK), static_cast<unsigned>(p.hkv),
+            static_cast<unsigned>(p.b));
+  attn_bwd_dkv_mma<T, D, MT, BQ><<<grid, kWarps * 32, smem, stream>>>(
+      p, static_cast<T*>(grad_k.data_ptr()), static_cast<T*>(grad_v.data_ptr()),
+      static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+      static_cast<const T*>(v.data_ptr()), static_cast<const T*>(grad_out.data_ptr()), lse, delta);
+  ACCEL_CUDA_CHECK_LAUNCH("attention_backward dk/dv (tensor cores)");
+}
+
+// m16 tiles per warp of the backward kernels for head dim 64 (128 always uses one):
+// ACCEL_ATTN_DQ_MT / ACCEL_ATTN_DKV_MT = 1 or 2 override the defaults (for benchmarking).
+int env_mt(const char* name, int dflt) {
+  const char* e = std::getenv(name);
+  if (!e) return dflt;
+  return e[0] == '2' ? 2 : 1;
 }
 
 template <class T, int D>
 void launch_bwd(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
                 const Tensor& grad_v, const Tensor& grad_out, const Tensor& q, const Tensor& k,
                 const Tensor& v, const float* lse, const float* delta, cudaStream_t stream) {
-  const size_t smem_q = (2 * kBr + 4 * kBc) * D * sizeof(T);
-  const size_t smem_kv = (2 * kBc + 4 * kBr) * D * sizeof(T) + 4 * kBr * sizeof(float);
-  static bool attr_set = false;
-  if (!attr_set) {
-    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_dq_mma<T, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_q)));
-    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_dkv_mma<T, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_kv)));
-    attr_set = true;
+  if constexpr (D <= 64) {
+    static const int dq_mt = env_mt("ACCEL_ATTN_DQ_MT", kDefaultDqMt);
+    static const int dkv_mt = env_mt("ACCEL_ATTN_DKV_MT", kDefaultDkvMt);
+    if (dq_mt == 2)
+      launch_bwd_dq<T, D, 2>(p, grad_q, grad_out, q, k, v, lse, delta, stream);
+    else
+      launch_bwd_dq<T, D, 1>(p, grad_q, grad_out, q, k, v, lse, delta, stream);
+    if (dkv_mt == 2)
+      launch_bwd_dkv<T, D, 2, 32>(p, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
+    else
+      launch_bwd_dkv<T, D, 1, 64>(p, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
+  } else {
+    launch_bwd_dq<T, D, 1>(p, grad_q, grad_out, q, k, v, lse, delta, stream);
+    launch_bwd_dkv<T, D, 1, 64>(p, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
   }
-  dim3 grid_q(static_cast<unsigned>((p.sq + kBr - 1) / kBr), static_cast<unsigned>(p.hq),
-              static_cast<unsigned>(p.b));
-  attn_bwd_dq_mma<T, D><<<grid_q, kWarps * 32, smem_q, stream>>>(
-      p, static_cast<T*>(grad_q.data_ptr()), static_cast<const T*>(q.data_ptr()),
-      static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
-      static_cast<const T*>(grad_out.data_ptr()), lse, delta);
-  ACCEL_CUDA_CHECK_LAUNCH("attention_backward dq (tensor cores)");
-  dim3 grid_kv(static_cast<unsigned>((p.sk + kBc - 1) / kBc), static_cast<unsigned>(p.hkv),
-               static_cast<unsigned>(p.b));
-  attn_bwd_dkv_mma<T, D><<<grid_kv, kWarps * 32, smem_kv, stream>>>(
-      p, static_cast<T*>(grad_k.data_ptr()), static_cast<T*>(grad_v.data_ptr()),
-      static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
-      static_cast<const T*>(v.data_ptr()), static_cast<const T*>(grad_out.data_ptr()), lse, delta);
-  ACCEL_CUDA_CHECK_LAUNCH("attention_backward dk/dv (tensor cores)");
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }

@@ -218,6 +218,32 @@ __global__ void map2_vec(T* __restrict__ out, const T* __restrict__ a, const T* 
     out[i] = from_f<T>(f(to_f(a[i]), to_f(b[i])));
 }
 
+// One operand contiguous, the other a single broadcast element (read once per thread).
+template <class T, bool kScalarFirst, class F>
+__global__ void map2_vec_scalar(T* __restrict__ out, const T* __restrict__ x,
+                                const T* __restrict__ sp, int64_t n, F f) {
+  constexpr int N = Vec<T>::N;
+  const float sv = to_f(*sp);
+  const int64_t nv = n / N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    Vec<T> a = load_vec(x, i * N), z;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      z.v[k] = from_f<T>(kScalarFirst ? f(sv, to_f(a.v[k])) : f(to_f(a.v[k]), sv));
+    store_vec(out, i * N, z);
+  }
+  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_f<T>(kScalarFirst ? f(sv, to_f(x[i])) : f(to_f(x[i]), sv));
+}
+
+bool all_zero_strides(const Tensor& t) {
+  for (int64_t st : t.strides())
+    if (st != 0) return false;
+  return true;
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 bool is_float_compute(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 
@@ -298,6 +324,25 @@ void CudaBackend::binary(BinaryOp op, const Tensor& out, const Tensor& a, const 
       map2_vec<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
           static_cast<T*>(out.data_ptr()), static_cast<const T*>(a.data_ptr()),
           static_cast<const T*>(b.data_ptr()), n, f);
+    });
+  } else if (!cmp && is_float_compute(a.dtype()) && out.is_contiguous() &&
+             aligned16(out.data_ptr()) &&
+             ((a.is_contiguous() && aligned16(a.data_ptr()) && all_zero_strides(b)) ||
+              (b.is_contiguous() && aligned16(b.data_ptr()) && all_zero_strides(a)))) {
+    // A tensor times/plus a broadcast scalar (e.g. a gradient scaled by a device scalar).
+    const bool scalar_first =
+        !(a.is_contiguous() && aligned16(a.data_ptr()) && all_zero_strides(b));
+    dispatch_float(a.dtype(), name, [&](auto t) {
+      using T = decltype(t);
+      const T* x = static_cast<const T*>(scalar_first ? b.data_ptr() : a.data_ptr());
+      const T* sp = static_cast<const T*>(scalar_first ? a.data_ptr() : b.data_ptr());
+      auto grid = grid_for(n / Vec<T>::N + 1, kThreads);
+      if (scalar_first)
+        map2_vec_scalar<T, true>
+            <<<grid, kThreads, 0, sc.stream>>>(static_cast<T*>(out.data_ptr()), x, sp, n, f);
+      else
+        map2_vec_scalar<T, false>
+            <<<grid, kThreads, 0, sc.stream>>>(static_cast<T*>(out.data_ptr()), x, sp, n, f);
     });
   } else {
     auto l = make_layouts(out.shape(), {out.strides(), a.strides(), b.strides()}, name);

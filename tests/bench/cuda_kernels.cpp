@@ -53,6 +53,9 @@ void row_flops(const char* name, double ms, double flops) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bool attn_only = false;  // --attention-only: just the tensor-core attention rows
+  for (int i = 1; i < argc; ++i)
+    if (!std::strcmp(argv[i], "--attention-only")) attn_only = true;
   for (int i = 1; i + 1 < argc; ++i) {
     if (!std::strcmp(argv[i], "--bw")) g_bw = std::atof(argv[i + 1]) * 1e12;
     if (!std::strcmp(argv[i], "--iters")) g_iters = std::atoi(argv[i + 1]);
@@ -68,8 +71,8 @@ int main(int argc, char** argv) {
   const int64_t B = 4, S = 2048, N = B * S, H = 2048, I = 8192, HQ = 32, HKV = 8, D = 64;
   const int64_t V = 128256, VCHUNK = 1024;  // cross-entropy rows per chunk
   const DType bf = DType::BF16;
-  std::printf("\n-- memory-bound kernels (bf16 activations, N=%lld tokens) --\n", (long long)N);
-  {
+  if (!attn_only) {
+    std::printf("\n-- memory-bound kernels (bf16 activations, N=%lld tokens) --\n", (long long)N);
     Tensor a = randn({N, I}, bf), b = Tensor::empty({N, I}, bf, Device::cuda(0));
     double ms = time_ms([&] { b.copy_(a); });
     row_mem("copy d2d (cudaMemcpyAsync)", ms, 2.0 * a.nbytes());
@@ -137,8 +140,8 @@ int main(int argc, char** argv) {
     ms = time_ms([&] { (void)be.sum_of_squares(xs); });
     row_mem("sum_of_squares (bf16, incl. sync)", ms, g.nbytes());
   }
-  std::printf("\n-- GEMMs (cuBLASLt, bf16 in, fp32 accumulate) --\n");
-  {
+  if (!attn_only) {
+    std::printf("\n-- GEMMs (cuBLASLt, bf16 in, fp32 accumulate) --\n");
     struct G {
       const char* name;
       int64_t m, n, k;
@@ -171,6 +174,7 @@ int main(int argc, char** argv) {
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
     ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
     row_flops("attention bwd", ms, 2.5 * fwd_flops);
+    if (attn_only) return 0;
     cuda::set_attention_impl("generic");
     ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
     row_flops("attention fwd (generic kernel)", ms, fwd_flops);

@@ -91,6 +91,39 @@ TEST_P(CudaElementwise, BinaryWithBroadcast) {
   }
 }
 
+// A single device element broadcast against a contiguous tensor, on either side (vectorized path;
+// 8 x 129 elements also exercise the tail).
+TEST_P(CudaElementwise, BinaryWithBroadcastScalar) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor a = random_tensor({8, 129}, t, rng, 0.5, 2.0);
+  Tensor s = random_tensor({1}, t, rng, 0.5, 2.0);
+  Tensor s_cpu = s.as_strided({8, 129}, {0, 0}, 0);
+  Tensor s_gpu = s.to(gpu()).as_strided({8, 129}, {0, 0}, 0);
+  Tensor ag = a.to(gpu());
+  const BinaryOp ops[] = {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div,
+                          BinaryOp::Maximum};
+  for (BinaryOp op : ops) {
+    for (int first = 0; first < 2; ++first) {
+      Tensor want = cpu_out({8, 129}, t);
+      Tensor got = poisoned({8, 129}, t);
+      if (first) {
+        cpu_backend().binary(op, want, s_cpu, a);
+        cuda_backend().binary(op, got, s_gpu, ag);
+      } else {
+        cpu_backend().binary(op, want, a, s_cpu);
+        cuda_backend().binary(op, got, ag, s_gpu);
+      }
+      expect_matches(
+          got, want, t,
+          "binary op " + std::to_string(int(op)) + (first ? " scalar first" : " scalar"));
+    }
+  }
+}
+
 TEST_P(CudaElementwise, Where) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const DType t = GetParam();

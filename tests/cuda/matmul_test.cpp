@@ -74,5 +74,25 @@ TEST(CudaMatmulOps, LinearThroughOpsLayer) {
   expect_matches(got, want, DType::F32, "linear", 4.0);
 }
 
+// The weight gradient comes back contiguous in the weight's [out, in] layout and matches the CPU.
+TEST(CudaMatmulOps, LinearWeightGradient) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor x = random_tensor({2, 9, 64}, DType::F32, rng);
+  Tensor w = random_tensor({48, 64}, DType::F32, rng);
+  Tensor gy = random_tensor({2, 9, 48}, DType::F32, rng);
+  Tensor wc = w.clone(), wg = w.to(gpu());
+  wc.set_requires_grad(true);
+  wg.set_requires_grad(true);
+  sum(mul(linear(x, wc), gy)).backward();
+  sum(mul(linear(x.to(gpu()), wg), gy.to(gpu()))).backward();
+  ASSERT_TRUE(wg.grad().defined());
+  EXPECT_TRUE(wg.grad().is_contiguous());
+  EXPECT_EQ(wg.grad().shape(), w.shape());
+  expect_matches(wg.grad(), wc.grad(), DType::F32, "linear weight grad", 8.0);
+}
+
 }  // namespace
 }  // namespace accel
