@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "parallel/ddp.h"
+#include "parallel/fsdp.h"
 #include "parallel/process_group.h"
 #include "parallel/zero.h"
 #include "runtime/config.h"
@@ -120,9 +121,11 @@ std::unique_ptr<Strategy> make_strategy(const Config& cfg, std::shared_ptr<Proce
     o.save_16bit_model = cfg.deepspeed.zero3_save_16bit_model;
     return std::make_unique<ZeroStrategy>(pg, o);
   }
+  if (type == "FSDP")
+    return std::make_unique<FsdpStrategy>(pg, FsdpOptions::from_config(cfg, compute_dtype));
   throw std::invalid_argument("distributed_type " + type +
                               " is not implemented yet in accel-train (use NO, MULTI_CPU, "
-                              "MULTI_GPU or DEEPSPEED)");
+                              "MULTI_GPU, FSDP or DEEPSPEED)");
 }
 
 }  // namespace accel

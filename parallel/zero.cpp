@@ -75,7 +75,8 @@ void FlatDataParallel::build_groups(Module& model,
                                  dtype_size(options_.compute_dtype));
     return;
   }
-  *units = find_units(model, options_.unit_types);
+  *units =
+      options_.select_units ? options_.select_units(model) : find_units(model, options_.unit_types);
   std::set<Parameter*> in_unit;
   std::vector<std::vector<Parameter*>> forward;
   for (Module* u : *units) {
@@ -181,7 +182,8 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     flat32 = Tensor();
     if (stage <= 1) g.flat->allocate_grad();
     if (stage >= 2)
-      g.shard_grad = Tensor::zeros({layout.shard_numel}, cdt, device_, MemCategory::Grads);
+      g.shard_grad = Tensor::zeros({layout.shard_numel}, options_.reduce_in_fp32 ? DType::F32 : cdt,
+                                   device_, MemCategory::Grads);
     masters.push_back(g.master);
     names.push_back(gname);
     groups_.push_back(std::move(g));
@@ -221,7 +223,8 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
       return comm_.all_gather(g.flat->full(), chunk);
     };
     sc.release = [group_of](int unit) { group_of(unit).flat->release(); };
-    scheduler_ = std::make_unique<UnitScheduler>(model, units, root_unit, std::move(sc));
+    scheduler_ = std::make_unique<UnitScheduler>(model, units, root_unit, std::move(sc),
+                                                 options_.reshard_after_forward);
     scheduler_->release_all();
   }
 }
@@ -253,8 +256,14 @@ void FlatDataParallel::launch_reduction(int gi) {
   if (stage == 0) {
     p.work = comm_.all_reduce(f.grad(), ReduceOp::Avg);
   } else {
-    Tensor out = Tensor::empty({f.layout().shard_numel}, f.dtype(), device_, MemCategory::Comm);
+    const DType rdt = stage >= 2 && options_.reduce_in_fp32 ? DType::F32 : f.dtype();
+    Tensor out = Tensor::empty({f.layout().shard_numel}, rdt, device_, MemCategory::Comm);
     Tensor in = f.grad();
+    if (in.dtype() != rdt) {  // widen before the reduction (FSDP's fp32 reduce dtype)
+      Tensor wide = Tensor::empty(in.shape(), rdt, device_, MemCategory::Comm);
+      wide.copy_(in);
+      in = wide;
+    }
     p.work = comm_.reduce_scatter(out, in, ReduceOp::Avg);
     if (stage == 1) {
       Tensor chunk = f.grad_chunk(comm_.rank());

@@ -40,6 +40,11 @@ struct DataParallelOptions {
   bool save_16bit_model = false;        // stage 3: full_state_dict gathers the compute weights
   // Stage 3 gather units: modules of these type_name()s (outermost ones).
   std::vector<std::string> unit_types = {"LlamaDecoderLayer"};
+  // FSDP (parallel/fsdp.h) sets these; ZeRO keeps the defaults.
+  // Stage 3: modules forming the gather units, in forward order (replaces unit_types when set).
+  std::function<std::vector<Module*>(Module&)> select_units;
+  bool reshard_after_forward = true;  // stage 3: release a unit after its forward
+  bool reduce_in_fp32 = false;  // stages 2-3: reduce 16-bit gradients in fp32, keep shards fp32
 };
 
 class FlatDataParallel : public Strategy {
