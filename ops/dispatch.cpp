@@ -4,6 +4,8 @@ namespace accel {
 
 Backend& backend_for(Device d) { return d.is_cpu() ? cpu_backend() : cuda_backend(); }
 
+void set_allow_tf32(Device device, bool allow) { backend_for(device).set_allow_tf32(allow); }
+
 namespace detail {
 
 int64_t normalize_dim(const char* op, int64_t dim, int64_t ndim) {

@@ -118,6 +118,8 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_bu
 // Sum of squares of all elements of all tensors, accumulated in fp64, returned to the host (for
 // global-norm clipping; one synchronization for the whole list on a GPU).
 double sum_of_squares(const std::vector<Tensor>& xs);
+// Lets fp32 GEMMs on `device` run on TF32 tensor cores (CUDA only; other devices ignore it).
+void set_allow_tf32(Device device, bool allow);
 // True if any element is NaN or Inf.
 bool has_non_finite(const Tensor& x);
 

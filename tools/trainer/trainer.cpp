@@ -11,7 +11,6 @@
 
 #include "models/fp8_linear.h"
 #include "models/llama.h"
-#include "ops/backend.h"
 #include "parallel/launch_env.h"
 #include "parallel/launcher.h"
 #include "parallel/process_group.h"
@@ -226,7 +225,7 @@ int train(const TrainOptions& opt) {
   const Device device = resolve_device(cfg, pre.local_rank);
   const DType cdt = compute_dtype(cfg);
   const LlamaConfig mc = model_config(cfg);
-  backend_for(device).set_allow_tf32(cfg.training.allow_tf32);
+  set_allow_tf32(device, cfg.training.allow_tf32);
   Distributed dist = init_distributed(cfg, device);
   const int rank = dist.env.rank, world = dist.env.world_size;
   const bool main_rank = rank == 0;
