@@ -129,6 +129,31 @@ __global__ void attn_delta(AttnParams p, float* __restrict__ delta, const T* __r
   }
 }
 
+// delta for 16-bit dtypes with 16-byte accesses: TPR = d / 8 threads per (b, i, h) row, rows
+// taken in memory order; TPR is a power of two <= 32 so a row never straddles warps.
+template <class T>
+__global__ void attn_delta_vec(AttnParams p, int tpr, float* __restrict__ delta,
+                               const T* __restrict__ dout, const T* __restrict__ out) {
+  const int64_t rows = p.b * p.sq * p.hq;
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t row = t / tpr;
+  const int c = static_cast<int>(t - row * tpr);
+  float s = 0.f;
+  if (row < rows) {
+    const uint4 a = reinterpret_cast<const uint4*>(dout + row * p.d)[c];
+    const uint4 b = reinterpret_cast<const uint4*>(out + row * p.d)[c];
+    const T* av = reinterpret_cast<const T*>(&a);
+    const T* bv = reinterpret_cast<const T*>(&b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s += to_f(av[k]) * to_f(bv[k]);
+  }
+  for (int off = tpr >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (row < rows && c == 0) {
+    const int64_t h = row % p.hq, i = (row / p.hq) % p.sq, b = row / (p.hq * p.sq);
+    delta[(b * p.hq + h) * p.sq + i] = s;
+  }
+}
+
 template <class T>
 __global__ void attn_bwd_dq_generic(AttnParams p, T* __restrict__ dq, const T* __restrict__ q,
                                     const T* __restrict__ k, const T* __restrict__ v,
@@ -385,9 +410,18 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
   dispatch_float(q.dtype(), "attention", [&](auto t) {
     using T = decltype(t);
     const int64_t rows = p.b * p.hq * p.sq;
-    attn_delta<T><<<grid_for(rows * 32, 256), 256, 0, sc.stream>>>(
-        p, delta.as<float>(), static_cast<const T*>(dout.data_ptr()),
-        static_cast<const T*>(out.data_ptr()));
+    const int tpr = p.d / 8;
+    const bool vec = sizeof(T) == 2 && p.d % 8 == 0 && tpr <= 32 && (tpr & (tpr - 1)) == 0 &&
+                     (reinterpret_cast<uintptr_t>(dout.data_ptr()) & 15) == 0 &&
+                     (reinterpret_cast<uintptr_t>(out.data_ptr()) & 15) == 0;
+    if (vec)
+      attn_delta_vec<T><<<static_cast<unsigned>((rows * tpr + 255) / 256), 256, 0, sc.stream>>>(
+          p, tpr, delta.as<float>(), static_cast<const T*>(dout.data_ptr()),
+          static_cast<const T*>(out.data_ptr()));
+    else
+      attn_delta<T><<<grid_for(rows * 32, 256), 256, 0, sc.stream>>>(
+          p, delta.as<float>(), static_cast<const T*>(dout.data_ptr()),
+          static_cast<const T*>(out.data_ptr()));
     ACCEL_CUDA_CHECK_LAUNCH("attention_backward (delta)");
   });
   if (!g_force_generic && attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse,

@@ -124,6 +124,7 @@ __global__ void sum_partials_kernel(T* __restrict__ gw, const float* __restrict_
   int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= d) return;
   float s = 0.f;
+#pragma unroll 8
   for (int b = 0; b < blocks; ++b) s += partial[int64_t(b) * d + j];
   gw[j] = from_f<T>(s);
 }
@@ -190,8 +191,10 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
       grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
   bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
   if (grad_x.defined()) vec = check_norm_layout("rms_norm", d, x.dtype(), {&grad_x}) && vec;
-  const int threads = d >= 4096 ? 256 : 128;
-  const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 2));
+  // 256 threads from d = 2048 (one 16-byte vector per thread and row for bf16) and 4 blocks per
+  // SM: the per-row block reductions are latency-bound, so more warps in flight pay.
+  const int threads = d >= 2048 ? 256 : 128;
+  const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 4));
   DeviceBuffer partial(static_cast<size_t>(grid) * d * sizeof(float));
   const size_t smem = static_cast<size_t>(d) * sizeof(float);
   dispatch_float(x.dtype(), "rms_norm", [&](auto t) {

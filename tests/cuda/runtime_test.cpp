@@ -159,6 +159,17 @@ TEST(CudaRuntime, FillAndAccumulate) {
     kernels::accumulate(c, src_t_cpu);
     kernels::accumulate(g, src_t_gpu);
     expect_close(g, c, 0, 0, std::string("accumulate ") + dtype_name(t));
+    // Contiguous (vectorized path with a tail) and a misaligned view (element path).
+    Tensor a = random_tensor({3, 1001}, t, rng), b = random_tensor({3, 1001}, t, rng);
+    Tensor ag = a.to(gpu()), bg = b.to(gpu());
+    kernels::accumulate(a, b);
+    kernels::accumulate(ag, bg);
+    expect_close(ag, a, 0, 0, std::string("accumulate contiguous ") + dtype_name(t));
+    Tensor a1 = a.as_strided({3000}, {1}, 1), b1 = b.as_strided({3000}, {1}, 2);
+    Tensor ag1 = ag.as_strided({3000}, {1}, 1), bg1 = bg.as_strided({3000}, {1}, 2);
+    kernels::accumulate(a1, b1);
+    kernels::accumulate(ag1, bg1);
+    expect_close(ag, a, 0, 0, std::string("accumulate misaligned ") + dtype_name(t));
   }
 }
 
