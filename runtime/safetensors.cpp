@@ -173,11 +173,13 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
       const json& shape = v["shape"];
       if (!shape.is_array()) fail(path, where + ": 'shape' must be an array of integers");
       uint64_t numel = 1;
+      int64_t extent = 1;  // product of the non-zero dims: the strides must fit in int64 too
       for (const json& d : shape) {
         if (!d.is_number_unsigned())
           fail(path, where + ": 'shape' entries must be non-negative integers, got " + d.dump());
         uint64_t dim = d.get<uint64_t>();
-        if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, dim, &numel))
+        if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, dim, &numel) ||
+            (dim && __builtin_mul_overflow(extent, static_cast<int64_t>(dim), &extent)))
           fail(path, where + ": shape " + shape.dump() + " overflows");
         info.shape.push_back(static_cast<int64_t>(dim));
       }

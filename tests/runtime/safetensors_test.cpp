@@ -306,5 +306,20 @@ TEST_F(SafetensorsTest, KnownButUnsupportedDtypeFailsOnLoadOnly) {
   }
 }
 
+// Found while writing tests/fuzz/fuzz_safetensors.cpp: an empty tensor whose other dims multiply
+// past int64 passed the element-count check (0 elements), then overflowed the contiguous strides
+// (signed overflow, UBSan) when loaded.
+TEST_F(SafetensorsTest, EmptyTensorWithHugeDimsIsRejected) {
+  const std::string path = file("huge_empty");
+  write_bytes(path, make_file(R"({"w":{"dtype":"F32","shape":[0,1099511627776,1099511627776],)"
+                              R"("data_offsets":[0,0]}})",
+                              ""));
+  expect_open_error(path, {"tensor 'w'", "overflows"});
+  write_bytes(file("ok_empty"), make_file(R"({"w":{"dtype":"F32","shape":[0,1024,1024],)"
+                                          R"("data_offsets":[0,0]}})",
+                                          ""));
+  EXPECT_NO_THROW(SafetensorsReader r(file("ok_empty")));
+}
+
 }  // namespace
 }  // namespace accel
