@@ -126,8 +126,8 @@ struct Trainee {
 inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
                             uint64_t model_seed) {
   Trainee t;
-  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers, s.tied_embeddings),
-                                               DType::F32, Device::cpu(), model_seed);
+  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers, s.tied_embeddings), DType::F32,
+                                               Device::cpu(), model_seed);
   t.model->set_activation_checkpointing(s.activation_checkpointing);
   t.strategy = make_test_strategy(s, pg);
   t.strategy->setup(*t.model, test_optimizer(s.optimizer));
