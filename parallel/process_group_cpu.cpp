@@ -274,11 +274,17 @@ class Transport {
   void enqueue(std::shared_ptr<OpState> op);
 
   // Engine thread only: post I/O for `op` and drive it.
-  using SegmentFn = std::function<void(size_t offset, size_t len)>;
+  // Called as each segment of a message arrives: `seg` holds bytes [offset, offset + len).
+  using SegmentFn = std::function<void(const char* seg, size_t offset, size_t len)>;
   void write(int peer, const MsgHeader& h, const void* data, OpState& op,
              std::function<void()> done = {});
+  // Without on_segment the message lands in data[0, nbytes); with it, `data` is a staging buffer
+  // of segment_bytes (see staging()) and on_segment consumes each piece.
   void read(int peer, const MsgHeader& h, void* data, OpState& op, SegmentFn on_segment = {},
             std::function<void()> done = {});
+  // Engine-thread scratch memory kept between operations (no allocation or page faults per op).
+  char* scratch(size_t slot, size_t bytes);
+  char* staging() { return scratch(0, options_.segment_bytes); }
   // Runs I/O until op.pending == 0; throws DistributedError on failure or timeout.
   void finish_io(OpState& op);
 
@@ -312,6 +318,7 @@ class Transport {
   void start_read(Peer& p);
   void read_payload(Peer& p);
   void io_failed(Peer& p, const boost::system::error_code& ec, const char* what);
+  void io_done(OpState& op);
   void abort(const std::string& reason);
   void complete(OpState& op, const std::string& error);
   void execute(const std::shared_ptr<OpState>& op);
@@ -342,6 +349,7 @@ class Transport {
   std::string abort_reason_;
   std::vector<std::shared_ptr<OpState>> inflight_p2p_;
   OpState* current_ = nullptr;
+  std::vector<std::pair<std::unique_ptr<char[]>, size_t>> scratch_;
   std::shared_ptr<OpState> current_shared_;
   std::thread engine_;
 };
@@ -606,7 +614,7 @@ void Transport::start_write(Peer& p) {
     WriteReq req = std::move(p.writes.front());
     p.writes.pop_front();
     if (req.done) req.done();
-    --req.op->pending;
+    io_done(*req.op);
     start_write(p);
   });
 }
@@ -654,20 +662,38 @@ void Transport::read_payload(Peer& p) {
       if (it != req.op->awaiting.end()) req.op->awaiting.erase(it);
     }
     if (req.done) req.done();
-    --req.op->pending;
+    io_done(*req.op);
     return start_read(p);
   }
   size_t len = std::min(options_.segment_bytes, total - r.received);
-  char* dst = static_cast<char*>(r.data) + r.received;
+  // With a segment callback, `data` is a one-segment staging buffer that each segment reuses.
+  char* dst = static_cast<char*>(r.data) + (r.on_segment ? 0 : r.received);
   asio::async_read(p.sock, asio::buffer(dst, len),
                    [this, &p, len](boost::system::error_code ec, size_t) {
                      if (aborted_) return;
                      if (ec) return io_failed(p, ec, "receiving from");
                      ReadReq& rr = p.reads.front();
-                     if (rr.on_segment) rr.on_segment(rr.received, len);
+                     if (rr.on_segment)
+                       rr.on_segment(static_cast<const char*>(rr.data), rr.received, len);
                      rr.received += len;
                      read_payload(p);
                    });
+}
+
+char* Transport::scratch(size_t slot, size_t bytes) {
+  if (slot >= scratch_.size()) scratch_.resize(slot + 1);
+  auto& s = scratch_[slot];
+  if (s.second < bytes) {
+    s.first.reset(new char[bytes]);
+    s.second = bytes;
+  }
+  return s.first.get();
+}
+
+void Transport::io_done(OpState& op) {
+  // A point-to-point operation is complete as soon as its one transfer is, even while the engine
+  // is busy with a collective.
+  if (--op.pending == 0 && op.p2p) complete(op, "");
 }
 
 void Transport::io_failed(Peer& p, const boost::system::error_code& ec, const char* what) {
@@ -799,8 +825,8 @@ void Transport::execute(const std::shared_ptr<OpState>& op) {
   }
   current_ = nullptr;
   current_shared_.reset();
-  if (op->p2p && error.empty() && op->pending > 0) {
-    inflight_p2p_.push_back(op);
+  if (op->p2p && error.empty()) {
+    if (op->pending > 0) inflight_p2p_.push_back(op);  // io_done completes it
     return;
   }
   complete(*op, error);
@@ -825,11 +851,10 @@ void Transport::engine_main() {
       for (auto& p : inflight_p2p_) until = std::min(until, p->deadline);
       ioc_.run_one_until(until);
     }
-    // Retire finished (or failed) point-to-point operations.
+    // Forget finished point-to-point operations; fail them all after an abort.
     for (auto it = inflight_p2p_.begin(); it != inflight_p2p_.end();) {
       if ((*it)->pending == 0 || aborted_) {
-        complete(**it,
-                 (*it)->pending == 0 ? std::string() : (*it)->desc + " failed: " + abort_reason_);
+        if ((*it)->pending > 0) complete(**it, (*it)->desc + " failed: " + abort_reason_);
         it = inflight_p2p_.erase(it);
       } else {
         ++it;
@@ -984,31 +1009,33 @@ WorkPtr CpuProcessGroup::all_reduce(const Tensor& t, ReduceOp rop) {
     const DType d = t.dtype();
     const size_t es = t.element_size();
     if (!ring) {
-      std::vector<std::vector<char>> bufs(n);
+      std::vector<const void*> srcs(n);
       for (int p = 0; p < n; ++p) {
-        if (p == r) continue;
-        bufs[p].resize(S);
+        if (p == r) {
+          srcs[p] = base;
+          continue;
+        }
+        char* buf = c.tp->scratch(1 + p, S);
+        srcs[p] = buf;
         c.tp->write(c.world(p), algo::header(op, 0, S), base, op);
-        c.tp->read(c.world(p), algo::header(op, 0, S), bufs[p].data(), op);
+        c.tp->read(c.world(p), algo::header(op, 0, S), buf, op);
       }
       c.tp->finish_io(op);
-      std::vector<const void*> srcs(n);
-      for (int p = 0; p < n; ++p) srcs[p] = p == r ? base : bufs[p].data();
       reduce_many(d, base, srcs, t.numel(), rop);
       return;
     }
     const int left = c.world(r - 1), right = c.world(r + 1);
-    std::vector<char> tmp(ch.bytes(0));
+    char* stage = c.tp->staging();
     for (int s = 0; s < n - 1; ++s) {  // reduce-scatter: rank r ends with chunk r+1
       int si = mod(r - s, n), ri = mod(r - s - 1, n);
       bool last = s == n - 2;
       int divisor = last && rop == ReduceOp::Avg ? n : 0;
       char* dst = base + ch.byte_offset(ri);
       c.tp->write(right, algo::header(op, s, ch.bytes(si)), base + ch.byte_offset(si), op);
-      c.tp->read(left, algo::header(op, s, ch.bytes(ri)), tmp.data(), op,
-                 [&, dst, divisor](size_t off, size_t len) {
-                   reduce_pair(d, dst + off, dst + off, tmp.data() + off,
-                               static_cast<int64_t>(len / es), rop, divisor);
+      c.tp->read(left, algo::header(op, s, ch.bytes(ri)), stage, op,
+                 [&, dst, divisor](const char* seg, size_t off, size_t len) {
+                   reduce_pair(d, dst + off, dst + off, seg, static_cast<int64_t>(len / es), rop,
+                               divisor);
                  });
       c.tp->finish_io(op);
     }
@@ -1050,32 +1077,40 @@ WorkPtr CpuProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, Red
                  }
                  if (cn == 0) return;
                  if (!ring) {
-                   std::vector<std::vector<char>> bufs(n);
+                   std::vector<const void*> srcs(n);
                    for (int p = 0; p < n; ++p) {
-                     if (p == r) continue;
-                     bufs[p].resize(cb);
+                     if (p == r) {
+                       srcs[p] = x + r * cb;
+                       continue;
+                     }
+                     char* buf = c.tp->scratch(1 + p, cb);
+                     srcs[p] = buf;
                      c.tp->write(c.world(p), algo::header(op, 0, cb), x + p * cb, op);
-                     c.tp->read(c.world(p), algo::header(op, 0, cb), bufs[p].data(), op);
+                     c.tp->read(c.world(p), algo::header(op, 0, cb), buf, op);
                    }
                    c.tp->finish_io(op);
-                   std::vector<const void*> srcs(n);
-                   for (int p = 0; p < n; ++p) srcs[p] = p == r ? x + r * cb : bufs[p].data();
                    reduce_many(d, o, srcs, cn, rop);
                    return;
                  }
                  const int left = c.world(r - 1), right = c.world(r + 1);
-                 std::vector<char> tmp(cb), acc[2] = {std::vector<char>(cb), std::vector<char>(cb)};
+                 // Partial sums travel from acc[s % 2]; the next one is built in the other.
+                 char* stage = c.tp->staging();
+                 std::unique_ptr<char[]> acc[2];
+                 if (n > 2) {
+                   acc[0].reset(new char[cb]);
+                   acc[1].reset(new char[cb]);
+                 }
                  for (int s = 0; s < n - 1; ++s) {
                    int si = mod(r - s - 1, n), ri = mod(r - s - 2, n);
                    bool last = s == n - 2;
                    int divisor = last && rop == ReduceOp::Avg ? n : 0;
-                   const char* src = s == 0 ? x + si * cb : acc[s % 2].data();
-                   char* dst = last ? o : acc[(s + 1) % 2].data();
+                   const char* src = s == 0 ? x + si * cb : acc[s % 2].get();
+                   char* dst = last ? o : acc[(s + 1) % 2].get();
                    const char* mine = x + ri * cb;
                    c.tp->write(right, algo::header(op, s, cb), src, op);
-                   c.tp->read(left, algo::header(op, s, cb), tmp.data(), op,
-                              [&, dst, mine, divisor](size_t off, size_t len) {
-                                reduce_pair(d, dst + off, mine + off, tmp.data() + off,
+                   c.tp->read(left, algo::header(op, s, cb), stage, op,
+                              [&, dst, mine, divisor](const char* seg, size_t off, size_t len) {
+                                reduce_pair(d, dst + off, mine + off, seg,
                                             static_cast<int64_t>(len / es), rop, divisor);
                               });
                    c.tp->finish_io(op);
