@@ -1,0 +1,174 @@
+// The autograd engine, views and modules: accumulation, hooks, no-grad, detach, checkpointing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "models/llama.h"
+#include "ops/ops.h"
+#include "ops/optimizer.h"
+
+namespace accel {
+namespace {
+
+Tensor leaf(const std::vector<double>& v, const Shape& s) {
+  Tensor t = Tensor::from_vector(v, s, DType::F64);
+  t.set_requires_grad(true);
+  return t;
+}
+
+TEST(Autograd, DiamondGraphSumsBothPaths) {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor y = mul(x, x);        // dy/dx = 2x
+  Tensor z = add(y, mul(x, 3.0));  // + 3
+  sum(z).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{5, 7, 9}));
+}
+
+TEST(Autograd, GradientsAccumulateAcrossBackwardCalls) {
+  Tensor x = leaf({1, 2}, {2});
+  sum(mul(x, 2.0)).backward();
+  sum(mul(x, 5.0)).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{7, 7}));
+  x.zero_grad();
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(Autograd, NoGradGuardRecordsNothingAndDetachCutsHistory) {
+  Tensor x = leaf({1, 2}, {2});
+  {
+    NoGradGuard g;
+    Tensor y = mul(x, 2.0);
+    EXPECT_FALSE(y.requires_grad());
+  }
+  Tensor d = x.detach();
+  EXPECT_FALSE(d.requires_grad());
+  EXPECT_EQ(d.data_ptr(), x.data_ptr());  // same storage
+  Tensor z = add(mul(d, 10.0), x);
+  sum(z).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1}));
+}
+
+TEST(Autograd, SecondBackwardThroughFreedGraphIsAClearError) {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor s = sum(mul(x, x));
+  s.backward();
+  try {
+    s.backward();
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("retain_graph"), std::string::npos) << e.what();
+  }
+  Tensor t = sum(mul(x, x));
+  t.backward(Tensor(), /*retain_graph=*/true);
+  t.backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{2 + 2 + 2, 4 + 4 + 4}));
+}
+
+TEST(Autograd, GradReadyHooksFireOnceInBackwardOrderWithFinalGradients) {
+  Tensor a = leaf({1, 2}, {2}), b = leaf({3, 4}, {2});
+  std::vector<std::string> order;
+  std::vector<std::vector<double>> seen;
+  a.set_name("a");
+  b.set_name("b");
+  for (const Tensor& t : {a, b})
+    t.add_grad_ready_hook([&](const Tensor& p) {
+      order.push_back(p.name());
+      seen.push_back(p.grad().to_vector());
+    });
+  // b is used last in forward, so its gradient is ready first; a gets two contributions.
+  Tensor h = mul(a, 2.0);
+  Tensor out = add(mul(h, b), a);
+  sum(out).backward();
+  ASSERT_EQ(order, (std::vector<std::string>{"b", "a"}));
+  EXPECT_EQ(seen[0], (std::vector<double>{2, 4}));        // d/db = 2a
+  EXPECT_EQ(seen[1], (std::vector<double>{7, 9}));        // d/da = 2b + 1, complete
+}
+
+TEST(Autograd, CheckpointGivesTheSameGradientsAndRecomputes) {
+  int calls = 0;
+  auto block = [&](const std::vector<Tensor>& in) {
+    ++calls;
+    return tanh(mul(in[0], in[1]));
+  };
+  Tensor x1 = leaf({0.1, -0.2, 0.3}, {3}), w1 = leaf({0.5, 0.6, -0.7}, {3});
+  sum(mul(block({x1, w1}), 3.0)).backward();
+  Tensor x2 = leaf({0.1, -0.2, 0.3}, {3}), w2 = leaf({0.5, 0.6, -0.7}, {3});
+  calls = 0;
+  Tensor y = checkpoint(block, {x2, w2});
+  EXPECT_EQ(calls, 1);
+  sum(mul(y, 3.0)).backward();
+  EXPECT_EQ(calls, 2);  // recomputed in backward
+  EXPECT_EQ(x1.grad().to_vector(), x2.grad().to_vector());
+  EXPECT_EQ(w1.grad().to_vector(), w2.grad().to_vector());
+}
+
+TEST(Views, ShareStorageAndGradientsFlowBack) {
+  Tensor base = Tensor::from_vector(std::vector<double>{0, 1, 2, 3, 4, 5}, {2, 3}, DType::F64);
+  Tensor t = transpose(base, 0, 1);
+  EXPECT_EQ(t.shape(), (Shape{3, 2}));
+  EXPECT_FALSE(t.is_contiguous());
+  Tensor n = narrow(base, 1, 1, 2);
+  n.fill_(9);
+  EXPECT_EQ(base.to_vector(), (std::vector<double>{0, 9, 9, 3, 9, 9}));
+  Tensor e = expand(Tensor::from_vector(std::vector<double>{1, 2}, {2, 1}, DType::F64), {2, 4});
+  EXPECT_EQ(e.strides()[1], 0);
+  EXPECT_EQ(contiguous(e).to_vector(), (std::vector<double>{1, 1, 1, 1, 2, 2, 2, 2}));
+
+  Tensor x = leaf({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor y = mul(permute(reshape(x, {3, 2}), {1, 0}), 2.0);
+  sum(narrow(y, 1, 0, 2)).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{2, 2, 2, 2, 0, 0}));
+  EXPECT_THROW(view(transpose(x, 0, 1), {6}), std::invalid_argument);
+}
+
+TEST(Views, CastRoundsToNearestEven) {
+  // 1 + 2^-8 lies exactly between two bf16 values (1 and 1 + 2^-7): ties go to the even one.
+  Tensor t = Tensor::from_vector(std::vector<double>{1.0 + 1.0 / 256, 1.0 + 3.0 / 256}, {2});
+  EXPECT_EQ(cast(t, DType::BF16).to_vector(), (std::vector<double>{1.0, 1.0 + 4.0 / 256}));
+}
+
+TEST(Modules, ParameterNamesFollowHuggingFace) {
+  LlamaConfig c;
+  c.hidden_size = 16;
+  c.intermediate_size = 32;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 8;
+  c.vocab_size = 11;
+  LlamaForCausalLM m(c, DType::F32, Device::cpu(), 0);
+  std::vector<std::string> names;
+  for (Parameter* p : m.parameters()) names.push_back(p->name);
+  ASSERT_EQ(names.size(), 2u + 2 * 9 + 1);
+  EXPECT_EQ(names.front(), "model.embed_tokens.weight");
+  EXPECT_EQ(names[1], "model.layers.0.self_attn.q_proj.weight");
+  EXPECT_EQ(names[5], "model.layers.0.mlp.gate_proj.weight");
+  EXPECT_EQ(names[8], "model.layers.0.input_layernorm.weight");
+  EXPECT_EQ(names[names.size() - 2], "model.norm.weight");
+  EXPECT_EQ(names.back(), "lm_head.weight");
+  EXPECT_EQ(m.config.num_parameters(),
+            [&] {
+              int64_t n = 0;
+              for (Parameter* p : m.parameters()) n += p->value.numel();
+              return n;
+            }());
+}
+
+TEST(Schedules, WarmupThenDecay) {
+  LRSchedule s{"cosine", 1.0, 10, 110, 0.1};
+  EXPECT_DOUBLE_EQ(s.at(0), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(9), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(10), 1.0);
+  EXPECT_NEAR(s.at(60), 0.55, 1e-12);  // halfway down the cosine
+  EXPECT_NEAR(s.at(110), 0.1, 1e-12);
+  LRSchedule lin{"linear", 2.0, 0, 100, 0.0};
+  EXPECT_DOUBLE_EQ(lin.at(50), 1.0);
+  LRSchedule c{"constant", 0.5, 5, 100, 0.1};
+  EXPECT_DOUBLE_EQ(c.at(99), 0.5);
+  EXPECT_DOUBLE_EQ(clip_coefficient(10.0, 1.0), 1.0 / (10.0 + 1e-6));
+  EXPECT_DOUBLE_EQ(clip_coefficient(0.5, 1.0), 1.0);
+  EXPECT_DOUBLE_EQ(clip_coefficient(10.0, 0.0), 1.0);
+}
+
+}  // namespace
+}  // namespace accel
