@@ -58,12 +58,12 @@ Trainee make_fsdp_trainee(const RunSpec& s, const FsdpCase& c, std::shared_ptr<P
   return t;
 }
 
-const RunResult& reference() {
-  static RunResult ref = [] {
-    RunSpec s;
-    return run_training(s, nullptr, 0, s.seed);
-  }();
-  return ref;
+// The single-process run, computed in the rank process that checks against it: computing it in the
+// parent before fork() leaves the children with the parent's CPU worker threads gone (the
+// children then hang in parallel_for).
+RunResult reference() {
+  RunSpec s;
+  return run_training(s, nullptr, 0, s.seed);
 }
 
 std::string case_name(const ::testing::TestParamInfo<FsdpCase>& info) {
@@ -81,9 +81,9 @@ class FsdpParity : public ::testing::TestWithParam<FsdpCase> {};
 
 TEST_P(FsdpParity, MatchesSingleProcess) {
   const FsdpCase c = GetParam();
-  const RunResult& ref = reference();
   const int port = pick_free_port();
   auto exits = run_ranks(c.world, [&](int rank) -> int {
+    const RunResult ref = reference();
     World w = make_world(rank, c.world, port);
     RunSpec s;
     s.world = c.world;
