@@ -407,7 +407,7 @@ class NcclProcessGroup : public ProcessGroup {
     ready.record(cuda::current_stream());
     ready.wait(comm_->stream);
     for (auto& t : tensors)
-      if (t.numel() > 0) cuda::record_stream(t.data_ptr(), comm_->stream);
+      if (t.numel() > 0) cuda::record_stream(t.storage()->data, comm_->stream);
     auto work = std::make_shared<NcclWork>(comm_, desc, seq, options_.timeout, tensors);
     comm_->settle(call(comm_->stream), desc, Clock::now() + options_.timeout);
     work->record();
