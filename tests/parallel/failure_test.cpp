@@ -83,8 +83,18 @@ TEST(Failure, StalledRankIsNamedByEverySurvivor) {
     std::string msg = error_of([&] { w.pg->all_reduce(t)->wait(); });
     auto waited = std::chrono::steady_clock::now() - t0;
     std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
-    RANK_CHECK(msg.find("rank 2 never joined") != std::string::npos, "not named: %s", msg.c_str());
+    // Normally exactly "rank 2 never joined"; on a badly overloaded machine a late neighbour may
+    // be listed too, but rank 2 must be.
+    bool named =
+        msg.find("rank 2 never joined") != std::string::npos ||
+        (msg.find("never joined") != std::string::npos &&
+         (msg.find("ranks 2,") != std::string::npos || msg.find(", 2 never") != std::string::npos ||
+          msg.find(", 2,") != std::string::npos));
+    RANK_CHECK(named, "not named: %s", msg.c_str());
     RANK_CHECK(waited < 6s, "took too long");
+    // Rank 0 serves the store through which the others learn the job's first failure: it stays
+    // up a moment so a survivor that failed later (on rank 0's closed socket) can still read it.
+    if (r == 0) std::this_thread::sleep_for(1s);
     return 0;
   });
   testing::expect_all_ok(exits);

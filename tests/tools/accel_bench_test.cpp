@@ -25,7 +25,7 @@ data: {source: synthetic}
 )";
   std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-bench --config " + (d / "tiny.yaml").string() +
                     " --strategies single,ddp,fsdp-fp8 --precisions no,bogus --steps 3 --warmup 1" +
-                    " --num-processes 2 --work-dir " + (d / "work").string() + " --json " +
+                    " --num-processes 2 --device cpu --work-dir " + (d / "work").string() + " --json " +
                     (d / "r.json").string() + " --chart " + (d / "r.svg").string() +
                     " --markdown " + (d / "r.md").string() + " > " + (d / "out.txt").string() +
                     " 2>&1";
