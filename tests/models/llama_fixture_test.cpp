@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "models/llama.h"
@@ -116,6 +118,53 @@ TEST(LlamaWeights, ShapeMismatchNamesTensorAndBothShapes) {
     EXPECT_NE(m.find("[128, 64]"), std::string::npos) << m;
     EXPECT_NE(m.find("[96, 64]"), std::string::npos) << m;
   }
+}
+
+}  // namespace
+}  // namespace accel
+
+namespace accel {
+namespace {
+
+// A Hugging Face folder sharded into two files with model.safetensors.index.json loads to the
+// same weights as the single file.
+TEST(LlamaWeights, ShardedIndexLoadsLikeTheSingleFile) {
+  namespace fs = std::filesystem;
+  const std::string src = fixture_dir("llama_default");
+  fs::path dir = fs::temp_directory_path() / ("accel_sharded_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(src + "/config.json", dir / "config.json");
+  SafetensorsReader whole(src + "/model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> a, b;
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  int i = 0;
+  for (const std::string& n : whole.names()) {
+    bool first = i++ % 2 == 0;
+    (first ? a : b).push_back({n, whole.load(n)});
+    index["weight_map"][n] = first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+  }
+  save_safetensors((dir / "model-00001-of-00002.safetensors").string(), a);
+  save_safetensors((dir / "model-00002-of-00002.safetensors").string(), b);
+  std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+
+  LlamaConfig cfg = read_hf_llama_config(src + "/config.json");
+  LlamaForCausalLM from_index(cfg, DType::F32, Device::cpu(), 1), from_file(cfg, DType::F32, Device::cpu(), 2);
+  load_hf_weights(from_index, dir.string());
+  load_hf_weights(from_file, src);
+  auto pa = from_index.parameters(), pb = from_file.parameters();
+  for (size_t k = 0; k < pa.size(); ++k)
+    EXPECT_EQ(pa[k]->value.to_vector(), pb[k]->value.to_vector()) << pa[k]->name;
+  // A weight_map entry pointing at a missing file names it.
+  index["weight_map"][whole.names()[0]] = "model-missing.safetensors";
+  std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+  try {
+    load_hf_weights(from_index, dir.string());
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("model-missing.safetensors"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace
