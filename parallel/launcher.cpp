@@ -135,6 +135,7 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
   bool stopping = false;
   int failed_rank = -1, failed_status = 0, got_signal = 0;
   Clock::time_point kill_at{};
+  pid_t first_exit_pid = 0;
 
   auto signal_all = [&](int sig) {
     for (int r = 0; r < nprocs; ++r)
@@ -174,8 +175,17 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
   }
 
   while (num_alive > 0) {
-    // Reap whoever has exited.
-    for (int r = 0; r < nprocs; ++r) {
+    // Reap whoever has exited, starting with the child whose death woke us: when several ranks
+    // are gone by now, that one died first (the others usually followed because of it).
+    for (int i = -1; i < nprocs; ++i) {
+      int r = i;
+      if (i < 0) {
+        r = -1;
+        for (int k = 0; k < nprocs; ++k)
+          if (pids[k] == first_exit_pid) r = k;
+        first_exit_pid = 0;
+        if (r < 0) continue;
+      }
       if (!alive[r]) continue;
       int status = 0;
       if (waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
@@ -204,6 +214,7 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
     timespec ts = to_timespec(wait_for);
     siginfo_t info;
     int sig = sigtimedwait(&handled, &info, &ts);
+    if (sig == SIGCHLD) first_exit_pid = info.si_pid;  // merged SIGCHLDs keep the first's info
     if (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) {
       if (got_signal && sig == SIGINT) {
         signal_all(SIGKILL);  // a second Ctrl-C: no more waiting
