@@ -52,6 +52,10 @@ void kill_mid_collective(int n, int victim) {
     // The group is aborted: later calls fail at once instead of hanging.
     std::string later = error_of([&] { w.pg->barrier()->wait(); });
     RANK_CHECK(later.find("aborted") != std::string::npos, "later call: %s", later.c_str());
+    // Rank 0 serves the store that holds the job's first failure: a survivor that failed on rank
+    // 0's closed socket (not the victim's) reads the victim's name from there, so rank 0 stays up
+    // a moment longer.
+    if (r == 0) std::this_thread::sleep_for(1s);
     return 0;
   });
   auto elapsed = std::chrono::steady_clock::now() - t0;
