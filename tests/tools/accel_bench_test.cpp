@@ -46,6 +46,8 @@ data: {source: synthetic}
       if (r["strategy"] == "ddp") {
         EXPECT_EQ(r["world_size"], 2);
         EXPECT_GT(r["comm_wire_bytes_per_step"]["all_reduce"].get<int64_t>(), 0);
+        ASSERT_EQ(r["peak_bytes_by_category_per_rank"].size(), 2u);
+        EXPECT_GT(r["peak_bytes_by_category_per_rank"][1]["params"].get<int64_t>(), 0);
       }
     } else if (s == "skipped") {
       ++skipped;

@@ -48,7 +48,8 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
   row.final_loss = summary.at("final_loss");
   row.peak_by_category = summary.at("peak_memory_bytes");
   row.peak_bytes_max_rank = 0;
-  for (const auto& r : summary.value("peak_memory_bytes_per_rank", nlohmann::json::array()))
+  row.peak_by_rank = summary.value("peak_memory_bytes_per_rank", nlohmann::json::array());
+  for (const auto& r : row.peak_by_rank)
     row.peak_bytes_max_rank = std::max<int64_t>(row.peak_bytes_max_rank, r.at("total"));
   if (!row.peak_bytes_max_rank) row.peak_bytes_max_rank = row.peak_by_category.at("total");
   row.comm_bytes_per_step = last_step.value("comm_wire_bytes_per_step", nlohmann::json::object());
@@ -154,6 +155,7 @@ nlohmann::json bench_json(const std::vector<BenchRow>& rows) {
                  {"final_loss", r.final_loss},
                  {"peak_bytes_max_rank", r.peak_bytes_max_rank},
                  {"peak_bytes_by_category_rank0", r.peak_by_category},
+                 {"peak_bytes_by_category_per_rank", r.peak_by_rank},
                  {"expected_model_state_bytes", r.expected_model_state_bytes},
                  {"comm_wire_bytes_per_step", r.comm_bytes_per_step}});
   return a;

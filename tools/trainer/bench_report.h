@@ -19,6 +19,7 @@ struct BenchRow {
   double final_loss = 0;
   int64_t peak_bytes_max_rank = 0;  // the largest per-rank peak
   nlohmann::json peak_by_category;  // rank 0's peak bytes by category
+  nlohmann::json peak_by_rank;      // every rank's peak bytes by category
   int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
   nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
 };
