@@ -75,6 +75,13 @@ std::string describe_status(int status) {
   return "exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
+// How long a rank's failure caused by another rank waits for that rank's own exit to be reaped.
+constexpr std::chrono::seconds kFollowerWait{2};
+
+bool is_follower(int status) {
+  return WIFEXITED(status) && WEXITSTATUS(status) == kExitAfterPeerFailure;
+}
+
 timespec to_timespec(std::chrono::milliseconds d) {
   if (d.count() < 0) d = std::chrono::milliseconds(0);
   timespec ts;
@@ -136,6 +143,7 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
   int failed_rank = -1, failed_status = 0, got_signal = 0;
   Clock::time_point kill_at{};
   pid_t first_exit_pid = 0;
+  Clock::time_point follower_deadline{};
 
   auto signal_all = [&](int sig) {
     for (int r = 0; r < nprocs; ++r)
@@ -192,14 +200,29 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
       alive[r] = false;
       --num_alive;
       bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && failed_rank < 0 && got_signal == 0) {
+      if (ok || got_signal != 0) continue;
+      bool follower = is_follower(status);
+      bool stopped_by_us = stopping && WIFSIGNALED(status) &&
+                           (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
+      if (failed_rank < 0 && follower) {
+        // Its cause is probably still exiting: give it a moment before stopping everyone.
         failed_rank = r;
         failed_status = status;
-        std::fprintf(stderr, "%s: rank %d (pid %d) %s; stopping the other ranks\n", prog.c_str(), r,
+        follower_deadline = Clock::now() + kFollowerWait;
+        std::fprintf(stderr, "%s: rank %d (pid %d) %s after another rank failed\n", prog.c_str(), r,
                      static_cast<int>(pids[r]), describe_status(status).c_str());
+      } else if ((failed_rank < 0 || is_follower(failed_status)) && !follower && !stopped_by_us) {
+        std::string followed =
+            failed_rank < 0 ? "" : " (rank " + std::to_string(failed_rank) + " followed it)";
+        failed_rank = r;
+        failed_status = status;
+        std::fprintf(stderr, "%s: rank %d (pid %d) %s%s%s\n", prog.c_str(), r,
+                     static_cast<int>(pids[r]), describe_status(status).c_str(), followed.c_str(),
+                     stopping ? "" : "; stopping the other ranks");
         start_stopping();
       }
     }
+    if (failed_rank >= 0 && !stopping && Clock::now() >= follower_deadline) start_stopping();
     if (num_alive == 0) break;
     if (stopping && Clock::now() >= kill_at) {
       std::fprintf(stderr, "%s: ranks still running %lld ms after SIGTERM; sending SIGKILL\n",
@@ -210,6 +233,9 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
     auto wait_for =
         stopping ? std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now())
                  : std::chrono::milliseconds(1000);
+    if (failed_rank >= 0 && !stopping)
+      wait_for = std::chrono::duration_cast<std::chrono::milliseconds>(follower_deadline -
+                                                                       Clock::now());
     wait_for = std::min(wait_for, std::chrono::milliseconds(1000));
     timespec ts = to_timespec(wait_for);
     siginfo_t info;

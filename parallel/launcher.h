@@ -7,6 +7,11 @@
 
 namespace accel {
 
+// A rank exits with this code when it stops because another rank failed (a DistributedError:
+// a peer closed its connection, a collective timed out). The launcher then keeps looking for the
+// rank whose own failure came first, since exits race: a follower can be reaped before its cause.
+constexpr int kExitAfterPeerFailure = 75;
+
 struct LocalLaunchOptions {
   std::string master_addr = "127.0.0.1";  // where rank 0 will serve the store
   int master_port = 0;                    // 0: a free port on master_addr
@@ -18,7 +23,8 @@ struct LocalLaunchOptions {
 // Starts `nprocs` ranks of `executable` with the same argv and the environment plus RANK,
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and ACCEL_JOB_TOKEN (kept when
 // already set, else fresh random bytes). Forwards SIGINT/SIGTERM/SIGHUP to the ranks. When a rank
-// exits non-zero or is killed, stops the others and reports which rank it was on stderr. Each
+// exits non-zero or is killed, stops the others and reports which rank it was on stderr (a rank
+// that failed on its own rather than one that exited with kExitAfterPeerFailure). Each
 // rank dies with the launcher (PR_SET_PDEATHSIG), so none is left orphaned.
 // Returns the exit code for the launcher: 0 when every rank exited 0, the failed rank's code
 // (128 + signal when killed) otherwise, 128 + signal when the launcher itself was signalled.

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/launcher.h"
 #include "tests/parallel/harness.h"
 
 namespace accel {
@@ -137,8 +138,26 @@ TEST(LocalLauncher, OneRankDyingStopsTheOthersAndNamesIt) {
   EXPECT_LT(Clock::now() - t0, 20s);
   ASSERT_TRUE(WIFEXITED(status)) << out;
   EXPECT_EQ(WEXITSTATUS(status), 3) << out;
+  // The survivors exit with kExitAfterPeerFailure; whichever is reaped first, rank 2 is named.
   EXPECT_TRUE(has(out, "rank 2 (pid")) << out;
-  EXPECT_TRUE(has(out, "exited with status 3; stopping the other ranks")) << out;
+  EXPECT_TRUE(has(out, "failed: rank 2 of 4 exited with status 3")) << out;
+  EXPECT_TRUE(has(out, "exited with status " + std::to_string(accel::kExitAfterPeerFailure)) ||
+              has(out, "exited with status 3; stopping the other ranks"))
+      << out;
+}
+
+// The victim closes its connections, then takes 500 ms to exit: the survivors are reaped first,
+// yet the launcher names the victim and returns its code.
+TEST(LocalLauncher, NamesTheCauseWhenItsFollowersExitFirst) {
+  Child c = start(
+      {kWorker, "--spawn", "3", "--mode", "die", "--victim", "1", "--linger-ms", "500"});
+  int status = finish(c, 60s);
+  std::string out = output(c);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), 3) << out;
+  EXPECT_TRUE(has(out, "after another rank failed")) << out;
+  EXPECT_TRUE(has(out, "followed it)")) << out;
+  EXPECT_TRUE(has(out, "failed: rank 1 of 3 exited with status 3")) << out;
 }
 
 TEST(LocalLauncher, ForwardsSigtermAndLeavesNoRanksBehind) {

@@ -5,7 +5,8 @@
 //   accel_parallel_worker --spawn 3 --mode die --victim 1
 //
 // Modes: check (collectives, then "rank r of n OK"), die (rank --victim exits with --victim-code,
-// default 3, after the first barrier; the others run an all_reduce that must fail), sleep (write
+// default 3, after the first barrier, first closing its connections and lingering --linger-ms when
+// given, as a rank with a slow exit does; the others run an all_reduce that must fail), sleep (write
 // pid files to --pidfile-dir, then sleep until signalled), world (check_world_size against
 // --expect).
 #include <unistd.h>
@@ -67,7 +68,7 @@ int check(ProcessGroup& pg, const LaunchEnv& env) {
 
 int main(int argc, char** argv) {
   std::string mode = "check", pid_dir;
-  int spawn = 0, victim = -1, victim_code = 3, port = 0, expect = 0;
+  int spawn = 0, victim = -1, victim_code = 3, port = 0, expect = 0, linger_ms = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--mode")
@@ -78,6 +79,8 @@ int main(int argc, char** argv) {
       victim = std::stoi(v);
     else if (k == "--victim-code")
       victim_code = std::stoi(v);
+    else if (k == "--linger-ms")
+      linger_ms = std::stoi(v);
     else if (k == "--port")
       port = std::stoi(v);
     else if (k == "--pidfile-dir")
@@ -116,7 +119,13 @@ int main(int argc, char** argv) {
 
     if (mode == "check") return check(*pg, env);
     if (mode == "die") {
-      if (env.rank == victim) return victim_code;
+      if (env.rank == victim) {
+        if (linger_ms > 0) {
+          pg.reset();
+          std::this_thread::sleep_for(std::chrono::milliseconds(linger_ms));
+        }
+        return victim_code;
+      }
       Tensor t = Tensor::ones({1 << 16});
       pg->all_reduce(t)->wait();
       std::fprintf(stderr, "rank %d: all_reduce succeeded without rank %d\n", env.rank, victim);
@@ -129,6 +138,9 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 64;
+  } catch (const DistributedError& e) {
+    std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
+    return kExitAfterPeerFailure;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
     return 2;

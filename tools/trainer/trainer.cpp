@@ -518,6 +518,9 @@ int run_training(const TrainOptions& options, int argc, char** argv) {
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "accel-train: %s\n", e.what());
     return 2;
+  } catch (const DistributedError& e) {
+    std::fprintf(stderr, "accel-train: error: %s\n", e.what());
+    return kExitAfterPeerFailure;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "accel-train: error: %s\n", e.what());
     return 1;
