@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# CI sanitizer stage: the whole test suite under AddressSanitizer + UndefinedBehaviorSanitizer, plus
+# a short libFuzzer run of each fuzz target (tests/fuzz, fuzz_*_smoke), from one clang build folder
+# ./build-asan (CPU only). Installs clang and its runtime libraries when missing (Debian packages),
+# on top of what tools/setup.sh installs. Safe to run again (incremental). See
+# docs/fault_tolerance.md ("Sanitizers in CI").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# clang + libclang-rt-NN-dev (ASan/UBSan/libFuzzer runtimes, e.g. libclang_rt.fuzzer-x86_64.a) +
+# libomp-dev (OpenMP for clang). Debian's "clang" package pulls the matching libclang-rt only as a
+# recommendation, so the runtime package is named explicitly from clang's version.
+packages=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libboost-dev
+          libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev fortunes openmpi-bin clang
+          libomp-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+sudo=""
+if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+updated=0
+if ((${#missing[@]})); then
+  echo "sanitize: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  updated=1
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+clang_major=$(clang++ -dumpversion | cut -d. -f1)
+rt="libclang-rt-${clang_major}-dev"
+if ! dpkg-query -W -f='${Status}' "$rt" 2>/dev/null | grep -q "install ok installed"; then
+  echo "sanitize: installing $rt"
+  if ((!updated)); then $sudo apt-get update -qq; fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$rt"
+fi
+
+# -O2 keeps the CPU math tests fast enough; no -DNDEBUG, so assert() is checked too.
+# -gline-tables-only: file:line in sanitizer reports at a fraction of -g's build time.
+# Benchmarks are not tests: not built here.
+CC=clang CXX=clang++ cmake -S . -B build-asan -G Ninja -DACCEL_CUDA=OFF -DACCEL_SANITIZE=ON \
+  -DACCEL_FUZZ=ON -DACCEL_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only" ${ACCEL_SANITIZE_CMAKE_ARGS:-}
+cmake --build build-asan -j "$(nproc)"
+
+# Any sanitizer report fails the test that hit it:
+# - halt_on_error / -fno-sanitize-recover: the process aborts at the first report.
+# - detect_leaks=0: rank processes are forked from multi-threaded test binaries and many fault
+#   tests end processes with SIGKILL or _exit(); LeakSanitizer's exit-time scan is meaningless
+#   there (and needs ptrace, which containers often forbid). Leaks are not what this stage checks.
+# - abort_on_error=0 (the default) keeps the exit code ASan's 1, not a SIGABRT core dump.
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:strict_string_checks=0:detect_stack_use_after_return=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+ctest --test-dir build-asan --output-on-failure -j "$(nproc)"
