@@ -234,8 +234,8 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
         stopping ? std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now())
                  : std::chrono::milliseconds(1000);
     if (failed_rank >= 0 && !stopping)
-      wait_for = std::chrono::duration_cast<std::chrono::milliseconds>(follower_deadline -
-                                                                       Clock::now());
+      wait_for =
+          std::chrono::duration_cast<std::chrono::milliseconds>(follower_deadline - Clock::now());
     wait_for = std::min(wait_for, std::chrono::milliseconds(1000));
     timespec ts = to_timespec(wait_for);
     siginfo_t info;

@@ -20,8 +20,9 @@ namespace accel {
 struct StepResult {
   double grad_norm = 0;  // global norm before clipping (over all ranks and shards)
   bool skipped = false;  // non-finite gradients: no update was applied
-  // When skipped: the name of the first parameter (model order) whose gradient holds NaN or Inf,
-  // for the nan_policy: stop message. Empty where the strategy cannot tell (flat sharded buffers).
+  // When skipped: the name of the first parameter (model order) whose gradient holds NaN or Inf
+  // on any rank, for the nan_policy: stop message. Empty when every gradient is finite and only
+  // their norm overflowed.
   std::string first_non_finite;
 };
 

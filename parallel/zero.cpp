@@ -118,6 +118,7 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
   const DType cdt = options_.compute_dtype;
   std::vector<Parameter*> all = model.parameters();
   if (all.empty()) throw std::invalid_argument(name() + ": the model has no parameters");
+  for (size_t i = 0; i < all.size(); ++i) model_order_[all[i]->name] = static_cast<int64_t>(i);
   device_ = all[0]->value.device();
   for (Parameter* p : all) {
     if (p->value.dtype() != DType::F32)
@@ -319,6 +320,39 @@ void FlatDataParallel::refresh_compute() {
   for (const WorkPtr& w : works) w->wait();
 }
 
+// Each rank scans the gradient elements it owns (all of them at stage 0) parameter by parameter;
+// one MAX all-reduce of (count - index) then gives the smallest model index over the ranks.
+std::string FlatDataParallel::first_non_finite_param(const std::vector<Tensor>& grads) {
+  NoGradGuard no_grad;
+  const int stage = options_.zero_stage, rank = comm_.rank();
+  const int64_t count = static_cast<int64_t>(model_order_.size());
+  int64_t first = count;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const FlatLayout& l = groups_[gi].flat->layout();
+    for (size_t s = 0; s < l.slots.size(); ++s) {
+      const FlatSlot& slot = l.slots[s];
+      int64_t index = model_order_.at(slot.name);
+      if (index >= first) continue;
+      int64_t begin = slot.offset, size = slot.numel;
+      if (stage >= 1) {
+        FlatLayout::Range owned = l.owned(s, rank);
+        if (owned.size() == 0) continue;
+        begin = slot.offset + owned.begin - rank * l.shard_numel;
+        size = owned.size();
+      }
+      if (has_non_finite(flat_view(grads[gi], begin, {size}))) first = index;
+    }
+  }
+  Tensor best = Tensor::from_vector(std::vector<double>{static_cast<double>(count - first)}, {1},
+                                    DType::F32, device_);
+  comm_.all_reduce(best, ReduceOp::Max)->wait();
+  first = count - static_cast<int64_t>(best.item());
+  if (first >= count) return "";  // finite everywhere: the norm overflowed
+  for (const auto& [name, index] : model_order_)
+    if (index == first) return name;
+  return "";
+}
+
 StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_scale) {
   if (readiness_->pending()) end_micro_batch();
   wait_pending(0);
@@ -328,6 +362,7 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
   r.grad_norm = global_grad_norm(grads, comm_, /*sharded=*/stage >= 1, device_) * grad_scale;
   if (!std::isfinite(r.grad_norm)) {
     r.skipped = true;
+    r.first_non_finite = first_non_finite_param(grads);
   } else {
     std::vector<Tensor> opt_grads = grads;
     if (options_.offload_optimizer)

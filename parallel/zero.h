@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -99,6 +100,8 @@ class FlatDataParallel : public Strategy {
   void wait_pending(size_t keep);
   void refresh_compute();
   std::vector<Tensor> owned_grads() const;
+  // The first parameter (model order) whose gradient holds NaN or Inf on any rank; collective.
+  std::string first_non_finite_param(const std::vector<Tensor>& grads);
   int unit_of_group(int g) const;
 
   Comm comm_;
@@ -110,6 +113,7 @@ class FlatDataParallel : public Strategy {
   std::unique_ptr<UnitScheduler> scheduler_;
   int num_layer_units_ = 0;
   std::deque<Pending> pending_;
+  std::unordered_map<std::string, int64_t> model_order_;  // parameter name -> model index
 };
 
 // distributed_type DEEPSPEED.

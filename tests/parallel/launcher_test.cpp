@@ -1,5 +1,7 @@
 // The local launcher and real mpirun, driven through tests/parallel/mpi_worker.cpp
 // (bin/accel_parallel_worker).
+#include "parallel/launcher.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -15,7 +17,6 @@
 #include <thread>
 #include <vector>
 
-#include "parallel/launcher.h"
 #include "tests/parallel/harness.h"
 
 namespace accel {
@@ -149,8 +150,8 @@ TEST(LocalLauncher, OneRankDyingStopsTheOthersAndNamesIt) {
 // The victim closes its connections, then takes 500 ms to exit: the survivors are reaped first,
 // yet the launcher names the victim and returns its code.
 TEST(LocalLauncher, NamesTheCauseWhenItsFollowersExitFirst) {
-  Child c = start(
-      {kWorker, "--spawn", "3", "--mode", "die", "--victim", "1", "--linger-ms", "500"});
+  Child c =
+      start({kWorker, "--spawn", "3", "--mode", "die", "--victim", "1", "--linger-ms", "500"});
   int status = finish(c, 60s);
   std::string out = output(c);
   ASSERT_TRUE(WIFEXITED(status)) << out;

@@ -6,8 +6,8 @@
 //
 // Modes: check (collectives, then "rank r of n OK"), die (rank --victim exits with --victim-code,
 // default 3, after the first barrier, first closing its connections and lingering --linger-ms when
-// given, as a rank with a slow exit does; the others run an all_reduce that must fail), sleep (write
-// pid files to --pidfile-dir, then sleep until signalled), world (check_world_size against
+// given, as a rank with a slow exit does; the others run an all_reduce that must fail), sleep
+// (write pid files to --pidfile-dir, then sleep until signalled), world (check_world_size against
 // --expect).
 #include <unistd.h>
 

@@ -37,8 +37,9 @@ Device resolve_device(const Config& cfg, int local_rank) {
   const std::string& d = cfg.training.device;
   bool want_cuda = d == "cuda" || (d == "auto" && !cfg.use_cpu && cuda::available());
   if (d == "cuda" && !cuda::available())
-    throw UsageError("training.device is cuda but no CUDA device is usable in this build/machine; "
-                     "set training.device: cpu");
+    throw UsageError(
+        "training.device is cuda but no CUDA device is usable in this build/machine; "
+        "set training.device: cpu");
   if (!want_cuda) return Device::cpu();
   int n = cuda::device_count();
   int idx = cfg.gpu_id_list.empty() ? local_rank % std::max(n, 1) : cfg.gpu_id_list.at(local_rank);
@@ -124,13 +125,14 @@ std::string greedy_sample(LlamaForCausalLM& model, const Tokenizer& tok, const s
   if (ids.empty()) ids.push_back(0);
   std::vector<uint32_t> generated;
   for (int64_t i = 0; i < n; ++i) {
-    int64_t ctx = std::min<int64_t>(static_cast<int64_t>(ids.size()),
-                                    model.config.max_position_embeddings);
+    int64_t ctx =
+        std::min<int64_t>(static_cast<int64_t>(ids.size()), model.config.max_position_embeddings);
     std::vector<int64_t> window(ids.end() - ctx, ids.end());
     Tensor in = Tensor::from_vector(window, {1, ctx}, DType::I64, device);
     Tensor logits = model.forward(in);
     std::vector<double> last = narrow(reshape(logits, {ctx, -1}), 0, ctx - 1, 1).to_vector();
-    uint32_t best = static_cast<uint32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    uint32_t best =
+        static_cast<uint32_t>(std::max_element(last.begin(), last.end()) - last.begin());
     ids.push_back(best);
     generated.push_back(best);
   }
@@ -160,8 +162,9 @@ Distributed init_distributed(const Config& cfg, Device device) {
   if (!d.env.distributed()) return d;
   Environment env = current_environment();
   Timeouts t = timeouts_from_env(
-      env, Timeouts{std::chrono::milliseconds(static_cast<int64_t>(cfg.distributed.timeout_s * 1000)),
-                    std::chrono::milliseconds(static_cast<int64_t>(cfg.distributed.timeout_s * 1000))});
+      env,
+      Timeouts{std::chrono::milliseconds(static_cast<int64_t>(cfg.distributed.timeout_s * 1000)),
+               std::chrono::milliseconds(static_cast<int64_t>(cfg.distributed.timeout_s * 1000))});
   StoreOptions so;
   so.host = d.env.master_addr;
   so.port = d.env.master_port;
@@ -264,7 +267,8 @@ int train(const TrainOptions& opt) {
       cfg.data.source == "synthetic" ? nullptr : make_tokenizer(cfg.data.tokenizer);
 
   const int64_t accum = cfg.gradient_accumulation_steps;
-  const int64_t tokens_per_step = cfg.training.micro_batch_size * cfg.training.seq_len * accum * world;
+  const int64_t tokens_per_step =
+      cfg.training.micro_batch_size * cfg.training.seq_len * accum * world;
   const double flops_per_token = mc.flops_per_token(cfg.training.seq_len);
   const double peak = peak_flops(device, cdt, cfg.training.allow_tf32);
   LRSchedule sched{cfg.optimizer.lr_schedule, cfg.optimizer.lr, cfg.optimizer.warmup_steps,
@@ -293,22 +297,25 @@ int train(const TrainOptions& opt) {
       data.train->restore(pos);
       step = ck.state.step;
       loss_scale = ck.state.loss_scale;
-      if (main_rank) std::fprintf(stderr, "resumed from %s at step %lld\n", found->c_str(),
-                                  static_cast<long long>(step));
+      if (main_rank)
+        std::fprintf(stderr, "resumed from %s at step %lld\n", found->c_str(),
+                     static_cast<long long>(step));
     } else if (main_rank) {
-      std::fprintf(stderr, "--resume auto: no complete checkpoint in %s/checkpoints; starting fresh\n",
+      std::fprintf(stderr,
+                   "--resume auto: no complete checkpoint in %s/checkpoints; starting fresh\n",
                    out_dir.c_str());
     }
   }
   if (main_rank)
-    std::fprintf(stderr,
-                 "model: llama %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
-                 "strategy %s x %d | data %s | %lld tokens/step | startup %.1fs\n",
-                 static_cast<double>(mc.num_parameters()) / 1e6,
-                 static_cast<long long>(mc.num_hidden_layers), static_cast<long long>(mc.hidden_size),
-                 device.str().c_str(), cfg.mixed_precision.c_str(), strategy->name().c_str(), world,
-                 data.train->describe().c_str(), static_cast<long long>(tokens_per_step),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count());
+    std::fprintf(
+        stderr,
+        "model: llama %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
+        "strategy %s x %d | data %s | %lld tokens/step | startup %.1fs\n",
+        static_cast<double>(mc.num_parameters()) / 1e6,
+        static_cast<long long>(mc.num_hidden_layers), static_cast<long long>(mc.hidden_size),
+        device.str().c_str(), cfg.mixed_precision.c_str(), strategy->name().c_str(), world,
+        data.train->describe().c_str(), static_cast<long long>(tokens_per_step),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count());
   if (main_rank && fp8) std::fprintf(stderr, "%s\n", fp8->describe().c_str());
 
   MetricsLog metrics((fs::path(out_dir) / cfg.logging.metrics_file).string(), main_rank, resuming);
@@ -323,9 +330,9 @@ int train(const TrainOptions& opt) {
     st.data_position = data.train->position();
     st.loss_scale = loss_scale;
     st.extra = strategy->checkpoint_manifest();
-    std::string dir = save_checkpoint(out_dir, st, strategy->full_state_dict(), mc,
-                                      strategy->optimizer_state(), config_yaml, writer,
-                                      cfg.checkpoint.keep_last);
+    std::string dir =
+        save_checkpoint(out_dir, st, strategy->full_state_dict(), mc, strategy->optimizer_state(),
+                        config_yaml, writer, cfg.checkpoint.keep_last);
     progress.println("saved checkpoint " + dir);
   };
   auto evaluate = [&]() -> double {
@@ -384,13 +391,15 @@ int train(const TrainOptions& opt) {
     }
     if (r.skipped || !std::isfinite(loss)) {
       ++skipped_steps;
-      std::string what = "non-finite " + std::string(std::isfinite(loss) ? "gradients" : "loss") +
-                         " at step " + std::to_string(step) + "; first non-finite gradient: " +
-                         (r.first_non_finite.empty()
-                              ? "(not named by strategy " + strategy->name() + ")"
-                              : r.first_non_finite);
+      std::string what =
+          "non-finite " + std::string(std::isfinite(loss) ? "gradients" : "loss") + " at step " +
+          std::to_string(step) + "; first non-finite gradient: " +
+          (r.first_non_finite.empty()
+               ? std::string("none (the gradients are finite; their norm overflowed)")
+               : r.first_non_finite);
       if (cdt != DType::F16 && cfg.training.nan_policy == "stop")
-        throw std::runtime_error(what + " (training.nan_policy: stop; use skip to skip such steps)");
+        throw std::runtime_error(what +
+                                 " (training.nan_policy: stop; use skip to skip such steps)");
       if (cdt != DType::F16) progress.println("warning: " + what + "; step skipped");
     }
     last_loss = loss;
@@ -425,7 +434,8 @@ int train(const TrainOptions& opt) {
                           {"elapsed_s", rep.elapsed_s},
                           {"skipped_steps", skipped_steps}};
       if (cdt == DType::F16) j["loss_scale"] = loss_scale;
-      if (dist.pg) j["comm_wire_bytes_per_step"] = comm_delta(dist.pg->stats(), last_comm, steps_logged);
+      if (dist.pg)
+        j["comm_wire_bytes_per_step"] = comm_delta(dist.pg->stats(), last_comm, steps_logged);
       if (std::isfinite(last_eval)) j["eval_loss"] = last_eval;
       metrics.write(j);
     }
@@ -485,10 +495,11 @@ int train(const TrainOptions& opt) {
                               {"strategy", strategy->name()}};
     if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
     metrics.write(summary);
-    std::fprintf(stderr, "done: %lld steps, final loss %.4f%s, %.1fs, peak memory %s\n",
-                 static_cast<long long>(step), last_loss,
-                 std::isfinite(final_eval) ? (", eval loss " + std::to_string(final_eval)).c_str() : "",
-                 train_s, format_bytes(memory_stats(device).peak_total).c_str());
+    std::fprintf(
+        stderr, "done: %lld steps, final loss %.4f%s, %.1fs, peak memory %s\n",
+        static_cast<long long>(step), last_loss,
+        std::isfinite(final_eval) ? (", eval loss " + std::to_string(final_eval)).c_str() : "",
+        train_s, format_bytes(memory_stats(device).peak_total).c_str());
     if (!sample_text.empty())
       std::fprintf(stderr, "sample (greedy): %s%s\n", cfg.training.sample_prompt.c_str(),
                    sample_text.c_str());
