@@ -111,6 +111,31 @@ int FlatDataParallel::unit_of_group(int g) const {
   return g < num_layer_units_ ? num_layer_units_ - 1 - g : num_layer_units_;
 }
 
+int FlatDataParallel::group_of_unit(int unit) const {
+  return unit < num_layer_units_ ? num_layer_units_ - 1 - unit : num_layer_units_;
+}
+
+WorkPtr FlatDataParallel::start_group_gather(int gi) {
+  Group& g = groups_[gi];
+  g.flat->materialize();
+  Tensor chunk = g.flat->full_chunk(comm_.rank());
+  chunk.copy_(g.shard);
+  count_gather(gi, static_cast<int64_t>(g.flat->full().nbytes()));
+  return comm_.all_gather(g.flat->full(), chunk);
+}
+
+void FlatDataParallel::release_group(int gi) { groups_[gi].flat->release(); }
+
+void FlatDataParallel::count_gather(int gi, int64_t bytes) {
+  GroupComm& c = group_comm_.at(gi);
+  ++c.all_gathers;
+  c.all_gather_bytes += bytes;
+}
+
+void FlatDataParallel::reset_group_comm() {
+  for (GroupComm& c : group_comm_) c = GroupComm{};
+}
+
 void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
   if (!groups_.empty()) throw std::logic_error(name() + ": setup called twice");
   const int stage = options_.zero_stage;
@@ -190,6 +215,7 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     groups_.push_back(std::move(g));
   }
   optimizer_ = std::make_unique<Optimizer>(opts, masters, names);
+  group_comm_.assign(groups_.size(), GroupComm{});
 
   std::vector<std::vector<Tensor>> leaves;
   std::vector<std::vector<std::string>> leaf_names;
@@ -213,17 +239,9 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
 
   if (stage == 3) {
     UnitScheduler::Callbacks sc;
-    auto group_of = [this](int unit) -> Group& {
-      return groups_[unit < num_layer_units_ ? num_layer_units_ - 1 - unit : num_layer_units_];
-    };
-    sc.start_gather = [this, group_of](int unit) {
-      Group& g = group_of(unit);
-      g.flat->materialize();
-      Tensor chunk = g.flat->full_chunk(comm_.rank());
-      chunk.copy_(g.shard);
-      return comm_.all_gather(g.flat->full(), chunk);
-    };
-    sc.release = [group_of](int unit) { group_of(unit).flat->release(); };
+    sc.start_gather = [this](int unit) { return start_group_gather(group_of_unit(unit)); };
+    sc.finish_gather = [this](int unit) { finish_group_gather(group_of_unit(unit)); };
+    sc.release = [this](int unit) { release_group(group_of_unit(unit)); };
     scheduler_ = std::make_unique<UnitScheduler>(model, units, root_unit, std::move(sc),
                                                  options_.reshard_after_forward);
     scheduler_->release_all();
@@ -266,6 +284,8 @@ void FlatDataParallel::launch_reduction(int gi) {
       in = wide;
     }
     p.work = comm_.reduce_scatter(out, in, ReduceOp::Avg);
+    ++group_comm_[gi].reduce_scatters;
+    group_comm_[gi].reduce_scatter_bytes += static_cast<int64_t>(in.nbytes());
     if (stage == 1) {
       Tensor chunk = f.grad_chunk(comm_.rank());
       p.done = [chunk, out] { chunk.copy_(out); };

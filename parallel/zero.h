@@ -80,6 +80,33 @@ class FlatDataParallel : public Strategy {
   int num_groups() const { return static_cast<int>(groups_.size()); }
   const FlatParamGroup& group(int i) const { return *groups_.at(i).flat; }
 
+  // What each group's collectives moved since setup (or reset_group_comm()), counted as
+  // ProcessGroup::stats() counts bytes: an all-gather's output, a reduce-scatter's input.
+  // Stage 3: per gather unit (groups are in backward order: the last layer's unit first, the
+  // root unit last).
+  struct GroupComm {
+    int64_t all_gathers = 0, all_gather_bytes = 0;
+    int64_t reduce_scatters = 0, reduce_scatter_bytes = 0;
+  };
+  const std::vector<GroupComm>& group_comm() const { return group_comm_; }
+  void reset_group_comm();
+
+ protected:
+  // Stage 3, by group index: issue the all-gather of group g's parameters (default: this rank's
+  // compute-dtype shard into the group's flat buffer), finish it once the collective completed
+  // (default: nothing), and release the gathered parameters (default: the flat buffer's bytes).
+  virtual WorkPtr start_group_gather(int g);
+  virtual void finish_group_gather(int g) { (void)g; }
+  virtual void release_group(int g);
+  const Comm& comm() const { return comm_; }
+  Device device() const { return device_; }
+  // Stage 3: this rank's compute-dtype chunk of group g (on the host with offload_params).
+  const Tensor& group_shard(int g) const { return groups_.at(g).shard; }
+  FlatParamGroup& flat_group(int g) { return *groups_.at(g).flat; }
+  void count_gather(int g, int64_t bytes);
+  // Stage 3: the group of scheduler unit `unit` (units in forward order, the root unit last).
+  int group_of_unit(int unit) const;
+
  private:
   struct Group {
     std::unique_ptr<FlatParamGroup> flat;
@@ -113,6 +140,7 @@ class FlatDataParallel : public Strategy {
   std::unique_ptr<UnitScheduler> scheduler_;
   int num_layer_units_ = 0;
   std::deque<Pending> pending_;
+  std::vector<GroupComm> group_comm_;
   std::unordered_map<std::string, int64_t> model_order_;  // parameter name -> model index
 };
 
