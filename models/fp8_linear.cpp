@@ -1,11 +1,14 @@
 #include "models/fp8_linear.h"
 
+#include <cmath>
 #include <map>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include "models/llama.h"
 #include "parallel/process_group.h"
+#include "runtime/safetensors.h"
 
 namespace accel {
 
@@ -191,6 +194,268 @@ Fp8EvalScope::Fp8EvalScope(Fp8Training* fp8) : fp8_(fp8) {
 
 Fp8EvalScope::~Fp8EvalScope() {
   if (fp8_) fp8_->autocast() = saved_;
+}
+
+// ---- checkpoints of the delayed-scaling state -------------------------------------------------
+
+namespace {
+
+const char* const kFp8StateFormat = "accel-fp8-delayed-scaling";
+const char* const kRoles[3] = {"input", "weight", "grad_output"};
+
+// fp8_config.fp8_format of a delayed recipe (E5M2 is refused at start, so two choices remain).
+std::string fp8_format_name(const Fp8Recipe& r) {
+  return r.backward_dtype == DType::E5M2 ? "HYBRID" : "E4M3";
+}
+std::string algo_name(AmaxAlgo a) { return a == AmaxAlgo::Max ? "max" : "most_recent"; }
+
+// (slot, "<layer>.<role>") of every slot, in layer order.
+std::vector<std::pair<int, std::string>> fp8_state_slots(Fp8Training& fp8) {
+  std::vector<std::pair<int, std::string>> out;
+  for (const Fp8LayerChoice& c : fp8.layers()) {
+    if (!c.fp8) continue;
+    const Fp8LinearContext* ctx = fp8.layer_context(c.name);
+    const int slots[3] = {ctx->slot_input, ctx->slot_weight, ctx->slot_grad_output};
+    for (int r = 0; r < 3; ++r) out.push_back({slots[r], c.name + "." + kRoles[r]});
+  }
+  return out;
+}
+
+std::vector<float> host_floats(const Tensor& t) {
+  std::vector<double> v = t.to_vector();
+  return std::vector<float>(v.begin(), v.end());
+}
+
+std::string some_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > 4) out += ", ... (" + std::to_string(names.size()) + " in all)";
+  return out;
+}
+
+}  // namespace
+
+bool fp8_has_checkpoint_state(const Fp8Training* fp8) { return fp8 && fp8->delayed() != nullptr; }
+
+Fp8CheckpointState fp8_checkpoint_state(Fp8Training& fp8) {
+  Fp8CheckpointState st;
+  if (!fp8_has_checkpoint_state(&fp8)) return st;
+  Fp8DelayedScaling& d = *fp8.delayed();
+  const Fp8Recipe& r = d.recipe();
+  const int64_t L = r.amax_history_len, n = d.num_slots();
+  const std::vector<float> hist = host_floats(d.amax_history()), sc = host_floats(d.scales()),
+                           si = host_floats(d.scale_invs());
+  for (const auto& [slot, name] : fp8_state_slots(fp8)) {
+    std::vector<float> col(static_cast<size_t>(L));
+    for (int64_t i = 0; i < L; ++i) col[i] = hist[i * n + slot];
+    st.tensors.push_back({name + ".amax_history", Tensor::from_vector(col, {L})});
+    st.tensors.push_back({name + ".scale", Tensor::from_vector(std::vector<float>{sc[slot]}, {1})});
+    st.tensors.push_back(
+        {name + ".scale_inv", Tensor::from_vector(std::vector<float>{si[slot]}, {1})});
+  }
+  st.metadata = {{"format", kFp8StateFormat},
+                 {"fp8_format", fp8_format_name(r)},
+                 {"amax_history_len", std::to_string(L)},
+                 {"amax_compute_algo", algo_name(r.amax_algo)},
+                 {"margin", std::to_string(r.margin)},
+                 {"interval", std::to_string(r.interval)},
+                 {"updates", std::to_string(d.updates())}};
+  return st;
+}
+
+std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState& state,
+                                      const std::string& source) {
+  if (!fp8_has_checkpoint_state(&fp8))
+    throw std::logic_error("[fp8] loading delayed-scaling state into a run without it");
+  const std::string redo =
+      "; resume with the fp8_config and model the checkpoint was saved with, or start a new run "
+      "with model.init_from pointing at the checkpoint folder (weights only; the fp8 scaling "
+      "then starts afresh)";
+  auto fail = [&](const std::string& what) {
+    throw std::runtime_error(source + ": fp8 delayed-scaling state: " + what);
+  };
+  auto meta = [&](const char* key) -> std::string {
+    auto it = state.metadata.find(key);
+    if (it == state.metadata.end()) fail(std::string("metadata lacks '") + key + "'");
+    return it->second;
+  };
+  auto meta_int = [&](const char* key) -> int64_t {
+    std::string v = meta(key);
+    try {
+      size_t used = 0;
+      int64_t x = std::stoll(v, &used);
+      if (used == v.size() && x >= 0) return x;
+    } catch (const std::exception&) {
+    }
+    fail(std::string("metadata '") + key + "' is '" + v + "', not a non-negative integer");
+    return 0;
+  };
+  if (meta("format") != kFp8StateFormat)
+    fail("format '" + meta("format") + "' is not " + kFp8StateFormat);
+
+  Fp8DelayedScaling& d = *fp8.delayed();
+  const Fp8Recipe& r = d.recipe();
+  const std::string format = meta("fp8_format");
+  if (format != fp8_format_name(r))
+    fail("saved with fp8_config.fp8_format " + format + ", this run uses " + fp8_format_name(r) +
+         " (the saved grad_output scales belong to the other format)" + redo);
+  const int64_t L = r.amax_history_len, saved_len = meta_int("amax_history_len");
+  if (saved_len != L)
+    fail("fp8_config.amax_history_len changed: the checkpoint holds " + std::to_string(saved_len) +
+         " steps of amax history per tensor, this run's amax_history_len is " + std::to_string(L) +
+         "; resume with amax_history_len: " + std::to_string(saved_len) +
+         ", or start a new run with model.init_from pointing at the checkpoint folder to change "
+         "it");
+  const int64_t updates = meta_int("updates");
+
+  // Layers: every fp8 layer of this run must be in the file and nothing else.
+  const auto slots = fp8_state_slots(fp8);
+  std::map<std::string, Tensor> saved(state.tensors.begin(), state.tensors.end());
+  std::vector<std::string> missing, extra;
+  std::set<std::string> extra_layers;
+  std::map<std::string, bool> expected_layers;
+  for (const Fp8LayerChoice& c : fp8.layers())
+    if (c.fp8) expected_layers[c.name] = true;
+  for (const auto& [name, t] : saved) {
+    (void)t;
+    std::string layer;
+    for (const char* role : kRoles) {
+      for (const char* field : {".amax_history", ".scale", ".scale_inv"}) {
+        const std::string suffix = std::string(".") + role + field;
+        if (name.size() > suffix.size() &&
+            name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+          layer = name.substr(0, name.size() - suffix.size());
+      }
+    }
+    if (layer.empty()) fail("unexpected tensor '" + name + "'");
+    if (!expected_layers.count(layer)) extra_layers.insert(layer);
+  }
+  extra.assign(extra_layers.begin(), extra_layers.end());
+  for (const auto& [layer, unused] : expected_layers) {
+    (void)unused;
+    bool any = false;
+    for (const char* role : kRoles) any = any || saved.count(layer + "." + role + ".scale");
+    if (!any) missing.push_back(layer);
+  }
+  if (!missing.empty() || !extra.empty()) {
+    std::string what = "it does not match this run's fp8 layers:";
+    if (!missing.empty())
+      what += " " + std::to_string(missing.size()) +
+              " fp8 layer(s) of this run have no saved state (" + some_names(missing) + ")";
+    if (!extra.empty())
+      what += std::string(missing.empty() ? "" : ";") + " " + std::to_string(extra.size()) +
+              " saved layer(s) are not fp8 layers of this run (" + some_names(extra) + ")";
+    const std::string why =
+        ". The model, or which of its layers run in fp8, differs from the run that saved it";
+    fail(what + why + redo);
+  }
+
+  const int64_t n = d.num_slots();
+  std::vector<float> hist(static_cast<size_t>(L * n), 0.0f), sc(n, 1.0f), si(n, 1.0f);
+  auto take = [&](const std::string& name, int64_t numel) -> std::vector<float> {
+    auto it = saved.find(name);
+    if (it == saved.end()) fail("tensor '" + name + "' is missing");
+    const Tensor& t = it->second;
+    if (t.dtype() != DType::F32 || t.shape() != Shape{numel})
+      fail("tensor '" + name + "' is " + t.str() + ", expected f32 [" + std::to_string(numel) +
+           "]");
+    return host_floats(t);
+  };
+  for (const auto& [slot, name] : slots) {
+    std::vector<float> col = take(name + ".amax_history", L);
+    for (int64_t i = 0; i < L; ++i) hist[i * n + slot] = col[i];
+    sc[slot] = take(name + ".scale", 1)[0];
+    si[slot] = take(name + ".scale_inv", 1)[0];
+  }
+  d.load_state({{"fp8.amax_history", Tensor::from_vector(hist, {L, n})},
+                {"fp8.scale", Tensor::from_vector(sc, {n})},
+                {"fp8.scale_inv", Tensor::from_vector(si, {n})},
+                {"fp8.updates", Tensor::from_vector(std::vector<int64_t>{updates}, {1})}});
+
+  std::string note;
+  auto changed = [&](const char* key, const std::string& now) {
+    const std::string was = meta(key);
+    if (was != now)
+      note += std::string(note.empty() ? "" : "; ") + "fp8_config." + key + " changed from " + was +
+              " to " + now;
+  };
+  changed("amax_compute_algo", algo_name(r.amax_algo));
+  changed("margin", std::to_string(r.margin));
+  changed("interval", std::to_string(r.interval));
+  if (!note.empty())
+    note = source + ": fp8 state restored; " + note +
+           " (the saved scales stay until the next recompute, which uses the new settings)";
+  return note;
+}
+
+void save_fp8_state(Fp8Training& fp8, const std::string& path) {
+  Fp8CheckpointState st = fp8_checkpoint_state(fp8);
+  if (st.tensors.empty() && st.metadata.empty())
+    throw std::logic_error("[fp8] save_fp8_state without delayed-scaling state");
+  save_safetensors(path, st.tensors, st.metadata);
+}
+
+std::string load_fp8_state(Fp8Training& fp8, const std::string& path) {
+  SafetensorsReader file(path);
+  Fp8CheckpointState st;
+  st.metadata = file.metadata();
+  for (const std::string& n : file.names()) {
+    const SafetensorsTensorInfo& info = file.info(n);
+    if (!info.supported)
+      throw std::runtime_error(path + ": fp8 delayed-scaling state: tensor '" + n + "' has dtype " +
+                               info.dtype_name + ", expected F32");
+    st.tensors.push_back({n, file.load(n, MemCategory::Other)});
+  }
+  return fp8_load_checkpoint_state(fp8, st, path);
+}
+
+void check_fp8_state_replicated(Fp8Training& fp8, ProcessGroup* group) {
+  if (!fp8_has_checkpoint_state(&fp8) || !group || group->size() <= 1) return;
+  Fp8DelayedScaling& d = *fp8.delayed();
+  const int64_t L = d.recipe().amax_history_len, n = d.num_slots();
+  // [history (L x n), scale (n), scale_inv (n), updates] and its negation: after a MAX
+  // all-reduce the second half holds minus the minimum, so every rank sees the same verdict.
+  std::vector<float> v = host_floats(d.amax_history());
+  for (const Tensor& t : {d.scales(), d.scale_invs()}) {
+    std::vector<float> x = host_floats(t);
+    v.insert(v.end(), x.begin(), x.end());
+  }
+  v.push_back(static_cast<float>(d.updates()));
+  const size_t m = v.size();
+  for (size_t i = 0; i < m; ++i) v.push_back(-v[i]);
+  Tensor t = Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+  if (group->backend() == "cpu" || !d.device().is_cuda()) {
+    group->all_reduce(t, ReduceOp::Max)->wait();
+  } else {
+    Tensor dev = t.to(d.device());
+    group->all_reduce(dev, ReduceOp::Max)->wait_stream();
+    t = dev.to(Device::cpu());
+  }
+  std::vector<float> r = host_floats(t);
+  for (size_t i = 0; i < m; ++i) {
+    const float hi = r[i], lo = -r[m + i];
+    if (hi == lo || (std::isnan(hi) && std::isnan(lo))) continue;
+    const int64_t idx = static_cast<int64_t>(i);
+    std::string what = "updates";
+    int64_t slot = -1;
+    if (idx < L * n) {
+      slot = idx % n;
+      what = "amax_history[" + std::to_string(idx / n) + "]";
+    } else if (idx < L * n + n) {
+      slot = idx - L * n;
+      what = "scale";
+    } else if (idx < L * n + 2 * n) {
+      slot = idx - L * n - n;
+      what = "scale_inv";
+    }
+    std::string name = "slot " + std::to_string(slot);
+    for (const auto& [s, nm] : fp8_state_slots(fp8))
+      if (s == slot) name = nm;
+    throw std::logic_error("[fp8] the delayed-scaling state differs across data-parallel ranks (" +
+                           (slot >= 0 ? name + "." : std::string()) + what + ": max " +
+                           std::to_string(hi) + ", min " + std::to_string(lo) +
+                           "); every rank must call Fp8Training::step_end after each step");
+  }
 }
 
 }  // namespace accel

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,5 +97,49 @@ class Fp8EvalScope {
   Fp8Training* fp8_;
   Fp8Autocast saved_;
 };
+
+// ---- checkpoints of the delayed-scaling state -------------------------------------------------
+// The TE recipe's state is part of a training checkpoint (without it a resumed run restarts from
+// scale 1 and an empty history, and its numbers change): per fp8 layer and tensor role (input,
+// weight, grad_output) the amax history, scale and scale_inv, plus the update count that drives
+// `interval`. Dynamic (AO) and MX scaling have no state: nothing is written or required.
+//
+// One safetensors file, kFp8StateFile in the checkpoint folder, written once (rank 0): the
+// per-step amax all-reduce gives every data-parallel rank the same state. Tensors (f32, CPU):
+//   <layer>.<role>.amax_history  [amax_history_len]  the slot's column of the [L, n] history
+//   <layer>.<role>.scale         [1]
+//   <layer>.<role>.scale_inv     [1]
+// e.g. "model.layers.0.self_attn.q_proj.grad_output.scale"; metadata: format
+// (accel-fp8-delayed-scaling), fp8_format, amax_history_len, amax_compute_algo, margin,
+// interval, updates.
+
+inline constexpr char kFp8StateFile[] = "fp8_state.safetensors";
+
+// True when `fp8` is non-null and uses delayed scaling (has state to checkpoint).
+bool fp8_has_checkpoint_state(const Fp8Training* fp8);
+
+struct Fp8CheckpointState {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+// The state as above (CPU copies); empty without delayed scaling.
+Fp8CheckpointState fp8_checkpoint_state(Fp8Training& fp8);
+// Restores a saved state into `fp8`'s delayed scaling. `source` (the file) prefixes messages.
+// Throws std::runtime_error saying what differs and what to do when the state does not fit this
+// run: fp8 layers missing or extra, another amax_history_len or fp8_format, bad tensors. A changed
+// amax_compute_algo, margin or interval is accepted (the next recompute uses the new setting) and
+// reported in the returned note (empty when there is nothing to report).
+std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState& state,
+                                      const std::string& source);
+
+// The same through a file at `path`.
+void save_fp8_state(Fp8Training& fp8, const std::string& path);
+std::string load_fp8_state(Fp8Training& fp8, const std::string& path);
+
+// Every rank of `group` calls this: one MAX all-reduce of the state and its negation checks that
+// all ranks hold the same state (the premise of saving it once). std::logic_error naming the
+// first differing tensor otherwise. No-op without state, group, or with one rank.
+void check_fp8_state_replicated(Fp8Training& fp8, ProcessGroup* group);
 
 }  // namespace accel

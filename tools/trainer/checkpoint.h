@@ -3,6 +3,9 @@
 //                                      it); ZeRO-3: 16-bit weights with zero3_save_16bit_model,
 //                                      else no model.safetensors (the weights are in the shards)
 //   optimizer.rank<R>.safetensors      each rank's optimizer state (whole, or its shards)
+//   fp8_state.safetensors              fp8 delayed scaling (TE recipe) only: amax histories,
+//                                      scales and the update count, written once (rank 0; the
+//                                      state is the same on every rank); see models/fp8_linear.h
 //   trainer_state.json                 step, data position, seed, world size, the file manifest
 //   config.yaml                        the effective run configuration
 // A checkpoint is written into step_N.tmp and renamed when complete, so a crash mid-save never
@@ -21,6 +24,9 @@
 
 namespace accel {
 
+class Fp8Training;
+class ProcessGroup;
+
 struct TrainerState {
   int64_t step = 0;  // optimizer steps completed
   int64_t optimizer_steps = 0;
@@ -35,6 +41,10 @@ struct CheckpointWriter {
   int rank = 0;
   int world_size = 1;
   std::function<void()> barrier;  // all ranks meet here (no-op on one process)
+  // fp8 training (null: none). Its delayed-scaling state is checked to be the same on every
+  // rank of `group` (null on one process) and saved by rank 0.
+  Fp8Training* fp8 = nullptr;
+  ProcessGroup* group = nullptr;
 };
 
 // Every rank calls this with its own optimizer state; rank 0 writes the model and the state.
@@ -51,11 +61,18 @@ struct LoadedCheckpoint {
   TrainerState state;
   std::vector<std::pair<std::string, Tensor>> weights;          // empty when only shards were saved
   std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
+  std::string fp8_state_file;  // path of the fp8 delayed-scaling state; empty when none was saved
 };
 
 // "auto": the newest complete checkpoint under output_dir/checkpoints (nullopt when none);
 // otherwise `spec` is a checkpoint folder. Errors name the folder and what is missing.
 std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec);
 LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size);
+
+// Restores the fp8 delayed-scaling state of a loaded checkpoint into `fp8` (every rank). Throws
+// when this run uses delayed scaling and the checkpoint has no state or a state that does not fit
+// (models/fp8_linear.h says what is checked). Returns a note for the log, or "": a saved state
+// this run has no use for (no fp8, or dynamic / MX scaling) is ignored with a note.
+std::string restore_fp8_state(Fp8Training* fp8, const LoadedCheckpoint& ck);
 
 }  // namespace accel

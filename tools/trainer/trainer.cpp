@@ -292,6 +292,8 @@ int train(const TrainOptions& opt) {
     if (found) {
       LoadedCheckpoint ck = load_checkpoint(*found, rank, world);
       strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
+      const std::string fp8_note = restore_fp8_state(fp8.get(), ck);  // TE: amax histories, scales
+      if (main_rank && !fp8_note.empty()) std::fprintf(stderr, "note: %s\n", fp8_note.c_str());
       DataPosition pos;
       from_json(ck.state.data_position, pos);
       data.train->restore(pos);
@@ -320,7 +322,7 @@ int train(const TrainOptions& opt) {
 
   MetricsLog metrics((fs::path(out_dir) / cfg.logging.metrics_file).string(), main_rank, resuming);
   Progress progress(cfg.training.progress, cfg.training.max_steps, step, main_rank);
-  CheckpointWriter writer{rank, world, [&dist] { dist.barrier(); }};
+  CheckpointWriter writer{rank, world, [&dist] { dist.barrier(); }, fp8.get(), dist.pg.get()};
   auto save = [&](int64_t at_step) {
     TrainerState st;
     st.step = at_step;

@@ -1,0 +1,168 @@
+// fp8 delayed-scaling state in accel-train checkpoints (CPU emulation): a TE-recipe run resumed
+// from a checkpoint continues with bit-identical losses (one process and two DDP ranks); dynamic
+// scaling (AO) writes and needs no state; a checkpoint whose fp8 state does not fit the run is
+// refused with a message saying what differs.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "runtime/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result run(const std::string& args) {
+  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
+  int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// Every dimension a multiple of 16, so every Linear runs in fp8. A short amax history with
+// 'max' and interval 2 make each part of the state matter: the histories, the scales and the
+// update count (which steps recompute).
+const char* kConfig = R"(
+model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,
+        intermediate_size: 64, vocab_size: 64, max_position_embeddings: 64}
+mixed_precision: fp8
+fp8_config: {backend: TE, amax_history_len: 4, amax_compute_algo: max, interval: 2}
+training: {seed: 11, max_steps: 6, micro_batch_size: 4, seq_len: 16, log_every: 1,
+           progress: none, device: cpu}
+optimizer: {lr: 0.01, warmup_steps: 1, lr_schedule: cosine}
+data: {source: synthetic}
+checkpoint: {every_steps: 3, keep_last: 0}
+)";
+
+class Fp8Resume : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("accel_fp8_resume_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "config.yaml") << kConfig;
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+  Result train(const std::string& out, const std::string& extra = "") {
+    return run("--config " + (dir_ / "config.yaml").string() + " --output-dir " +
+               (dir_ / out).string() + " " + extra);
+  }
+  std::map<int, double> losses(const std::string& out) {
+    std::map<int, double> m;
+    std::ifstream in(dir_ / out / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("step") && j.contains("loss")) m[j["step"].get<int>()] = j["loss"];
+    }
+    return m;
+  }
+  fs::path step3(const std::string& out) { return dir_ / out / "checkpoints" / "step_3"; }
+  // Runs `out` to the end, then resumes from its step-3 checkpoint into `out`_resumed with the
+  // same settings; expects steps 4-6 bit for bit.
+  void expect_resume_reproduces(const std::string& out, const std::string& extra) {
+    Result full = train(out, extra);
+    ASSERT_EQ(full.code, 0) << full.output;
+    Result resumed = train(out + "_resumed", extra + " --resume " + step3(out).string());
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    std::map<int, double> a = losses(out), b = losses(out + "_resumed");
+    ASSERT_EQ(a.size(), 6u) << full.output;
+    for (int step = 4; step <= 6; ++step) {
+      ASSERT_TRUE(b.count(step)) << "resumed run has no step " << step << "\n" << resumed.output;
+      EXPECT_EQ(b[step], a[step]) << "step " << step << " (fp8 state not restored?)";
+    }
+  }
+  fs::path dir_;
+};
+
+TEST_F(Fp8Resume, DelayedScalingResumesBitForBit) {
+  expect_resume_reproduces("te", "");
+  // The state file: per layer and role, written once, listed in trainer_state.json.
+  const fs::path ck = step3("te");
+  accel::SafetensorsReader f((ck / "fp8_state.safetensors").string());
+  EXPECT_EQ(f.info("model.layers.1.mlp.down_proj.grad_output.amax_history").shape,
+            (accel::Shape{4}));
+  EXPECT_TRUE(f.contains("model.layers.0.self_attn.q_proj.input.scale"));
+  EXPECT_TRUE(f.contains("model.layers.0.self_attn.q_proj.weight.scale_inv"));
+  EXPECT_EQ(f.metadata().at("updates"), "3");
+  EXPECT_EQ(f.metadata().at("amax_history_len"), "4");
+  std::ifstream in(ck / "trainer_state.json");
+  nlohmann::json j;
+  in >> j;
+  EXPECT_EQ(j.at("fp8_state_file"), "fp8_state.safetensors");
+}
+
+TEST_F(Fp8Resume, DelayedScalingResumesBitForBitOnTwoRanks) {
+  expect_resume_reproduces("ddp", "--set distributed_type=MULTI_CPU --set num_processes=2");
+  EXPECT_TRUE(fs::exists(step3("ddp") / "fp8_state.safetensors"));
+  EXPECT_FALSE(fs::exists(step3("ddp") / "fp8_state.rank1.safetensors"));
+}
+
+TEST_F(Fp8Resume, DynamicScalingWritesAndNeedsNoState) {
+  expect_resume_reproduces("ao", "--set fp8_config.backend=AO");
+  EXPECT_FALSE(fs::exists(step3("ao") / "fp8_state.safetensors"));
+  std::ifstream in(step3("ao") / "trainer_state.json");
+  nlohmann::json j;
+  in >> j;
+  EXPECT_FALSE(j.contains("fp8_state_file"));
+}
+
+TEST_F(Fp8Resume, MismatchedStateIsRefusedWithWhatDiffers) {
+  Result te = train("te");
+  ASSERT_EQ(te.code, 0) << te.output;
+  const std::string from = " --resume " + step3("te").string();
+
+  Result len = train("len", "--set fp8_config.amax_history_len=8" + from);
+  EXPECT_NE(len.code, 0) << len.output;
+  EXPECT_NE(len.output.find("amax_history_len changed"), std::string::npos) << len.output;
+  EXPECT_NE(len.output.find("amax_history_len: 4"), std::string::npos) << len.output;
+
+  Result fmt = train("fmt", "--set fp8_config.fp8_format=E4M3" + from);
+  EXPECT_NE(fmt.code, 0) << fmt.output;
+  EXPECT_NE(fmt.output.find("fp8_format HYBRID, this run uses E4M3"), std::string::npos)
+      << fmt.output;
+
+  // A checkpoint of a run without fp8 resumed as a TE run.
+  Result bf16 = train("bf16", "--set mixed_precision=bf16");
+  ASSERT_EQ(bf16.code, 0) << bf16.output;
+  Result as_te = train("as_te", "--resume " + step3("bf16").string());
+  EXPECT_NE(as_te.code, 0) << as_te.output;
+  EXPECT_NE(as_te.output.find("has no fp8_state.safetensors"), std::string::npos) << as_te.output;
+
+  // The reverse is fine: a TE checkpoint resumed with dynamic scaling ignores the state.
+  Result ao = train("ao", "--set fp8_config.backend=AO" + from);
+  EXPECT_EQ(ao.code, 0) << ao.output;
+  EXPECT_NE(ao.output.find("fp8 delayed-scaling state ignored"), std::string::npos) << ao.output;
+
+  // A listed state file that went missing.
+  fs::create_directories(dir_ / "copy" / "checkpoints");
+  fs::copy(step3("te"), dir_ / "copy" / "step_3", fs::copy_options::recursive);
+  fs::remove(dir_ / "copy" / "step_3" / "fp8_state.safetensors");
+  Result gone = train("gone", "--resume " + (dir_ / "copy" / "step_3").string());
+  EXPECT_NE(gone.code, 0) << gone.output;
+  EXPECT_NE(gone.output.find("lists fp8_state.safetensors but the file is missing"),
+            std::string::npos)
+      << gone.output;
+}
+
+}  // namespace
