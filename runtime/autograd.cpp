@@ -74,12 +74,16 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
   }
 
   std::unordered_map<TensorImpl*, std::shared_ptr<TensorImpl>> grads;
+  // Sums this pass allocated: only these may be accumulated into in place (a backward function's
+  // result may alias a tensor it also returned for another input).
+  std::unordered_set<TensorImpl*> owned_sums;
   grads[root.impl()] = seed.impl_ptr();
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     TensorImpl* impl = it->get();
     auto found = grads.find(impl);
     if (found == grads.end()) continue;  // no path carried a gradient here
     Tensor g(found->second);
+    owned_sums.erase(found->second.get());  // g may now be passed on (aliased) as it is
     grads.erase(found);
     if (!impl->grad_fn) {
       accumulate_into(impl->grad, g, MemCategory::Grads);
@@ -111,10 +115,13 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
       auto slot = grads.find(in.impl());
       if (slot == grads.end()) {
         grads.emplace(in.impl(), gi.impl_ptr());
+      } else if (owned_sums.count(slot->second.get())) {
+        kernels::accumulate(Tensor(slot->second), gi);
       } else {
         Tensor sum = Tensor(slot->second).clone();
         kernels::accumulate(sum, gi);
         slot->second = sum.impl_ptr();
+        owned_sums.insert(sum.impl());
       }
     }
     if (!retain_graph) {

@@ -112,16 +112,30 @@ Tensor Tensor::arange(int64_t n, DType dtype, Device device) {
   return from_vector(v, {n}, dtype, device);
 }
 
-Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape, DType dtype,
-                           Device device) {
+namespace {
+
+// Host values of `host_dtype` (double or int64) -> a tensor of `dtype` on `device`.
+template <typename T>
+Tensor from_host_values(const std::vector<T>& values, DType host_dtype, const Shape& shape,
+                        DType dtype, Device device) {
   if (static_cast<int64_t>(values.size()) != shape_numel(shape))
     throw std::invalid_argument("[from_vector] " + std::to_string(values.size()) +
                                 " values for shape " + shape_str(shape));
-  Tensor host = empty(shape, DType::F64);
-  if (!values.empty()) std::memcpy(host.data_ptr(), values.data(), values.size() * sizeof(double));
-  Tensor out = empty(shape, dtype);
-  out.copy_(host);
+  Tensor host = Tensor::empty(shape, host_dtype);
+  if (!values.empty()) std::memcpy(host.data_ptr(), values.data(), values.size() * sizeof(T));
+  Tensor out = host;
+  if (dtype != host_dtype) {
+    out = Tensor::empty(shape, dtype);
+    out.copy_(host);
+  }
   return device.is_cpu() ? out : out.to(device);
+}
+
+}  // namespace
+
+Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape, DType dtype,
+                           Device device) {
+  return from_host_values(values, DType::F64, shape, dtype, device);
 }
 
 Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape, DType dtype,
@@ -131,15 +145,7 @@ Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape,
 
 Tensor Tensor::from_vector(const std::vector<int64_t>& values, const Shape& shape, DType dtype,
                            Device device) {
-  if (static_cast<int64_t>(values.size()) != shape_numel(shape))
-    throw std::invalid_argument("[from_vector] " + std::to_string(values.size()) +
-                                " values for shape " + shape_str(shape));
-  Tensor host = empty(shape, DType::I64);
-  if (!values.empty()) std::memcpy(host.data_ptr(), values.data(), values.size() * sizeof(int64_t));
-  if (dtype == DType::I64) return device.is_cpu() ? host : host.to(device);
-  Tensor out = empty(shape, dtype);
-  out.copy_(host);
-  return device.is_cpu() ? out : out.to(device);
+  return from_host_values(values, DType::I64, shape, dtype, device);
 }
 
 Tensor Tensor::as_strided(const Shape& shape, const Shape& strides, int64_t offset) const {

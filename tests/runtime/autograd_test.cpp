@@ -24,6 +24,19 @@ TEST(Autograd, DiamondGraphSumsBothPaths) {
   EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{5, 7, 9}));
 }
 
+// add's backward hands the same gradient tensor to both inputs, so the sums of a tensor used
+// many times must never be accumulated into a gradient that another input still holds.
+TEST(Autograd, ManyUsesSumWithoutWritingIntoSharedGradients) {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor a = mul(x, 2.0);
+  Tensor y = add(add(add(a, a), a), mul(a, a));  // 3a + a^2
+  Tensor z = add(y, x);                          // the seed's gradient is also passed on as is
+  sum(z).backward();
+  // dz/dx = (3 + 2a) * 2 + 1 = 8x + 7
+  std::vector<double> g = x.grad().to_vector();
+  EXPECT_EQ(g, (std::vector<double>{15, 23, 31}));
+}
+
 TEST(Autograd, GradientsAccumulateAcrossBackwardCalls) {
   Tensor x = leaf({1, 2}, {2});
   sum(mul(x, 2.0)).backward();

@@ -349,12 +349,14 @@ std::string single_config(int64_t max_steps, int64_t every) {
 }
 
 // SIGKILL at a random moment of a run that checkpoints every step (half the trials aim at the
-// moment a step_N.tmp folder appears): the newest complete checkpoint loads, --resume auto picks
-// it, and the resumed run's losses equal the uninterrupted run's, step for step.
-TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
-  const int64_t kSteps = 8;
-  fs::path d = temp_dir("ckpt");
-  fs::path cfg = write_config(d, single_config(kSteps, 1));
+// moment a step_N.tmp folder appears): the newest complete checkpoint loads (every rank's part of
+// it), --resume auto picks it, and the resumed run's losses equal the uninterrupted run's, step for
+// step. With `world` > 1 the ranks run under accel-train's own launcher and one random rank is
+// killed; the launcher then stops the others.
+void kill_during_save_then_resume(const std::string& name, const std::string& config, int world,
+                                  int64_t steps, int num_trials) {
+  fs::path d = temp_dir(name);
+  fs::path cfg = write_config(d, config);
   auto full =
       spawn({"--config", cfg.string(), "--output-dir", (d / "full").string()}, {}, d / "full.log");
   ASSERT_TRUE(full->wait_for(std::chrono::seconds(120)));
@@ -362,14 +364,14 @@ TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
   std::map<int64_t, double> reference;
   for (const auto& j : read_metrics(d / "full" / "metrics.jsonl"))
     if (!j.contains("summary")) reference[j["step"]] = j["loss"];
-  ASSERT_EQ(reference.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
 
-  for (int t = 0; t < trials(3); ++t) {
+  for (int t = 0; t < num_trials; ++t) {
     fs::path out = d / ("cut" + std::to_string(t));
     auto run = spawn({"--config", cfg.string(), "--output-dir", out.string()}, {},
                      d / ("cut" + std::to_string(t) + ".log"));
     const bool aim_at_tmp = t % 2 == 0;
-    const int target_step = uniform(1, static_cast<int>(kSteps) - 2);
+    const int target_step = uniform(1, static_cast<int>(steps) - 2);
     std::string how;
     if (aim_at_tmp) {
       // Poll for step_<target>.tmp, then kill after 0..3 ms.
@@ -385,8 +387,14 @@ TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
       std::this_thread::sleep_for(std::chrono::microseconds(uniform(0, 20000)));
       how = "after step " + std::to_string(target_step) + " was logged";
     }
-    kill(run->pid, SIGKILL);
-    ASSERT_TRUE(run->wait_for(std::chrono::seconds(10)));
+    pid_t victim = run->pid;
+    if (world > 1) {
+      std::vector<pid_t> ranks = children_of(run->pid);
+      if (!ranks.empty()) victim = ranks[static_cast<size_t>(uniform(0, 1000)) % ranks.size()];
+      how += ", rank " + std::to_string(rank_of(victim));
+    }
+    kill(victim, SIGKILL);
+    ASSERT_TRUE(run->wait_for(std::chrono::seconds(kTimeoutS + 10))) << run->output();
     if (run->code() == 0) {
       std::printf("trial %d: the run finished before the kill; nothing to check\n", t);
       continue;
@@ -394,10 +402,14 @@ TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
     auto found = accel::find_checkpoint(out.string(), "auto");
     int64_t newest = 0;
     if (found) {
-      accel::LoadedCheckpoint ck = accel::load_checkpoint(*found, 0, 1);  // throws if torn
-      newest = ck.state.step;
-      EXPECT_FALSE(ck.weights.empty());
-      EXPECT_FALSE(ck.optimizer_state.empty());
+      for (int r = 0; r < world; ++r) {
+        accel::LoadedCheckpoint ck = accel::load_checkpoint(*found, r, world);  // throws if torn
+        newest = ck.state.step;
+        EXPECT_FALSE(ck.optimizer_state.empty()) << "rank " << r;
+        if (world == 1) {
+          EXPECT_FALSE(ck.weights.empty());
+        }
+      }
       // No complete checkpoint newer than the one picked.
       for (const auto& e : fs::directory_iterator(out / "checkpoints")) {
         std::string n = e.path().filename().string();
@@ -425,11 +437,29 @@ TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
       seen[s] = j["loss"];
     }
     EXPECT_EQ(torn, 0) << "torn metrics.jsonl lines after SIGKILL";
-    for (int64_t s = newest + 1; s <= kSteps; ++s) EXPECT_TRUE(seen.count(s)) << "step " << s;
+    for (int64_t s = newest + 1; s <= steps; ++s) EXPECT_TRUE(seen.count(s)) << "step " << s;
     std::printf("trial %d: killed %s; newest complete checkpoint step %lld; resumed run matches\n",
                 t, how.c_str(), static_cast<long long>(newest));
   }
   fs::remove_all(d);
+}
+
+TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
+  kill_during_save_then_resume("ckpt", single_config(8, 1), 1, 8, trials(3));
+}
+
+// Three ranks under ZeRO-2: each rank writes its own optimizer shard, so a checkpoint is complete
+// only when all three are; a rank killed mid-save must leave the previous one whole.
+TEST(FaultInjection, KillOneRankDuringShardedSaveThenResumeReproducesTheRun) {
+  const std::string zero2 =
+      "distributed_type: DEEPSPEED\nnum_processes: 3\ndeepspeed_config: {zero_stage: 2}\n"
+      "distributed: {timeout_s: " +
+      std::to_string(kTimeoutS) +
+      "}\n"
+      "training: {seed: 7, max_steps: 6, micro_batch_size: 2, seq_len: 16, log_every: 1, "
+      "progress: plain, device: cpu}\n"
+      "checkpoint: {every_steps: 1, keep_last: 0}\n";
+  kill_during_save_then_resume("ckpt3", zero2, 3, 6, trials(2));
 }
 
 // A disk that fills up during the second checkpoint: a clear error naming the file, a non-zero

@@ -207,12 +207,20 @@ nlohmann::json comm_delta(const CommStats& now, CommStats& last, int64_t steps) 
   return j;
 }
 
-nlohmann::json memory_json(Device d) {
+// This process's peak bytes per MemCategory, then the total.
+std::vector<double> peak_memory(Device d) {
   MemoryStats s = memory_stats(d);
+  std::vector<double> v(s.peak.begin(), s.peak.end());
+  v.push_back(static_cast<double>(s.peak_total));
+  return v;
+}
+
+// {"<category>": bytes, ..., "total": bytes} from peak_memory()'s layout.
+nlohmann::json memory_json(const double* peaks) {
   nlohmann::json j;
   for (int i = 0; i < kNumMemCategories; ++i)
-    j[mem_category_name(static_cast<MemCategory>(i))] = s.peak[i];
-  j["total"] = s.peak_total;
+    j[mem_category_name(static_cast<MemCategory>(i))] = static_cast<int64_t>(peaks[i]);
+  j["total"] = static_cast<int64_t>(peaks[kNumMemCategories]);
   return j;
 }
 
@@ -451,13 +459,11 @@ int train(const TrainOptions& opt) {
   double train_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
   // Every rank's peak memory by category, for the summary (accel-bench reads it).
-  std::vector<nlohmann::json> rank_memory{memory_json(device)};
+  const std::vector<double> my_peaks = peak_memory(device);
+  std::vector<nlohmann::json> rank_memory{memory_json(my_peaks.data())};
   if (dist.pg) {
-    MemoryStats ms = memory_stats(device);
-    std::vector<double> mine(ms.peak.begin(), ms.peak.end());
-    mine.push_back(static_cast<double>(ms.peak_total));
-    const int64_t n = static_cast<int64_t>(mine.size());
-    Tensor in = Tensor::from_vector(mine, {n}, DType::F64);
+    const int64_t n = static_cast<int64_t>(my_peaks.size());
+    Tensor in = Tensor::from_vector(my_peaks, {n}, DType::F64);
     Tensor all = Tensor::empty({n * world}, DType::F64);
     if (dist.pg->backend() == "nccl") {
       in = in.to(device);
@@ -466,13 +472,7 @@ int train(const TrainOptions& opt) {
     dist.pg->all_gather(all, in)->wait();
     std::vector<double> v = all.to_vector();
     rank_memory.clear();
-    for (int r = 0; r < world; ++r) {
-      nlohmann::json j;
-      for (int i = 0; i < kNumMemCategories; ++i)
-        j[mem_category_name(static_cast<MemCategory>(i))] = static_cast<int64_t>(v[r * n + i]);
-      j["total"] = static_cast<int64_t>(v[r * n + n - 1]);
-      rank_memory.push_back(j);
-    }
+    for (int r = 0; r < world; ++r) rank_memory.push_back(memory_json(&v[r * n]));
   }
   // With sharded parameters (ZeRO-3) every forward is collective: all ranks sample together.
   std::string sample_text;
@@ -488,7 +488,7 @@ int train(const TrainOptions& opt) {
                               {"final_loss", last_loss},
                               {"train_seconds", train_s},
                               {"skipped_steps", skipped_steps},
-                              {"peak_memory_bytes", memory_json(device)},
+                              {"peak_memory_bytes", memory_json(peak_memory(device).data())},
                               {"peak_memory_bytes_per_rank", rank_memory},
                               {"tokens_per_step", tokens_per_step},
                               {"flops_per_token", flops_per_token},
