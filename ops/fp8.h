@@ -197,7 +197,10 @@ struct Fp8LinearContext {
 
 // y [..., out] = x [..., in] . weight[out, in]^T (+ bias), with the GEMMs the recipe puts in fp8:
 // fprop e4m3 x e4m3 (fast accumulation), dgrad grad(e5m2 for HYBRID) x weight, wgrad grad x input
-// (precise accumulation). Output and input gradient in x's dtype, weight gradient in weight's.
+// (precise accumulation). Output and input gradient in x's dtype (the GEMMs write it directly);
+// the wgrad GEMM writes fp32, which becomes the weight gradient as is for an fp32 weight and
+// rounded once to the weight's dtype for a 16-bit one (autograd keeps a gradient in its
+// parameter's dtype).
 // The fp8 transposed copies of x and weight are made in the forward cast and saved for backward.
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Fp8LinearContext& ctx);

@@ -5,7 +5,8 @@
 // "TN" layout, the only one Hopper's fp8 kernels run. The per-tensor scale_inv of each operand is
 // passed by device pointer (A_SCALE_POINTER / B_SCALE_POINTER), so scales never visit the host.
 // Fast accumulation (no periodic promotion of tensor-core partial sums) is chosen by the caller:
-// fprop only, as TE and torchao do.
+// fprop only, as TE and torchao do. Output types: bf16/f16 for fprop and dgrad, fp32 (C and D
+// fp32, a supported fp8 configuration) for the weight gradient (ops/fp8.cpp's wgrad).
 //
 // The handle, workspace and plans are this file's own (one per device); ops/cuda/matmul.cpp keeps
 // its cuBLASLt state private.

@@ -248,5 +248,44 @@ TEST(CudaFp8, LinearMatchesCpuEmulation) {
   }
 }
 
+// The wgrad GEMM writes fp32 on the GPU too: an fp32 weight's gradient is the cuBLASLt product
+// with fp32 output bit for bit (same kernels, same operands), a bf16 weight's is that product
+// rounded once; both match the CPU twin (fp32 at the GEMM test's fp32 allowance). Odd shapes
+// (M=60, K=40, N=24) exercise the padding.
+TEST(CudaFp8, WeightGradientIsFp32GemmOutputAndMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(8);
+  const int64_t K = 40, N = 24;
+  Tensor x = random_tensor({3, 20, K}, DType::BF16, rng);
+  Tensor w = random_tensor({N, K}, DType::BF16, rng, -0.2, 0.2);
+  Tensor g = random_tensor({3, 20, N}, DType::BF16, rng, -1e-3, 1e-3);
+  // The reference on the GPU from the op's own casts and an fp32-output GEMM.
+  Tensor x2 = reshape(x, {-1, K}).to(gpu()), g2 = reshape(g, {-1, N}).to(gpu());
+  Fp8Tensor qx = fp8_cast_dynamic(x2, DType::E4M3, Fp8CastOptions{false, true, 16});
+  Fp8Tensor qg = fp8_cast_dynamic(g2, DType::E5M2, Fp8CastOptions{false, true, 16});
+  Tensor ref32 = contiguous(
+      narrow(narrow(fp8_gemm(qg.data_t, qg.scale_inv, qx.data_t, qx.scale_inv, DType::F32, false),
+                    0, 0, N),
+             1, 0, K));
+  for (DType wt : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(wt));
+    Tensor dws[2];
+    for (int d = 0; d < 2; ++d) {
+      const Device dev = d ? gpu() : Device::cpu();
+      Fp8LinearContext ctx;
+      ctx.recipe.scaling = Fp8Scaling::Dynamic;
+      Tensor xd = x.to(dev).clone().set_requires_grad(true);
+      Tensor wd = cast(w, wt).to(dev).clone().set_requires_grad(true);
+      fp8_linear(xd, wd, Tensor(), ctx).backward(g.to(dev));
+      ASSERT_EQ(wd.grad().dtype(), wt);
+      dws[d] = wd.grad().to(Device::cpu());
+    }
+    Tensor want = wt == DType::F32 ? ref32 : cast(ref32, wt);
+    EXPECT_EQ(dws[1].to_vector(), want.to(Device::cpu()).to_vector());
+    cuda_test::expect_matches(dws[1], dws[0], wt, "fp8 linear weight grad vs cpu emulation",
+                              wt == DType::F32 ? 100.0 : 2.0);
+  }
+}
+
 }  // namespace
 }  // namespace accel

@@ -237,5 +237,33 @@ TEST(Fp8Linear, GradientOnlyWhereNeeded) {
   EXPECT_THROW(fp8_linear(p.x, p.w, Tensor(), broken), std::logic_error);
 }
 
+// The wgrad GEMM writes fp32: an fp32 weight receives that product unrounded, a 16-bit weight
+// the product rounded once to its dtype. The reference is built from the same casts and the GEMM
+// with fp32 output; odd shapes exercise the padding (M=60, K=40, N=24).
+TEST(Fp8Linear, WeightGradientIsTheFp32GemmRoundedOnceToTheWeightDtype) {
+  Problem p = make_problem({3, 20, 40}, 24, 31);
+  const int64_t K = 40, N = 24;
+  Tensor x2 = reshape(p.x, {-1, K}), g2 = reshape(p.g, {-1, N});
+  Fp8Tensor qx = fp8_cast_dynamic(x2, DType::E4M3, Fp8CastOptions{false, true, 16});
+  Fp8Tensor qg = fp8_cast_dynamic(g2, DType::E5M2, Fp8CastOptions{false, true, 16});
+  Tensor ref32 = contiguous(
+      narrow(narrow(fp8_gemm(qg.data_t, qg.scale_inv, qx.data_t, qx.scale_inv, DType::F32, false),
+                    0, 0, N),
+             1, 0, K));
+  // The fp32 product has digits bf16 cannot hold, so the two cases below differ.
+  EXPECT_NE(cast(cast(ref32, DType::BF16), DType::F32).to_vector(), ref32.to_vector());
+  for (DType wt : {DType::F32, DType::BF16, DType::F16}) {
+    SCOPED_TRACE(dtype_name(wt));
+    Tensor x = p.x.clone().set_requires_grad(true);
+    Tensor w = cast(p.w, wt).clone().set_requires_grad(true);
+    fp8_linear(x, w, Tensor(), dynamic_ctx()).backward(p.g);
+    Tensor dw = w.grad();
+    ASSERT_EQ(dw.dtype(), wt);
+    Tensor want = wt == DType::F32 ? ref32 : cast(ref32, wt);
+    EXPECT_EQ(dw.to_vector(), want.to_vector());
+    EXPECT_EQ(x.grad().dtype(), DType::BF16);
+  }
+}
+
 }  // namespace
 }  // namespace accel
