@@ -1,7 +1,10 @@
 #include "parallel/fsdp.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -55,11 +58,27 @@ FsdpOptions FsdpOptions::from_config(const Config& cfg, DType compute_dtype) {
     throw std::invalid_argument(
         "fsdp_config.fsdp_state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, got '" +
         o.state_dict_type + "'");
-  if (cfg.fp8.enable_fsdp_float8_all_gather)
+  // Without mixed_precision: fp8 the whole fp8_config is inert (the config loader prints a
+  // notice saying so).
+  o.fp8_all_gather = cfg.fp8.enable_fsdp_float8_all_gather && cfg.mixed_precision == "fp8";
+  if (o.fp8_all_gather && cfg.fp8.backend != "AO")
     throw std::invalid_argument(
-        "fp8_config.enable_fsdp_float8_all_gather is not implemented yet in accel-train's FSDP; "
-        "set it to false (the fp8 GEMMs still run with mixed_precision: fp8)");
+        "fp8_config.enable_fsdp_float8_all_gather needs fp8_config.backend: AO. The fp8 "
+        "all-gather casts every weight shard with a scale from the weight's current global amax "
+        "(torchao's dynamic tensorwise scaling, one amax all-reduce after each optimizer step); "
+        "backend " +
+        cfg.fp8.backend + " scales weights " +
+        (cfg.fp8.use_mxfp8_block_scaling ? "per 32-element block (MXFP8)"
+                                         : "from an amax history (delayed scaling)") +
+        ", which a gathered e4m3 weight cannot follow. Set fp8_config.backend: AO, or "
+        "enable_fsdp_float8_all_gather: false (the weights are then gathered in bf16 and cast "
+        "to fp8 by each layer)");
   return o;
+}
+
+bool reads_init_weights(const Config& cfg, int rank) {
+  if (cfg.distributed_type == "FSDP" && cfg.fsdp.fsdp_cpu_ram_efficient_loading) return rank == 0;
+  return true;
 }
 
 std::vector<Module*> fsdp_units(Module& root, const FsdpOptions& o) {
@@ -136,6 +155,217 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<ProcessGroup> pg, FsdpOptions options
                        }()),
       fsdp_(std::move(options)) {}
 
+// What the fp8 all-gather keeps between setup and the gathers; shared with the weight providers
+// installed in the layers' contexts.
+struct FsdpStrategy::Fp8State {
+  std::unique_ptr<Fp8AllGather> ag;  // one unit per group
+  std::shared_ptr<const Fp8Autocast> autocast;
+  std::vector<std::vector<Fp8LinearContext*>> ctx;  // [group][slot], null for other slots
+  std::vector<char> fp8_mode;                       // [group]: gathered as fp8 bytes
+  std::vector<std::unique_ptr<Fp8AllGather::Pending>> pending;  // [group]: in flight
+  std::vector<std::vector<Fp8Tensor>> gathered;                 // [group][slot]
+
+  bool autocast_on() const { return !autocast || autocast->enabled; }
+};
+
+FsdpStrategy::~FsdpStrategy() {
+  // The layers' contexts may outlive us: their providers must not hand out our weights.
+  if (!fp8_) return;
+  for (auto& group : fp8_->ctx)
+    for (Fp8LinearContext* c : group)
+      if (c) c->weight_provider = nullptr;
+}
+
+void FsdpStrategy::set_fp8_layers(
+    const std::vector<std::pair<std::string, Fp8LinearContext*>>& layers) {
+  if (!fsdp_.fp8_all_gather)
+    throw std::logic_error("FsdpStrategy::set_fp8_layers without fp8 all-gather enabled");
+  if (fp8_) throw std::logic_error("FsdpStrategy::set_fp8_layers after setup");
+  for (const auto& [name, ctx] : layers) {
+    if (!ctx) throw std::logic_error("fp8 all-gather: layer " + name + " has no context");
+    const Fp8Recipe& r = ctx->recipe;
+    if (r.scaling != Fp8Scaling::Dynamic || r.forward_dtype != DType::E4M3 || r.margin != 0 ||
+        r.hp_fprop || r.hp_dgrad)
+      throw std::invalid_argument(
+          "fp8 all-gather: layer " + name + " uses " + r.str() +
+          "; the fp8 all-gather needs dynamic (tensorwise) scaling with e4m3 weights, margin 0 "
+          "and fp8 fprop/dgrad (fp8_config.backend: AO)");
+  }
+  fp8_layers_ = layers;
+  fp8_layers_given_ = true;
+}
+
+void FsdpStrategy::setup(Module& model, const OptimizerOptions& opts) {
+  if (fsdp_.fp8_all_gather && !fp8_layers_given_)
+    throw std::logic_error(
+        "FSDP fp8 all-gather: set_fp8_layers() was not called before setup() (the trainer "
+        "passes the layers apply_fp8 converted)");
+  FlatDataParallel::setup(model, opts);
+  if (!fsdp_.fp8_all_gather) return;
+
+  std::map<std::string, Fp8LinearContext*> by_weight;
+  for (const auto& [name, ctx] : fp8_layers_) by_weight[name + ".weight"] = ctx;
+  auto st = std::make_shared<Fp8State>();
+  std::vector<FlatLayout> layouts;
+  std::vector<std::vector<bool>> flags;
+  for (int g = 0; g < num_groups(); ++g) {
+    const FlatLayout& l = group(g).layout();
+    layouts.push_back(l);
+    flags.emplace_back();
+    st->ctx.emplace_back();
+    for (const FlatSlot& s : l.slots) {
+      auto it = by_weight.find(s.name);
+      const bool fp8 = it != by_weight.end();
+      if (fp8 && s.shape.size() != 2)
+        throw std::logic_error("fp8 all-gather: " + s.name + " is not 2-d");
+      flags.back().push_back(fp8);
+      st->ctx.back().push_back(fp8 ? it->second : nullptr);
+      if (fp8) {
+        if (!st->autocast) st->autocast = it->second->autocast;
+        by_weight.erase(it);
+      }
+    }
+  }
+  if (!by_weight.empty())
+    throw std::logic_error("fp8 all-gather: the model has no parameter " +
+                           by_weight.begin()->first + " (set_fp8_layers names the layers)");
+  st->ag = std::make_unique<Fp8AllGather>(std::move(layouts), flags);
+  st->fp8_mode.assign(num_groups(), 0);
+  st->pending.resize(num_groups());
+  st->gathered.resize(num_groups());
+  // Each fp8 layer takes its weight from the unit's gather; when the unit was gathered in the
+  // compute dtype instead (autocast switched on after the gather), it casts the gathered weight
+  // itself, exactly as without a provider.
+  std::weak_ptr<Fp8State> weak = st;
+  for (int g = 0; g < num_groups(); ++g)
+    for (size_t i = 0; i < st->ctx[g].size(); ++i) {
+      Fp8LinearContext* c = st->ctx[g][i];
+      if (!c) continue;
+      c->weight_provider = [weak, g, i](const Tensor& w) -> Fp8Tensor {
+        auto s = weak.lock();
+        if (s && s->fp8_mode[g] && i < s->gathered[g].size() && s->gathered[g][i].data.defined())
+          return s->gathered[g][i];
+        Fp8CastOptions o;
+        o.pad = 16;
+        return fp8_cast_dynamic(w.detach(), DType::E4M3, o, 0);
+      };
+    }
+  fp8_ = st;
+  precompute_fp8_scales();
+}
+
+void FsdpStrategy::precompute_fp8_scales() {
+  if (!fp8_) return;
+  std::vector<Tensor> shards;
+  for (int g = 0; g < num_groups(); ++g)
+    shards.push_back(fp8_->ag->num_fp8_weights(g) ? group_shard(g) : Tensor());
+  const bool host_reduce = comm().group() && comm().group()->backend() == "cpu";
+  fp8_->ag->precompute_scales(shards, comm(), device(), host_reduce ? Device::cpu() : device());
+}
+
+StepResult FsdpStrategy::step(double lr, double max_grad_norm, double grad_scale) {
+  StepResult r = FlatDataParallel::step(lr, max_grad_norm, grad_scale);
+  if (!r.skipped) precompute_fp8_scales();  // the weights changed: new global amaxes
+  return r;
+}
+
+void FsdpStrategy::load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                              const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                              int64_t optimizer_steps) {
+  FlatDataParallel::load_state(full_weights, optimizer_state, optimizer_steps);
+  precompute_fp8_scales();
+}
+
+WorkPtr FsdpStrategy::start_group_gather(int g) {
+  if (!fp8_ || fp8_->ag->num_fp8_weights(g) == 0 || !fp8_->autocast_on()) {
+    if (fp8_) fp8_->fp8_mode[g] = 0;
+    return FlatDataParallel::start_group_gather(g);
+  }
+  FlatParamGroup& f = flat_group(g);
+  f.materialize();
+  Tensor shard = group_shard(g);
+  if (shard.device() != device()) shard = shard.to(device());  // offloaded
+  auto p = std::make_unique<Fp8AllGather::Pending>(fp8_->ag->start(g, shard, comm()));
+  count_gather(g, static_cast<int64_t>(p->wire.nbytes()));
+  WorkPtr w = p->work;
+  fp8_->pending[g] = std::move(p);
+  fp8_->fp8_mode[g] = 1;
+  return w;
+}
+
+void FsdpStrategy::finish_group_gather(int g) {
+  if (!fp8_ || !fp8_->pending[g]) return;
+  std::unique_ptr<Fp8AllGather::Pending> p = std::move(fp8_->pending[g]);
+  NoGradGuard no_grad;
+  FlatParamGroup& f = flat_group(g);
+  fp8_->gathered[g] = fp8_->ag->finish(*p, f.full());
+  // The fp8 weights' part of the flat compute buffer was not gathered: NaN, so that anything
+  // reading those weights in the compute dtype while the unit is gathered as fp8 shows at once.
+  const FlatLayout& l = f.layout();
+  for (size_t i = 0; i < l.slots.size(); ++i)
+    if (fp8_->ag->is_fp8(g, static_cast<int>(i)))
+      flat_view(f.full(), l.slots[i].offset, {l.slots[i].numel}).fill_(std::nan(""));
+}
+
+void FsdpStrategy::release_group(int g) {
+  FlatDataParallel::release_group(g);
+  if (!fp8_) return;
+  fp8_->pending[g].reset();
+  fp8_->gathered[g].clear();
+  fp8_->fp8_mode[g] = 0;
+}
+
+const Fp8AllGather* FsdpStrategy::fp8_all_gather() const { return fp8_ ? fp8_->ag.get() : nullptr; }
+
+namespace {
+// The longest dotted prefix all of a unit's parameter names share ("model.layers.0").
+std::string common_module(const FlatLayout& l) {
+  if (l.slots.empty()) return "";
+  std::string p = l.slots.front().name;
+  p = p.substr(0, p.rfind('.') == std::string::npos ? 0 : p.rfind('.'));
+  for (const FlatSlot& s : l.slots)
+    while (!p.empty() && s.name.compare(0, p.size() + 1, p + ".") != 0)
+      p = p.substr(0, p.rfind('.') == std::string::npos ? 0 : p.rfind('.'));
+  return p;
+}
+}  // namespace
+
+std::vector<FsdpStrategy::UnitComm> FsdpStrategy::unit_comm() const {
+  std::vector<UnitComm> out;
+  const int n = num_groups();
+  for (int k = 0; k < n; ++k) {  // scheduler units: forward order, the root unit last
+    const int g = group_of_unit(k);
+    const FlatLayout& l = group(g).layout();
+    UnitComm u;
+    u.name = k >= num_layer_units() ? "root" : common_module(l);
+    u.numel = l.numel;
+    u.fp8_numel = fp8_ ? fp8_->ag->fp8_numel(g) : 0;
+    u.compute_gather_bytes =
+        l.padded_numel * static_cast<int64_t>(dtype_size(options().compute_dtype));
+    u.comm = group_comm().at(g);
+    out.push_back(u);
+  }
+  return out;
+}
+
+std::string FsdpStrategy::describe_unit_comm() const {
+  auto kb = [](int64_t b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f KB", static_cast<double>(b) / 1024.0);
+    return std::string(buf);
+  };
+  std::ostringstream o;
+  for (const UnitComm& u : unit_comm()) {
+    o << "unit " << u.name << ": " << u.numel << " params";
+    if (u.fp8_numel) o << " (" << u.fp8_numel << " fp8)";
+    o << ", " << u.comm.all_gathers << " all-gathers " << kb(u.comm.all_gather_bytes) << " ("
+      << dtype_name(options().compute_dtype) << " would be "
+      << kb(u.comm.all_gathers * u.compute_gather_bytes) << "), " << u.comm.reduce_scatters
+      << " reduce-scatters " << kb(u.comm.reduce_scatter_bytes) << "\n";
+  }
+  return o.str();
+}
+
 std::vector<std::pair<std::string, Tensor>> FsdpStrategy::full_state_dict() {
   if (fsdp_.state_dict_type == "FULL_STATE_DICT") return gather_fp32_weights();
   return {};
@@ -151,91 +381,247 @@ nlohmann::json FsdpStrategy::checkpoint_manifest() const {
 
 // ---- fp8 all-gather ----------------------------------------------------------------------------
 
+namespace {
+// A [n] view of `wire` (u8) at `byte_offset` as dtype `dt` (the offset a multiple of its size).
+Tensor byte_view(const Tensor& wire, int64_t byte_offset, DType dt, int64_t n) {
+  const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  const int64_t at = wire.offset() + byte_offset;  // bytes from the storage's start
+  if (wire.dtype() != DType::U8 || at % es != 0 || byte_offset < 0 ||
+      byte_offset + n * es > wire.numel())
+    throw std::logic_error("fp8 all-gather: misaligned or out-of-range packed view");
+  return Tensor::from_storage(wire.storage(), dt, {n}, {1}, at / es);
+}
+constexpr int64_t kPackAlign = 16;  // bytes
+}  // namespace
+
 Fp8AllGather::Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world) {
-  int64_t n = 0;
   for (const auto& ws : unit_weights) {
     for (Parameter* p : ws)
       if (p->value.dim() != 2)
         throw std::logic_error("fp8 all-gather: weight " + p->name + " is not 2-d");
     layouts_.emplace_back(ws, world);
-    first_.push_back(n);
-    n += static_cast<int64_t>(ws.size());
+    index_.emplace_back(ws.size(), 0);
   }
-  scales_ = Tensor::full({std::max<int64_t>(n, 1)}, 1.0, DType::F32, Device::cpu());
+  init();
+}
+
+Fp8AllGather::Fp8AllGather(std::vector<FlatLayout> layouts,
+                           const std::vector<std::vector<bool>>& fp8)
+    : layouts_(std::move(layouts)) {
+  if (fp8.size() != layouts_.size())
+    throw std::logic_error("fp8 all-gather: one flag list per unit");
+  for (size_t u = 0; u < layouts_.size(); ++u) {
+    if (fp8[u].size() != layouts_[u].slots.size())
+      throw std::logic_error("fp8 all-gather: one flag per slot");
+    index_.emplace_back();
+    for (size_t i = 0; i < fp8[u].size(); ++i) {
+      if (fp8[u][i] && layouts_[u].slots[i].shape.size() != 2)
+        throw std::logic_error("fp8 all-gather: " + layouts_[u].slots[i].name + " is not 2-d");
+      index_.back().push_back(fp8[u][i] ? 0 : -1);
+    }
+  }
+  init();
+}
+
+void Fp8AllGather::init() {
+  num_fp8_ = 0;
+  for (auto& unit : index_)
+    for (int64_t& k : unit)
+      if (k >= 0) k = num_fp8_++;
+  scales_ = Tensor::full({std::max<int64_t>(num_fp8_, 1)}, 1.0, DType::F32, Device::cpu());
+  scale_invs_ = scales_.clone();
+}
+
+int64_t Fp8AllGather::num_fp8_weights(int unit) const {
+  int64_t n = 0;
+  for (int64_t k : index_.at(unit)) n += k >= 0;
+  return n;
+}
+
+int64_t Fp8AllGather::fp8_numel(int unit) const {
+  int64_t n = 0;
+  for (size_t i = 0; i < index_.at(unit).size(); ++i)
+    if (index_[unit][i] >= 0) n += layouts_[unit].slots[i].numel;
+  return n;
+}
+
+int64_t Fp8AllGather::packed_bytes_per_rank(int unit, size_t element_size) const {
+  const FlatLayout& l = layouts_.at(unit);
+  int64_t most = 0;
+  for (int r = 0; r < l.world; ++r) {
+    int64_t bytes = 0;
+    for (size_t i = 0; i < l.slots.size(); ++i) {
+      const int64_t n = l.owned(i, r).size();
+      bytes += is_fp8(unit, static_cast<int>(i)) ? n : n * static_cast<int64_t>(element_size);
+    }
+    most = std::max(most, bytes);
+  }
+  return (most + kPackAlign - 1) / kPackAlign * kPackAlign;
 }
 
 void Fp8AllGather::precompute_scales(const std::vector<Tensor>& shards, const Comm& comm) {
+  Device dev = Device::cpu();
+  for (const Tensor& s : shards)
+    if (s.defined()) dev = s.device();
+  precompute_scales(shards, comm, dev, dev);
+}
+
+void Fp8AllGather::precompute_scales(const std::vector<Tensor>& shards, const Comm& comm,
+                                     Device device, Device reduce_device) {
   if (shards.size() != layouts_.size())
     throw std::logic_error("fp8 all-gather: one shard per unit expected");
+  if (num_fp8_ == 0) return;
   NoGradGuard no_grad;
   const int rank = comm.rank();
-  std::vector<float> local;
-  Device dev = shards.empty() ? Device::cpu() : shards[0].device();
+  // Every fp8 weight's local amax (0 where this rank holds none of it), one vector for all.
+  Tensor amax = Tensor::zeros({num_fp8_}, DType::F32, reduce_device, MemCategory::Comm);
   for (size_t u = 0; u < layouts_.size(); ++u) {
     const FlatLayout& l = layouts_[u];
     for (size_t i = 0; i < l.slots.size(); ++i) {
+      const int64_t k = index_[u][i];
       FlatLayout::Range r = l.owned(i, rank);
-      float a = 0.0f;
-      if (r.size() > 0) {
-        const int64_t off = l.slots[i].offset + r.begin - rank * l.shard_numel;
-        a = static_cast<float>(fp8_amax(flat_view(shards[u], off, {1, r.size()})).item());
-      }
-      local.push_back(a);
+      if (k < 0 || r.size() == 0) continue;
+      if (!shards[u].defined() || shards[u].numel() != l.shard_numel)
+        throw std::logic_error("fp8 all-gather: unit " + std::to_string(u) + " has no shard");
+      const int64_t off = l.slots[i].offset + r.begin - rank * l.shard_numel;
+      flat_view(amax, k, {1}).copy_(fp8_amax(flat_view(shards[u], off, {1, r.size()})));
     }
   }
-  if (local.empty()) return;
   // One MAX all-reduce for every fp8 weight of the model.
-  Tensor amax = Tensor::from_vector(local, {static_cast<int64_t>(local.size())}).to(dev);
   comm.all_reduce(amax, ReduceOp::Max)->wait();
   std::vector<double> g = amax.to_vector();
-  std::vector<float> sc(g.size());
-  for (size_t i = 0; i < g.size(); ++i)
+  std::vector<float> sc(g.size()), inv(g.size());
+  for (size_t i = 0; i < g.size(); ++i) {
     sc[i] = fp8_scale_for_amax(static_cast<float>(g[i]), kE4M3Max, 0, 1.0f);
-  scales_ = Tensor::from_vector(sc, {static_cast<int64_t>(sc.size())});
+    inv[i] = 1.0f / sc[i];
+  }
+  // New tensors (not in place): fp8 tensors handed out earlier keep their scales.
+  const Shape n{static_cast<int64_t>(sc.size())};
+  scales_ = Tensor::from_vector(sc, n).to(device);
+  scale_invs_ = Tensor::from_vector(inv, n).to(device);
 }
 
 Tensor Fp8AllGather::scale(int unit, int slot) const {
-  return flat_view(scales_, first_.at(unit) + slot, {1});
+  const int64_t k = index_.at(unit).at(slot);
+  if (k < 0) throw std::logic_error("fp8 all-gather: slot is not an fp8 weight");
+  return flat_view(scales_, k, {1});
 }
 
-std::vector<Fp8Tensor> Fp8AllGather::gather(int unit, const Tensor& shard, const Comm& comm) const {
+Fp8AllGather::Pending Fp8AllGather::start(int unit, const Tensor& shard, const Comm& comm) const {
   NoGradGuard no_grad;
   const FlatLayout& l = layouts_.at(unit);
   const int rank = comm.rank();
   const Device dev = shard.device();
-  // Copy-in: this rank's chunk of the fp8 buffer, each weight's part cast with its global scale.
-  Tensor full = Tensor::zeros({l.padded_numel}, DType::E4M3, dev, MemCategory::Comm);
-  Tensor chunk = flat_view(full, rank * l.shard_numel, {l.shard_numel});
+  if (shard.numel() != l.shard_numel)
+    throw std::logic_error("fp8 all-gather: shard of " + std::to_string(shard.numel()) +
+                           " elements, the unit's chunk has " + std::to_string(l.shard_numel));
+  Pending p;
+  p.unit = unit;
+  p.hp_dtype = shard.dtype();
+  const int64_t es = static_cast<int64_t>(dtype_size(p.hp_dtype));
+  const int64_t per_rank = packed_bytes_per_rank(unit, static_cast<size_t>(es));
+  p.wire = Tensor::empty({per_rank * l.world}, DType::U8, dev, MemCategory::Comm);
+  Tensor mine = flat_view(p.wire, rank * per_rank, {per_rank});
+  // Copy-in: the other slots' elements first (in the shard's dtype), then the fp8 bytes.
+  int64_t hp_n = 0, fp8_n = 0;
+  for (size_t i = 0; i < l.slots.size(); ++i) {
+    const int64_t n = l.owned(i, rank).size();
+    (is_fp8(unit, static_cast<int>(i)) ? fp8_n : hp_n) += n;
+  }
+  int64_t hp_pos = 0, fp8_pos = hp_n * es;
   for (size_t i = 0; i < l.slots.size(); ++i) {
     FlatLayout::Range r = l.owned(i, rank);
     if (r.size() == 0) continue;
     const int64_t off = l.slots[i].offset + r.begin - rank * l.shard_numel;
-    Fp8Tensor q = fp8_cast(flat_view(shard, off, {1, r.size()}), DType::E4M3,
-                           scale(unit, static_cast<int>(i)).to(dev));
-    flat_view(chunk, off, {1, r.size()}).copy_(q.data);
+    if (!is_fp8(unit, static_cast<int>(i))) {
+      byte_view(mine, hp_pos * es, p.hp_dtype, r.size()).copy_(flat_view(shard, off, {r.size()}));
+      hp_pos += r.size();
+      continue;
+    }
+    Tensor sc = scale(unit, static_cast<int>(i));
+    if (sc.device() != dev) sc = sc.to(dev);
+    Fp8Tensor q = fp8_cast(flat_view(shard, off, {1, r.size()}), DType::E4M3, sc);
+    byte_view(mine, fp8_pos, DType::E4M3, r.size()).copy_(flat_view(q.data, 0, {r.size()}));
+    fp8_pos += r.size();
   }
-  comm.all_gather(full, chunk)->wait();
-  // Copy-out: each weight's bytes, padded to multiples of 16 for the GEMM.
-  std::vector<Fp8Tensor> out;
+  if (fp8_pos < per_rank)  // the padding: no garbage on the wire
+    flat_view(mine, fp8_pos, {per_rank - fp8_pos}).zero_();
+  (void)fp8_n;
+  p.work = comm.all_gather(p.wire, mine);
+  return p;
+}
+
+std::vector<Fp8Tensor> Fp8AllGather::finish(const Pending& p, const Tensor& hp_full) const {
+  NoGradGuard no_grad;
+  const int unit = p.unit;
+  const FlatLayout& l = layouts_.at(unit);
+  const Device dev = p.wire.device();
+  const int64_t es = static_cast<int64_t>(dtype_size(p.hp_dtype));
+  const int64_t per_rank = p.wire.numel() / l.world;
+  const bool any_hp = num_fp8_weights(unit) < static_cast<int64_t>(l.slots.size());
+  if (any_hp &&
+      (!hp_full.defined() || hp_full.numel() != l.padded_numel || hp_full.dtype() != p.hp_dtype))
+    throw std::logic_error("fp8 all-gather: the unit's flat buffer is missing or of another shape");
+  // Each fp8 weight's bytes, row-major [rows * cols], assembled from every rank's part.
+  std::vector<Tensor> raw(l.slots.size());
+  for (size_t i = 0; i < l.slots.size(); ++i)
+    if (is_fp8(unit, static_cast<int>(i)))
+      raw[i] = Tensor::empty({l.slots[i].numel}, DType::E4M3, dev, MemCategory::Params);
+  for (int q = 0; q < l.world; ++q) {
+    Tensor part = flat_view(p.wire, q * per_rank, {per_rank});
+    int64_t hp_n = 0;
+    for (size_t i = 0; i < l.slots.size(); ++i)
+      if (!is_fp8(unit, static_cast<int>(i))) hp_n += l.owned(i, q).size();
+    int64_t hp_pos = 0, fp8_pos = hp_n * es;
+    for (size_t i = 0; i < l.slots.size(); ++i) {
+      FlatLayout::Range r = l.owned(i, q);
+      if (r.size() == 0) continue;
+      if (is_fp8(unit, static_cast<int>(i))) {
+        flat_view(raw[i], r.begin, {r.size()})
+            .copy_(byte_view(part, fp8_pos, DType::E4M3, r.size()));
+        fp8_pos += r.size();
+      } else {
+        flat_view(hp_full, l.slots[i].offset + r.begin, {r.size()})
+            .copy_(byte_view(part, hp_pos * es, p.hp_dtype, r.size()));
+        hp_pos += r.size();
+      }
+    }
+  }
+  if (any_hp && l.padded_numel > l.numel)
+    flat_view(hp_full, l.numel, {l.padded_numel - l.numel}).zero_();
+  // Copy-out: padded to multiples of 16 for the GEMM where needed.
+  std::vector<Fp8Tensor> out(l.slots.size());
   for (size_t i = 0; i < l.slots.size(); ++i) {
+    if (!raw[i].defined()) continue;
     const FlatSlot& s = l.slots[i];
     const int64_t rows = s.shape[0], cols = s.shape[1];
-    Fp8Tensor t;
+    Fp8Tensor& t = out[i];
     t.rows = rows;
     t.cols = cols;
     const int64_t rp = (rows + 15) / 16 * 16, cp = (cols + 15) / 16 * 16;
     if (rp == rows && cp == cols) {
-      t.data = flat_view(full, s.offset, s.shape);
+      t.data = flat_view(raw[i], 0, s.shape);
     } else {
-      t.data = Tensor::zeros({rp, cp}, DType::E4M3, dev, MemCategory::Comm);
-      narrow(narrow(t.data, 0, 0, rows), 1, 0, cols).copy_(flat_view(full, s.offset, s.shape));
+      t.data = Tensor::zeros({rp, cp}, DType::E4M3, dev, MemCategory::Params);
+      narrow(narrow(t.data, 0, 0, rows), 1, 0, cols).copy_(flat_view(raw[i], 0, s.shape));
     }
-    const float sc = static_cast<float>(scale(unit, static_cast<int>(i)).item());
-    t.scale = Tensor::full({1}, sc, DType::F32, dev);
-    t.scale_inv = Tensor::full({1}, 1.0f / sc, DType::F32, dev);
-    out.push_back(t);
+    const int64_t k = index_[unit][i];
+    t.scale = flat_view(scales_, k, {1});
+    t.scale_inv = flat_view(scale_invs_, k, {1});
+    if (t.scale.device() != dev) {
+      t.scale = t.scale.to(dev);
+      t.scale_inv = t.scale_inv.to(dev);
+    }
   }
   return out;
+}
+
+std::vector<Fp8Tensor> Fp8AllGather::gather(int unit, const Tensor& shard, const Comm& comm,
+                                            const Tensor& hp_full) const {
+  Pending p = start(unit, shard, comm);
+  p.work->wait();
+  std::vector<Fp8Tensor> all = finish(p, hp_full);
+  return all;
 }
 
 }  // namespace accel

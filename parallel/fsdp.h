@@ -30,6 +30,9 @@ struct FsdpOptions {
   bool offload_params = false;  // sharded params, master weights and Adam state on the host
   std::string state_dict_type = "SHARDED_STATE_DICT";  // | FULL_STATE_DICT
   bool find_unused_parameters = false;
+  // fp8_config.enable_fsdp_float8_all_gather with mixed_precision: fp8 (backend AO only):
+  // fp8 linear weights gathered as e4m3 bytes (see FsdpStrategy::set_fp8_layers).
+  bool fp8_all_gather = false;
 
   // From fsdp_config (and mixed_precision); bad values throw naming the key.
   static FsdpOptions from_config(const Config& cfg, DType compute_dtype);
@@ -47,10 +50,55 @@ struct FsdpOptions {
 //   NO_WRAP                 none (one unit: the root)
 std::vector<Module*> fsdp_units(Module& root, const FsdpOptions& o);
 
+class Fp8AllGather;
+
+// Whether this rank reads model.init_from's weights itself. Every rank does, except with
+// distributed_type FSDP and fsdp_config.fsdp_cpu_ram_efficient_loading, where only rank 0 opens
+// the weight files: the other ranks build the model from config.json with their own random
+// values, and setup() replaces every parameter with rank 0's value (each unit broadcast from rank
+// 0 as fp32, then each rank keeps its shard).
+bool reads_init_weights(const Config& cfg, int rank);
+
 class FsdpStrategy : public FlatDataParallel {
  public:
   FsdpStrategy(std::shared_ptr<ProcessGroup> pg, FsdpOptions options);
+  ~FsdpStrategy() override;
   std::string name() const override { return "fsdp"; }
+
+  // fp8 all-gather (options.fp8_all_gather): the fp8 linear layers by module name
+  // ("model.layers.0.mlp.up_proj") with their contexts; call once before setup(). setup() then
+  // gathers each unit as one byte buffer (per rank: its chunk's non-fp8 elements in the compute
+  // dtype, then its fp8 weights' elements as e4m3 cast with the weights' global scales), hands
+  // each layer its gathered weight through ctx->weight_provider, and recomputes the scales
+  // (one MAX all-reduce of every fp8 weight's amax) at setup, after each step() that updated and
+  // after load_state(). A unit is gathered this way while the layers' fp8 autocast is enabled;
+  // with it disabled (evaluation in bf16: Fp8EvalScope) the unit is gathered in the compute
+  // dtype as usual. The contexts must stay alive as long as the strategy is used.
+  void set_fp8_layers(const std::vector<std::pair<std::string, Fp8LinearContext*>>& layers);
+
+  void setup(Module& model, const OptimizerOptions& opts) override;
+  StepResult step(double lr, double max_grad_norm, double grad_scale) override;
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                  const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                  int64_t optimizer_steps) override;
+
+  // Traffic per unit since setup (or reset_group_comm()), units in forward order, the root unit
+  // last: what each unit's all-gathers and reduce-scatters moved (bytes as ProcessGroup::stats()
+  // counts them) and, for comparison, what one all-gather of the unit in the compute dtype moves.
+  struct UnitComm {
+    std::string name;       // first parameter's module path, e.g. "model.layers.0"
+    int64_t numel = 0;      // parameters' elements (padding excluded)
+    int64_t fp8_numel = 0;  // of which fp8 weights gathered as e4m3 (0 without fp8 all-gather)
+    int64_t compute_gather_bytes = 0;  // one all-gather in the compute dtype (padded)
+    GroupComm comm;
+  };
+  std::vector<UnitComm> unit_comm() const;
+  // One line per unit: "unit model.layers.0: 9280 params (9216 fp8), 2 all-gathers 18.5 KB (bf16
+  // would be 37.1 KB), 1 reduce-scatter 37.1 KB".
+  std::string describe_unit_comm() const;
+  // The fp8 all-gather's units (null without fp8 all-gather or before setup), one per group in
+  // group order (backward order, as FlatDataParallel::group()).
+  const Fp8AllGather* fp8_all_gather() const;
   // FULL_STATE_DICT: the fp32 weights gathered (every rank calls; the trainer writes rank 0's as
   // Hugging Face model.safetensors). SHARDED_STATE_DICT: none; the checkpoint is the per-rank
   // shards (optimizer.rank<R>.safetensors: group<i>.master/.exp_avg/.exp_avg_sq) plus the
@@ -59,38 +107,84 @@ class FsdpStrategy : public FlatDataParallel {
   nlohmann::json checkpoint_manifest() const override;
   const FsdpOptions& fsdp_options() const { return fsdp_; }
 
+ protected:
+  WorkPtr start_group_gather(int g) override;
+  void finish_group_gather(int g) override;
+  void release_group(int g) override;
+
  private:
+  struct Fp8State;
+  void precompute_fp8_scales();
   FsdpOptions fsdp_;
+  std::vector<std::pair<std::string, Fp8LinearContext*>> fp8_layers_;
+  bool fp8_layers_given_ = false;
+  std::shared_ptr<Fp8State> fp8_;
 };
 
 // fp8 all-gather (fp8_config.enable_fsdp_float8_all_gather; torchao's tensorwise dynamic
-// scaling, ALGORITHMS.md 3.7) for the fp8 weights [out, in] of a set of units, each unit's weights
-// laid out by a FlatLayout over the ranks (rank r holds the contiguous chunk r of it, in the
-// weights' high-precision dtype).
-//   precompute_scales(shards)  after each optimizer step: every weight's max|w| over this rank's
-//                              chunks -> one f32 vector for ALL weights of all units -> ONE MAX
-//                              all-reduce -> scale_i = 448 / amax_i (fp8_scale_for_amax)
-//   gather(u, shard)           casts unit u's chunk to e4m3 with those global scales, all-gathers
-//                              the fp8 bytes (1 byte per element on the wire), and returns each
+// scaling, ALGORITHMS.md 3.7) of units laid out by FlatLayouts over the ranks (rank r holds the
+// contiguous chunk r of each, in a high-precision dtype), some of whose slots are fp8 weights
+// [out, in].
+//   precompute_scales(shards)  after each optimizer step: every fp8 weight's max|w| over this
+//                              rank's chunks -> one f32 vector for ALL fp8 weights of all units ->
+//                              ONE MAX all-reduce -> scale_i = 448 / amax_i (fp8_scale_for_amax)
+//   start(u, shard) / finish   packs this rank's chunk into a byte buffer: first the chunk's
+//                              elements of the other slots in the shard's dtype, then its fp8
+//                              weights' elements cast to e4m3 with those global scales (1 byte
+//                              each); all-gathers the byte buffers (every rank's padded to the
+//                              largest, a multiple of 16: packed_bytes_per_rank); finish() writes
+//                              the other slots into the unit's flat buffer and returns each fp8
 //                              weight as an Fp8Tensor (row-major data padded to multiples of 16)
 //                              that the fp8 linear uses as is (Fp8LinearContext::weight_provider)
 // The cast is elementwise with a scale that every rank shares, so the result is bit-identical to
 // all-gathering the high-precision weight and casting it with fp8_cast_dynamic.
 class Fp8AllGather {
  public:
+  // Units made of fp8 weights only (each unit's layout is over exactly these weights).
   Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world);
+  // Units with the given layouts; fp8[u][i]: slot i of unit u is an fp8 weight (2-d).
+  Fp8AllGather(std::vector<FlatLayout> layouts, const std::vector<std::vector<bool>>& fp8);
+
   int num_units() const { return static_cast<int>(layouts_.size()); }
   const FlatLayout& layout(int unit) const { return layouts_.at(unit); }
-  // shards[u]: this rank's chunk [shard_numel] of unit u (any float dtype).
+  bool is_fp8(int unit, int slot) const { return index_.at(unit).at(slot) >= 0; }
+  int64_t num_fp8_weights(int unit) const;
+  int64_t fp8_numel(int unit) const;  // elements of the unit's fp8 weights
+  // Bytes of one rank's part of unit u's all-gather buffer when the other slots travel with
+  // `element_size` bytes per element: max over ranks of (other elements * element_size + fp8
+  // elements), rounded up to a multiple of 16. The all-gather moves world times this.
+  int64_t packed_bytes_per_rank(int unit, size_t element_size) const;
+
+  // shards[u]: this rank's chunk [shard_numel] of unit u (any float dtype; units without fp8
+  // weights may pass an undefined tensor). The amaxes are all-reduced on `reduce_device` and the
+  // scales kept on `device` (where start() is given the shards).
   void precompute_scales(const std::vector<Tensor>& shards, const Comm& comm);
-  // scale of weight `slot` of unit u (f32 [1]); valid after precompute_scales.
+  void precompute_scales(const std::vector<Tensor>& shards, const Comm& comm, Device device,
+                         Device reduce_device);
+  // Scale of slot `slot` of unit u (an fp8 weight; f32 [1]); valid after precompute_scales.
   Tensor scale(int unit, int slot) const;
-  std::vector<Fp8Tensor> gather(int unit, const Tensor& shard, const Comm& comm) const;
+
+  struct Pending {
+    int unit = -1;
+    Tensor wire;  // u8 [world * packed_bytes_per_rank]
+    DType hp_dtype = DType::F32;
+    WorkPtr work;
+  };
+  Pending start(int unit, const Tensor& shard, const Comm& comm) const;
+  // After p.work completed: the other slots' elements into hp_full (the unit's flat buffer
+  // [padded_numel] in the shard's dtype; the tail padding is zeroed, the fp8 slots' parts are
+  // not written) and one Fp8Tensor per slot (empty for slots that are not fp8 weights).
+  std::vector<Fp8Tensor> finish(const Pending& p, const Tensor& hp_full) const;
+  // start + wait + finish; hp_full may be undefined when every slot is an fp8 weight.
+  std::vector<Fp8Tensor> gather(int unit, const Tensor& shard, const Comm& comm,
+                                const Tensor& hp_full = Tensor()) const;
 
  private:
+  void init();
   std::vector<FlatLayout> layouts_;
-  std::vector<int64_t> first_;  // index of unit u's first weight in scales_
-  Tensor scales_;               // f32 [total weights], host
+  std::vector<std::vector<int64_t>> index_;  // [unit][slot]: index into the scales, or -1
+  int64_t num_fp8_ = 0;
+  Tensor scales_, scale_invs_;  // f32 [num_fp8_], on the data's device
 };
 
 }  // namespace accel

@@ -630,8 +630,8 @@ std::vector<Field> build_schema() {
                   "training.activation_checkpointing).")));
   add(acc_(f_bool("fsdp_config.fsdp_cpu_ram_efficient_loading",
                   ACCEL_REF(fsdp.fsdp_cpu_ram_efficient_loading),
-                  "With model.init_from: rank 0 reads the weights and the other ranks receive "
-                  "only their shards.")));
+                  "FSDP with model.init_from: only rank 0 reads the weight files; setup "
+                  "broadcasts each unit from rank 0 and every rank keeps its shard.")));
   add(acc_(f_enum("fsdp_config.fsdp_auto_wrap_policy", ACCEL_REF(fsdp.fsdp_auto_wrap_policy),
                   {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"},
                   "How parameters are grouped into units (one all-gather each): per decoder layer, "
@@ -837,8 +837,9 @@ std::vector<Field> build_schema() {
                   "layers in bf16.")));
   add(acc_(f_bool("fp8_config.enable_fsdp_float8_all_gather",
                   ACCEL_REF(fp8.enable_fsdp_float8_all_gather),
-                  "FSDP: cast weight shards to e4m3 before the all-gather (half of bf16's "
-                  "bytes).")));
+                  "FSDP with mixed_precision fp8 and backend AO: all-gather the fp8 layers' "
+                  "weights as e4m3 cast with global dynamic scales (one amax all-reduce per "
+                  "step; about half of bf16's bytes). Refused with backend TE.")));
   add(f_list("fp8_config.exclude_modules", ACCEL_REF(fp8.exclude_modules),
              "AO: parameter-name patterns (substring match, e.g. lm_head) whose linear layers "
              "stay in bf16, in addition to the first and last layers."));

@@ -2,11 +2,16 @@
 // the single process at world sizes 2, 3 and 4 with resharding on and off, activation
 // checkpointing on and off and parameter offload on and off (10 steps, 1e-5 relative, fp32);
 // gather/reduce-scatter counts per step; fp32 reduction of bf16 gradients; SHARDED_STATE_DICT
-// save + resume; FULL_STATE_DICT export that load_hf_weights reads.
+// save + resume; FULL_STATE_DICT export that load_hf_weights reads; the fp8 all-gather (alone,
+// and wired into training: equal to gathering bf16, equal to the single process, exact bytes);
+// fsdp_cpu_ram_efficient_loading (only rank 0 reads model.init_from).
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <set>
 
+#include "models/fp8_linear.h"
 #include "parallel/fsdp.h"
 #include "runtime/config.h"
 #include "tests/parallel/strategy_test_util.h"
@@ -369,6 +374,309 @@ void fp8_gather_case(int world) {
 TEST(FsdpFp8AllGather, BitIdenticalToGatherThenCastWithHalfTheBytes) {
   fp8_gather_case(2);
   fp8_gather_case(3);
+}
+
+// ---- fp8 all-gather in training ----------------------------------------------------------------
+
+Config fp8_fsdp_config(const FsdpCase& c, bool all_gather) {
+  Config cfg = fsdp_config(c);
+  cfg.mixed_precision = "fp8";
+  cfg.fp8.backend = "AO";
+  cfg.fp8.enable_fsdp_float8_all_gather = all_gather;
+  return cfg;
+}
+
+struct Fp8Trainee {
+  std::unique_ptr<Fp8Training> fp8;  // declared first: outlives the strategy (its providers)
+  Trainee t;
+};
+
+// The trainer's order: model, apply_fp8, strategy, the fp8 layers handed to FSDP, setup. fsdp
+// false: the single process (bf16 compute, fp8 layers casting their weights dynamically).
+Fp8Trainee make_fp8_trainee(const FsdpCase& c, bool fsdp, bool all_gather,
+                            std::shared_ptr<ProcessGroup> pg, uint64_t seed) {
+  Fp8Trainee f;
+  const Config cfg = fp8_fsdp_config(c, all_gather);
+  f.t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(2), DType::F32, Device::cpu(), seed);
+  f.t.model->set_activation_checkpointing(c.ac);
+  f.fp8 = apply_fp8(*f.t.model, cfg.fp8, Device::cpu());
+  f.t.strategy = fsdp ? make_strategy(cfg, pg, DType::BF16)
+                      : std::make_unique<SingleProcessStrategy>(DType::BF16);
+  if (auto* s = dynamic_cast<FsdpStrategy*>(f.t.strategy.get());
+      s && s->fsdp_options().fp8_all_gather) {
+    std::vector<std::pair<std::string, Fp8LinearContext*>> layers;
+    for (const Fp8LayerChoice& l : f.fp8->layers())
+      if (l.fp8) layers.push_back({l.name, f.fp8->layer_context(l.name)});
+    s->set_fp8_layers(layers);
+  }
+  f.t.strategy->setup(*f.t.model, test_optimizer());
+  return f;
+}
+
+// Mean loss of a no-grad forward on a fixed batch, under Fp8EvalScope (bf16 unless
+// use_autocast_during_eval), averaged over the ranks.
+double eval_loss(Fp8Trainee& f, const RunSpec& s, int rank, ProcessGroup* pg) {
+  Fp8EvalScope scope(f.fp8.get());
+  NoGradGuard no_grad;
+  auto [ids, labels] = rank_batch(s, 99, 0, rank, f.t.model->config.vocab_size);
+  double l = LlamaForCausalLM::loss(f.t.model->forward(ids), labels).item();
+  if (pg && pg->size() > 1) {
+    Tensor v = Tensor::full({1}, l, DType::F64);
+    pg->all_reduce(v, ReduceOp::Avg)->wait();
+    l = v.item();
+  }
+  return l;
+}
+
+// Bytes of one all-gather of `layout` when the elements of the named weights travel as e4m3 and
+// the others as bf16 (2 bytes): every rank sends max over ranks of (2 * other + fp8 elements) of
+// its chunk, rounded up to 16 bytes (counted here element by element, independently of the
+// strategy's own packing code).
+int64_t expected_gather_bytes(const FlatLayout& l, const std::set<std::string>& fp8_weights) {
+  int64_t most = 0;
+  for (int r = 0; r < l.world; ++r) {
+    int64_t b = 0;
+    for (int64_t e = r * l.shard_numel; e < (r + 1) * l.shard_numel; ++e)
+      for (const FlatSlot& s : l.slots)
+        if (e >= s.offset && e < s.offset + s.numel) b += fp8_weights.count(s.name) ? 1 : 2;
+    most = std::max(most, b);
+  }
+  return l.world * ((most + 15) / 16 * 16);
+}
+
+struct Fp8Case {
+  int world = 2;
+  bool reshard = true, ac = false, offload = false;
+};
+
+// Why bit-identical: the fp8 all-gather casts each weight's shard with 448 / (global amax of the
+// bf16 weight), which is exactly the scale fp8_cast_dynamic computes from the gathered bf16
+// weight, and the cast is elementwise, so every fp8 byte and scale equals the gather-then-cast
+// path; nothing else differs (same gradients into the same reduce-scatter, same update).
+// Against the single process every rank trains on the same rows (dynamic scaling of the
+// activations is per tensor, so each rank's activation scales equal the single process's only
+// on the same rows) without clipping (the norm over shards sums in another order): the fp32
+// reduction averages identical bf16 gradients exactly and Adam is elementwise, so the weights,
+// their fp8 casts and the losses are the same bits.
+void fp8_training_case(const Fp8Case& fc) {
+  const int world = fc.world;
+  const int port = pick_free_port();
+  auto exits = run_ranks(world, [&](int rank) -> int {
+    World w = make_world(rank, world, port);
+    FsdpCase c;
+    c.world = world;
+    c.reshard = fc.reshard;
+    c.ac = fc.ac;
+    c.offload = fc.offload;
+    c.compute = DType::BF16;
+    RunSpec s;
+    s.world = world;
+    s.steps = 4;
+    s.compute = DType::BF16;
+    // 1) Different rows per rank: fp8 all-gather on vs off, bit for bit; bytes per step.
+    Fp8Trainee on = make_fp8_trainee(c, true, true, w.pg, s.seed);
+    Fp8Trainee off = make_fp8_trainee(c, true, false, w.pg, s.seed);
+    auto* fs = dynamic_cast<FsdpStrategy*>(on.t.strategy.get());
+    RANK_CHECK(fs && fs->fp8_all_gather() && on.fp8->num_fp8_layers() == 13,
+               "fp8 all-gather not set up (%lld fp8 layers)",
+               static_cast<long long>(on.fp8->num_fp8_layers()));
+    std::set<std::string> fp8_names;
+    for (const Fp8LayerChoice& l : on.fp8->layers())
+      if (l.fp8) fp8_names.insert(l.name + ".weight");
+    for (int step = 0; step < s.steps; ++step) {
+      double n_on = 0, n_off = 0;
+      w.pg->reset_stats();
+      fs->reset_group_comm();
+      const double l_on = train_step(s, on.t, step, rank, w.pg.get(), &n_on);
+      const CommStats st_on = w.pg->stats();
+      w.pg->reset_stats();
+      const double l_off = train_step(s, off.t, step, rank, w.pg.get(), &n_off);
+      const CommStats st_off = w.pg->stats();
+      RANK_CHECK(l_on == l_off && n_on == n_off,
+                 "step %d: fp8 all-gather loss %.17g norm %.17g, bf16 gather %.17g %.17g", step + 1,
+                 l_on, n_on, l_off, n_off);
+      // One more all-reduce per step (the amax MAX of all 13 fp8 weights, f32).
+      const CommCounter ar_on = st_on[CommKind::AllReduce], ar_off = st_off[CommKind::AllReduce];
+      RANK_CHECK(ar_on.calls == ar_off.calls + 1 && ar_on.bytes == ar_off.bytes + 4 * 13,
+                 "all-reduces: %lld calls %lld bytes with fp8 all-gather, %lld %lld without",
+                 static_cast<long long>(ar_on.calls), static_cast<long long>(ar_on.bytes),
+                 static_cast<long long>(ar_off.calls), static_cast<long long>(ar_off.bytes));
+      // Every gather of a unit moves exactly its packed bytes; the units' sum is what the
+      // process group counted.
+      const auto units = fs->unit_comm();
+      int64_t total = 0, total_off = 0;
+      for (int g = 0; g < fs->num_groups(); ++g) {
+        const FlatLayout& l = fs->group(g).layout();
+        const auto& gc = fs->group_comm()[g];
+        const int64_t want = expected_gather_bytes(l, fp8_names);
+        RANK_CHECK(gc.all_gathers > 0 && gc.all_gather_bytes == gc.all_gathers * want,
+                   "group %d: %lld all-gathers of %lld bytes, want %lld bytes each", g,
+                   static_cast<long long>(gc.all_gathers),
+                   static_cast<long long>(gc.all_gather_bytes), static_cast<long long>(want));
+        total += gc.all_gather_bytes;
+        total_off += gc.all_gathers * 2 * l.padded_numel;
+      }
+      RANK_CHECK(total == st_on[CommKind::AllGather].bytes &&
+                     total_off == st_off[CommKind::AllGather].bytes,
+                 "all-gather bytes: units %lld, process group %lld (bf16: %lld vs %lld)",
+                 static_cast<long long>(total),
+                 static_cast<long long>(st_on[CommKind::AllGather].bytes),
+                 static_cast<long long>(total_off),
+                 static_cast<long long>(st_off[CommKind::AllGather].bytes));
+      if (step == 0 && rank == 0) std::fprintf(stderr, "%s", fs->describe_unit_comm().c_str());
+      if (step == 0 && world == 2 && fc.reshard) {
+        // Hand-checked numbers, world 2 (chunks of 4640 elements). A decoder layer holds q 1024,
+        // k 512, v 512, o 1024, gate 2048, up 2048, down 2048, then the two norms (32 each).
+        // Layer 1 (all 7 weights fp8): rank 0 sends 4640 e4m3 bytes, rank 1 4576 e4m3 bytes +
+        // 64 bf16 norm elements = 4704 bytes; every rank sends the largest (a multiple of 16):
+        // 2 * 4704 = 9408 per gather (bf16: 18560). Layer 0 keeps q_proj in bf16 (AO's first
+        // linear layer): rank 0 sends 2 * 1024 + 3616 = 5664 bytes: 2 * 5664 = 11328 per gather,
+        // gathered twice (forward and backward). The root unit (embedding, norm, head: 4128
+        // elements) in bf16, once: 2 * 4128 = 8256.
+        RANK_CHECK(units.size() == 3 && units[0].name == "model.layers.0" &&
+                       units[1].name == "model.layers.1" && units[2].name == "root",
+                   "units %s", units.empty() ? "" : units[0].name.c_str());
+        const int64_t want_bytes[3] = {2 * 11328, 9408, 8256};
+        const int64_t want_fp8[3] = {8192, 9216, 0};
+        for (int k = 0; k < 3; ++k)
+          RANK_CHECK(
+              units[k].comm.all_gather_bytes == want_bytes[k] && units[k].fp8_numel == want_fp8[k],
+              "unit %s: %lld bytes (want %lld), %lld fp8 elements (want %lld)",
+              units[k].name.c_str(), static_cast<long long>(units[k].comm.all_gather_bytes),
+              static_cast<long long>(want_bytes[k]), static_cast<long long>(units[k].fp8_numel),
+              static_cast<long long>(want_fp8[k]));
+        // Layer 1, all of whose weights are fp8, moves about half of its bf16 bytes.
+        RANK_CHECK(2 * units[1].comm.all_gather_bytes < units[1].compute_gather_bytes * 1.02,
+                   "layer 1: %lld bytes, bf16 %lld",
+                   static_cast<long long>(units[1].comm.all_gather_bytes),
+                   static_cast<long long>(units[1].compute_gather_bytes));
+      }
+    }
+    std::string diff =
+        compare_weights(full_weights(*on.t.strategy), full_weights(*off.t.strategy), 0.0);
+    RANK_CHECK(diff.empty(), "weights differ with fp8 all-gather: %s", diff.c_str());
+    // Evaluation in bf16 (autocast off): the units are gathered in bf16 (the hp weights), the
+    // result is that of the run without fp8 all-gather and finite.
+    w.pg->reset_stats();
+    const double e_on = eval_loss(on, s, rank, w.pg.get());
+    const int64_t eval_gather = w.pg->stats()[CommKind::AllGather].bytes;
+    const double e_off = eval_loss(off, s, rank, w.pg.get());
+    int64_t bf16_forward = 0;
+    for (int g = 0; g < fs->num_groups(); ++g)
+      bf16_forward += 2 * fs->group(g).layout().padded_numel;
+    RANK_CHECK(std::isfinite(e_on) && e_on == e_off && eval_gather == bf16_forward,
+               "bf16 evaluation: %.17g with fp8 all-gather, %.17g without; gathered %lld bytes, "
+               "bf16 %lld",
+               e_on, e_off, static_cast<long long>(eval_gather),
+               static_cast<long long>(bf16_forward));
+    // 2) The same rows on every rank, no clipping: the single process, bit for bit.
+    RunSpec same = s;
+    same.world = 1;
+    same.global_batch = 4;
+    same.clip = 0;
+    Fp8Trainee single = make_fp8_trainee(c, false, false, nullptr, s.seed);
+    Fp8Trainee ag = make_fp8_trainee(c, true, true, w.pg, s.seed);
+    for (int step = 0; step < s.steps; ++step) {
+      const double l1 = train_step(same, single.t, step, 0, nullptr);
+      const double l2 = train_step(same, ag.t, step, 0, w.pg.get());
+      RANK_CHECK(l1 == l2, "same rows, step %d: single process %.17g, FSDP fp8 all-gather %.17g",
+                 step + 1, l1, l2);
+    }
+    diff = compare_weights(full_weights(*ag.t.strategy), full_weights(*single.t.strategy), 0.0);
+    RANK_CHECK(diff.empty(), "weights differ from the single process: %s", diff.c_str());
+    return 0;
+  });
+  expect_all_ok(exits);
+}
+
+TEST(FsdpFp8AllGather, TrainingWorld2EqualsBf16GatherAndSingleProcessWithExactBytes) {
+  fp8_training_case({2, true, false, false});
+}
+TEST(FsdpFp8AllGather, TrainingWorld3NoReshardCheckpointingOffload) {
+  fp8_training_case({3, false, true, true});
+}
+
+TEST(FsdpFp8AllGather, ConfigNeedsDynamicScaling) {
+  Config cfg = fp8_fsdp_config(FsdpCase{}, true);
+  EXPECT_TRUE(FsdpOptions::from_config(cfg, DType::BF16).fp8_all_gather);
+  cfg.fp8.backend = "TE";  // delayed scaling: refused, naming the key and the fix
+  try {
+    FsdpOptions::from_config(cfg, DType::BF16);
+    FAIL() << "enable_fsdp_float8_all_gather accepted with backend TE";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("enable_fsdp_float8_all_gather"), std::string::npos) << m;
+    EXPECT_NE(m.find("backend: AO"), std::string::npos) << m;
+  }
+  cfg.fp8.backend = "AO";
+  cfg.mixed_precision = "bf16";  // fp8_config inert without fp8 (the loader prints a notice)
+  EXPECT_FALSE(FsdpOptions::from_config(cfg, DType::BF16).fp8_all_gather);
+  // Enabled but the layers never handed over: setup refuses instead of gathering bf16.
+  cfg = fp8_fsdp_config(FsdpCase{}, true);
+  auto s = make_strategy(cfg, nullptr, DType::BF16);
+  LlamaForCausalLM model(tiny_llama(1), DType::F32, Device::cpu(), 1);
+  EXPECT_THROW(s->setup(model, test_optimizer()), std::logic_error);
+}
+
+// ---- fsdp_cpu_ram_efficient_loading -------------------------------------------------------------
+
+// Rank 0 writes a Hugging Face folder (the "pretrained" weights: seed 123). With
+// fsdp_cpu_ram_efficient_loading only rank 0 is given its path; the other ranks get a path that
+// does not exist (load_hf_weights would throw there) and start from their own random values.
+// After setup every rank's weights are the file's, bit for bit, and training equals the run
+// where every rank reads the file.
+void ram_efficient_case(int world) {
+  const int port = pick_free_port();
+  const fs::path dir = fs::temp_directory_path() / ("accel_fsdp_init_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  auto exits = run_ranks(world, [&](int rank) -> int {
+    World w = make_world(rank, world, port);
+    RunSpec s;
+    s.world = world;
+    s.steps = 3;
+    LlamaForCausalLM pretrained(tiny_llama(s.layers), DType::F32, Device::cpu(), 123);
+    if (rank == 0) save_hf_model(pretrained, pretrained.config, dir.string());
+    w.pg->barrier()->wait();
+    Weights file;
+    for (Parameter* p : pretrained.parameters()) file.push_back({p->name, p->value.clone()});
+
+    auto make = [&](bool efficient) {
+      FsdpCase c;
+      c.world = world;
+      Config cfg = fsdp_config(c);
+      cfg.fsdp.fsdp_cpu_ram_efficient_loading = efficient;
+      cfg.model.init_from = rank == 0 || !efficient ? dir.string() : (dir / "absent").string();
+      Trainee t;
+      t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(),
+                                                   1000 + rank);
+      const bool reads = reads_init_weights(cfg, rank);
+      if (reads) load_hf_weights(*t.model, cfg.model.init_from);  // as the trainer does
+      t.strategy = make_strategy(cfg, w.pg, DType::F32);
+      t.strategy->setup(*t.model, test_optimizer());
+      return std::make_pair(std::move(t), reads);
+    };
+    auto [eff, reads] = make(true);
+    RANK_CHECK(reads == (rank == 0), "rank %d reads init_from: %d", rank, int(reads));
+    std::string diff = compare_weights(full_weights(*eff.strategy), file, 0.0);
+    RANK_CHECK(diff.empty(), "weights after setup differ from the file: %s", diff.c_str());
+    auto [normal, reads_all] = make(false);
+    RANK_CHECK(reads_all, "without the flag every rank reads init_from");
+    for (int step = 0; step < s.steps; ++step) {
+      const double a = train_step(s, eff, step, rank, w.pg.get());
+      const double b = train_step(s, normal, step, rank, w.pg.get());
+      RANK_CHECK(a == b, "step %d: loss %.17g, every rank reading: %.17g", step + 1, a, b);
+    }
+    diff = compare_weights(full_weights(*eff.strategy), full_weights(*normal.strategy), 0.0);
+    RANK_CHECK(diff.empty(), "trained weights differ: %s", diff.c_str());
+    return 0;
+  });
+  expect_all_ok(exits);
+  fs::remove_all(dir);
+}
+
+TEST(FsdpRamEfficientLoading, OnlyRankZeroReadsInitFrom) {
+  ram_efficient_case(2);
+  ram_efficient_case(3);
 }
 
 }  // namespace

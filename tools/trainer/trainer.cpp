@@ -11,6 +11,7 @@
 
 #include "models/fp8_linear.h"
 #include "models/llama.h"
+#include "parallel/fsdp.h"
 #include "parallel/launch_env.h"
 #include "parallel/launcher.h"
 #include "parallel/process_group.h"
@@ -256,12 +257,21 @@ int train(const TrainOptions& opt) {
   // Model, strategy, data.
   auto start_time = std::chrono::steady_clock::now();
   LlamaForCausalLM model(mc, DType::F32, device, cfg.training.seed);
-  if (!cfg.model.init_from.empty()) load_hf_weights(model, cfg.model.init_from);
+  // fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights; setup() hands them out.
+  if (!cfg.model.init_from.empty() && reads_init_weights(cfg, rank))
+    load_hf_weights(model, cfg.model.init_from);
   model.set_activation_checkpointing(cfg.training.activation_checkpointing ||
                                      cfg.fsdp.fsdp_activation_checkpointing);
   std::unique_ptr<Fp8Training> fp8 =
       cfg.mixed_precision == "fp8" ? apply_fp8(model, cfg.fp8, device) : nullptr;
   std::unique_ptr<Strategy> strategy = make_strategy(cfg, dist.pg, cdt);
+  if (auto* fsdp = dynamic_cast<FsdpStrategy*>(strategy.get());
+      fsdp && fsdp->fsdp_options().fp8_all_gather) {  // the fp8 layers take gathered e4m3 weights
+    std::vector<std::pair<std::string, Fp8LinearContext*>> layers;
+    for (const Fp8LayerChoice& c : fp8->layers())
+      if (c.fp8) layers.push_back({c.name, fp8->layer_context(c.name)});
+    fsdp->set_fp8_layers(layers);
+  }
   OptimizerOptions oo;
   oo.name = cfg.optimizer.name;
   oo.beta1 = cfg.optimizer.beta1;
