@@ -55,6 +55,8 @@ bool strategy_overrides(const std::string& strategy, const std::string& precisio
         why_not = "fsdp-fp8 (fp8 all-gather) needs precision fp8";
         return false;
       }
+      // The fp8 all-gather needs dynamic (torchao-style) weight scaling: backend AO.
+      sets.push_back("fp8_config.backend=AO");
       sets.push_back("fp8_config.enable_fsdp_float8_all_gather=true");
     }
   } else {
