@@ -106,6 +106,7 @@ class FlatDataParallel : public Strategy {
   void count_gather(int g, int64_t bytes);
   // Stage 3: the group of scheduler unit `unit` (units in forward order, the root unit last).
   int group_of_unit(int unit) const;
+  int num_layer_units() const { return num_layer_units_; }  // units other than the root unit
 
  private:
   struct Group {
