@@ -32,7 +32,8 @@ Result run(const std::string& args) {
 }
 
 fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("accel_train_test_" + name + "_" + std::to_string(getpid()));
+  fs::path d =
+      fs::temp_directory_path() / ("accel_train_test_" + name + "_" + std::to_string(getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
@@ -71,8 +72,8 @@ TEST(AccelTrain, TrainsWritesMetricsAndHfCheckpoint) {
   ASSERT_EQ(r.code, 0) << r.output;
   auto m = read_metrics(d / "out" / "metrics.jsonl");
   ASSERT_EQ(m.size(), 11u);  // 10 steps + summary
-  for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes",
-                        "elapsed_s"})
+  for (const char* k :
+       {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "elapsed_s"})
     EXPECT_TRUE(m[0].contains(k)) << k;
   EXPECT_TRUE(m[0]["mfu"].is_null());  // no known peak on a CPU
   EXPECT_TRUE(m.back()["summary"].get<bool>());
@@ -95,8 +96,8 @@ TEST(AccelTrain, ResumeReproducesTheUninterruptedRun) {
   fs::create_directories(d / "cut" / "checkpoints");
   fs::copy(d / "full" / "checkpoints" / "step_5", d / "cut" / "checkpoints" / "step_5",
            fs::copy_options::recursive);
-  Result resumed = run("--config " + cfg.string() + " --output-dir " + (d / "cut").string() +
-                       " --resume auto");
+  Result resumed =
+      run("--config " + cfg.string() + " --output-dir " + (d / "cut").string() + " --resume auto");
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   auto a = read_metrics(d / "full" / "metrics.jsonl");
@@ -104,10 +105,13 @@ TEST(AccelTrain, ResumeReproducesTheUninterruptedRun) {
   ASSERT_EQ(b.size(), 6u);  // steps 6..10 + summary
   for (int i = 0; i < 5; ++i) {
     EXPECT_EQ(b[i]["step"], a[5 + i]["step"]);
-    EXPECT_EQ(b[i]["loss"].get<double>(), a[5 + i]["loss"].get<double>()) << "step " << b[i]["step"];
+    EXPECT_EQ(b[i]["loss"].get<double>(), a[5 + i]["loss"].get<double>())
+        << "step " << b[i]["step"];
   }
-  accel::SafetensorsReader wa((d / "full" / "checkpoints" / "step_10" / "model.safetensors").string());
-  accel::SafetensorsReader wb((d / "cut" / "checkpoints" / "step_10" / "model.safetensors").string());
+  accel::SafetensorsReader wa(
+      (d / "full" / "checkpoints" / "step_10" / "model.safetensors").string());
+  accel::SafetensorsReader wb(
+      (d / "cut" / "checkpoints" / "step_10" / "model.safetensors").string());
   for (const std::string& n : wa.names())
     EXPECT_EQ(wa.load(n).to_vector(), wb.load(n).to_vector()) << n;
 }
@@ -165,6 +169,48 @@ TEST(AccelTrain, InitFromCheckpointWithWrongShapesNamesTensorAndShapes) {
   EXPECT_NE(r.output.find("model.layers.0.mlp.gate_proj.weight"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[64, 32]"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[48, 32]"), std::string::npos) << r.output;
+}
+
+// FSDP with the fp8 all-gather through accel-train: two CPU ranks, the summary's per-unit traffic
+// shows the layers' gathers moving fewer bytes than bf16 would, and the losses equal the run
+// that gathers bf16 and casts afterwards.
+TEST(AccelTrain, FsdpFp8AllGatherReportsPerUnitTraffic) {
+  fs::path d = temp_dir("fsdpfp8");
+  std::string text = std::string(kTinyConfig) +
+                     "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: fp8\n"
+                     "fsdp_config: {fsdp_version: 2}\n"
+                     "fp8_config: {backend: AO, enable_fsdp_float8_all_gather: true}\n";
+  fs::path cfg = write_config(d, text);
+  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                 " --set model.hidden_size=64 --set model.intermediate_size=128"
+                 " --set checkpoint.every_steps=0");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("fsdp traffic (rank 0): all-gathers"), std::string::npos) << r.output;
+  auto m = read_metrics(d / "out" / "metrics.jsonl");
+  ASSERT_FALSE(m.empty());
+  const nlohmann::json& summary = m.back();
+  ASSERT_TRUE(summary.contains("fsdp_unit_comm")) << summary.dump();
+  int fp8_units = 0;
+  for (const auto& u : summary["fsdp_unit_comm"]) {
+    EXPECT_GT(u["all_gathers"].get<int64_t>(), 0) << u.dump();
+    if (u["fp8_params"].get<int64_t>() == 0) continue;
+    ++fp8_units;
+    EXPECT_LT(u["all_gather_bytes"].get<int64_t>(),
+              u["compute_dtype_all_gather_bytes"].get<int64_t>() * 3 / 4)
+        << u.dump();
+  }
+  EXPECT_EQ(fp8_units, 2) << summary.dump();  // both decoder layers
+  // Casting the shards before the gather is bit-identical to casting the gathered weight.
+  Result off = run("--config " + cfg.string() + " --output-dir " + (d / "off").string() +
+                   " --set model.hidden_size=64 --set model.intermediate_size=128"
+                   " --set checkpoint.every_steps=0"
+                   " --set fp8_config.enable_fsdp_float8_all_gather=false");
+  ASSERT_EQ(off.code, 0) << off.output;
+  auto m_off = read_metrics(d / "off" / "metrics.jsonl");
+  ASSERT_EQ(m_off.size(), m.size());
+  for (size_t i = 0; i + 1 < m.size(); ++i)
+    EXPECT_EQ(m[i]["loss"].get<double>(), m_off[i]["loss"].get<double>()) << "step " << i + 1;
+  fs::remove_all(d);
 }
 
 TEST(AccelTrain, PrintConfigPrintsEffectiveYaml) {

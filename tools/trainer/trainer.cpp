@@ -506,7 +506,36 @@ int train(const TrainOptions& opt) {
                               {"world_size", world},
                               {"strategy", strategy->name()}};
     if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
+    auto* fsdp = dynamic_cast<FsdpStrategy*>(strategy.get());
+    if (fsdp && world > 1) {
+      // Per FSDP unit: what its all-gathers and reduce-scatters moved over the run (rank 0).
+      nlohmann::json units = nlohmann::json::array();
+      for (const FsdpStrategy::UnitComm& u : fsdp->unit_comm())
+        units.push_back(
+            {{"unit", u.name},
+             {"params", u.numel},
+             {"fp8_params", u.fp8_numel},
+             {"all_gathers", u.comm.all_gathers},
+             {"all_gather_bytes", u.comm.all_gather_bytes},
+             {"compute_dtype_all_gather_bytes", u.comm.all_gathers * u.compute_gather_bytes},
+             {"reduce_scatters", u.comm.reduce_scatters},
+             {"reduce_scatter_bytes", u.comm.reduce_scatter_bytes}});
+      summary["fsdp_unit_comm"] = units;
+    }
     metrics.write(summary);
+    if (fsdp && world > 1) {
+      int64_t gathered = 0, compute = 0, scattered = 0;
+      for (const FsdpStrategy::UnitComm& u : fsdp->unit_comm()) {
+        gathered += u.comm.all_gather_bytes;
+        compute += u.comm.all_gathers * u.compute_gather_bytes;
+        scattered += u.comm.reduce_scatter_bytes;
+      }
+      std::fprintf(stderr,
+                   "fsdp traffic (rank 0): all-gathers %s (%s would be %s), reduce-scatters %s; "
+                   "per unit: fsdp_unit_comm in metrics.jsonl\n",
+                   format_bytes(gathered).c_str(), dtype_name(cdt), format_bytes(compute).c_str(),
+                   format_bytes(scattered).c_str());
+    }
     std::fprintf(
         stderr, "done: %lld steps, final loss %.4f%s, %.1fs, peak memory %s\n",
         static_cast<long long>(step), last_loss,
