@@ -3,18 +3,17 @@
 // from step 5, consolidated by accel-checkpoint, and the consolidated weights loaded by a run at
 // another world size.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "runtime/safetensors.h"
 #include "tests/parallel/harness.h"
+#include "tests/tools/run_tool.h"
 
 namespace accel {
 namespace {
@@ -54,12 +53,8 @@ distributed:
 class StrategyEndToEnd : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("accel_e2e_" + std::to_string(getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::ofstream(dir_ / "config.yaml") << kConfig;
+    dir_ = tool_test::fresh_test_dir("accel_e2e");
+    tool_test::write_config(dir_, kConfig);
   }
   void TearDown() override {
     if (!HasFailure()) fs::remove_all(dir_);
@@ -81,14 +76,7 @@ class StrategyEndToEnd : public ::testing::Test {
   }
   // step -> loss from a run's metrics.jsonl
   std::map<int, double> losses(const std::string& out) {
-    std::map<int, double> m;
-    std::ifstream in(dir_ / out / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j.contains("loss")) m[j["step"].get<int>()] = j["loss"];
-    }
-    return m;
+    return tool_test::read_losses(dir_ / out / "metrics.jsonl");
   }
   void expect_close(const std::map<int, double>& got, const std::map<int, double>& want,
                     double rel) {

@@ -1,8 +1,6 @@
 // accel-train end to end, as a user runs it: exit codes, messages, outputs, resume.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -10,33 +8,19 @@
 
 #include "models/llama.h"
 #include "runtime/safetensors.h"
+#include "tests/tools/run_tool.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string output;
-};
-
-Result run(const std::string& args) {
-  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
-  int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using accel::tool_test::read_metrics;
+using accel::tool_test::Result;
+using accel::tool_test::run_accel_train;
+using accel::tool_test::write_config;
 
 fs::path temp_dir(const std::string& name) {
-  fs::path d =
-      fs::temp_directory_path() / ("accel_train_test_" + name + "_" + std::to_string(getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
+  return accel::tool_test::fresh_temp_dir("accel_train_test", name);
 }
 
 // A tiny model on synthetic tokens: seconds per run.
@@ -50,25 +34,10 @@ data: {source: synthetic}
 checkpoint: {every_steps: 5, keep_last: 0}
 )";
 
-fs::path write_config(const fs::path& dir, const std::string& text) {
-  fs::path p = dir / "config.yaml";
-  std::ofstream(p) << text;
-  return p;
-}
-
-std::vector<nlohmann::json> read_metrics(const fs::path& file) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
 TEST(AccelTrain, TrainsWritesMetricsAndHfCheckpoint) {
   fs::path d = temp_dir("basic");
   fs::path cfg = write_config(d, kTinyConfig);
-  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string());
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string());
   ASSERT_EQ(r.code, 0) << r.output;
   auto m = read_metrics(d / "out" / "metrics.jsonl");
   ASSERT_EQ(m.size(), 11u);  // 10 steps + summary
@@ -90,14 +59,15 @@ TEST(AccelTrain, TrainsWritesMetricsAndHfCheckpoint) {
 TEST(AccelTrain, ResumeReproducesTheUninterruptedRun) {
   fs::path d = temp_dir("resume");
   fs::path cfg = write_config(d, kTinyConfig);
-  Result full = run("--config " + cfg.string() + " --output-dir " + (d / "full").string());
+  Result full =
+      run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "full").string());
   ASSERT_EQ(full.code, 0) << full.output;
   // An interrupted run: the same output folder as it was right after the step-5 checkpoint.
   fs::create_directories(d / "cut" / "checkpoints");
   fs::copy(d / "full" / "checkpoints" / "step_5", d / "cut" / "checkpoints" / "step_5",
            fs::copy_options::recursive);
-  Result resumed =
-      run("--config " + cfg.string() + " --output-dir " + (d / "cut").string() + " --resume auto");
+  Result resumed = run_accel_train("--config " + cfg.string() + " --output-dir " +
+                                   (d / "cut").string() + " --resume auto");
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   auto a = read_metrics(d / "full" / "metrics.jsonl");
@@ -119,7 +89,7 @@ TEST(AccelTrain, ResumeReproducesTheUninterruptedRun) {
 TEST(AccelTrain, UnknownKeyIsAConfigErrorWithSuggestion) {
   fs::path d = temp_dir("badkey");
   fs::path cfg = write_config(d, std::string(kTinyConfig) + "\nlogging: {metrics_fle: x.jsonl}\n");
-  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string());
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string());
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("logging.metrics_fle"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("metrics_file"), std::string::npos) << r.output;
@@ -132,8 +102,8 @@ TEST(AccelTrain, RefusesAnOutputFolderHoldingAnotherRun) {
   fs::path cfg = write_config(d, kTinyConfig);
   fs::create_directories(d / "out");
   std::ofstream(d / "out" / "metrics.jsonl") << "{\"step\": 1}\n";
-  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
-                 " --set training.max_steps=1");
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                             " --set training.max_steps=1");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("already holds another run"), std::string::npos) << r.output;
   std::ifstream in(d / "out" / "metrics.jsonl");
@@ -145,8 +115,9 @@ TEST(AccelTrain, RefusesAnOutputFolderHoldingAnotherRun) {
 TEST(AccelTrain, MissingDataFileNamesTheFile) {
   fs::path d = temp_dir("nodata");
   fs::path cfg = write_config(d, kTinyConfig);
-  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
-                 " --set data.source=shards --set data.train_path=/nonexistent/train.tok");
+  Result r =
+      run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                      " --set data.source=shards --set data.train_path=/nonexistent/train.tok");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("/nonexistent/train.tok"), std::string::npos) << r.output;
 }
@@ -154,8 +125,8 @@ TEST(AccelTrain, MissingDataFileNamesTheFile) {
 TEST(AccelTrain, InitFromCheckpointWithWrongShapesNamesTensorAndShapes) {
   fs::path d = temp_dir("initfrom");
   fs::path cfg = write_config(d, kTinyConfig);
-  Result first = run("--config " + cfg.string() + " --output-dir " + (d / "a").string() +
-                     " --set training.max_steps=1");
+  Result first = run_accel_train("--config " + cfg.string() + " --output-dir " +
+                                 (d / "a").string() + " --set training.max_steps=1");
   ASSERT_EQ(first.code, 0) << first.output;
   // A folder whose config.json promises a wider MLP than its weights have.
   fs::path bad = d / "bad";
@@ -163,8 +134,8 @@ TEST(AccelTrain, InitFromCheckpointWithWrongShapesNamesTensorAndShapes) {
   accel::LlamaConfig lc = accel::read_hf_llama_config((bad / "config.json").string());
   lc.intermediate_size = 48;
   accel::write_hf_llama_config(lc, (bad / "config.json").string());
-  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "b").string() +
-                 " --set model.init_from=" + bad.string());
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "b").string() +
+                             " --set model.init_from=" + bad.string());
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_NE(r.output.find("model.layers.0.mlp.gate_proj.weight"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[64, 32]"), std::string::npos) << r.output;
@@ -181,9 +152,9 @@ TEST(AccelTrain, FsdpFp8AllGatherReportsPerUnitTraffic) {
                      "fsdp_config: {fsdp_version: 2}\n"
                      "fp8_config: {backend: AO, enable_fsdp_float8_all_gather: true}\n";
   fs::path cfg = write_config(d, text);
-  Result r = run("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
-                 " --set model.hidden_size=64 --set model.intermediate_size=128"
-                 " --set checkpoint.every_steps=0");
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                             " --set model.hidden_size=64 --set model.intermediate_size=128"
+                             " --set checkpoint.every_steps=0");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("fsdp traffic (rank 0): all-gathers"), std::string::npos) << r.output;
   auto m = read_metrics(d / "out" / "metrics.jsonl");
@@ -201,10 +172,11 @@ TEST(AccelTrain, FsdpFp8AllGatherReportsPerUnitTraffic) {
   }
   EXPECT_EQ(fp8_units, 2) << summary.dump();  // both decoder layers
   // Casting the shards before the gather is bit-identical to casting the gathered weight.
-  Result off = run("--config " + cfg.string() + " --output-dir " + (d / "off").string() +
-                   " --set model.hidden_size=64 --set model.intermediate_size=128"
-                   " --set checkpoint.every_steps=0"
-                   " --set fp8_config.enable_fsdp_float8_all_gather=false");
+  Result off =
+      run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "off").string() +
+                      " --set model.hidden_size=64 --set model.intermediate_size=128"
+                      " --set checkpoint.every_steps=0"
+                      " --set fp8_config.enable_fsdp_float8_all_gather=false");
   ASSERT_EQ(off.code, 0) << off.output;
   auto m_off = read_metrics(d / "off" / "metrics.jsonl");
   ASSERT_EQ(m_off.size(), m.size());
@@ -216,7 +188,8 @@ TEST(AccelTrain, FsdpFp8AllGatherReportsPerUnitTraffic) {
 TEST(AccelTrain, PrintConfigPrintsEffectiveYaml) {
   fs::path d = temp_dir("print");
   fs::path cfg = write_config(d, kTinyConfig);
-  Result r = run("--config " + cfg.string() + " --print-config --set training.max_steps=77");
+  Result r =
+      run_accel_train("--config " + cfg.string() + " --print-config --set training.max_steps=77");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("max_steps: 77"), std::string::npos) << r.output;
 }

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/tools/run_tool.h"
 #include "tools/trainer/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -47,10 +48,7 @@ std::mt19937& rng() {
 int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng()); }
 
 fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("accel_fault_" + name + "_" + std::to_string(getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
+  return accel::tool_test::fresh_temp_dir("accel_fault", name);
 }
 
 // A child accel-train process (or a rank) with its output in a log file.
@@ -161,25 +159,13 @@ int free_port() {
   return port;
 }
 
-// Parsable lines of metrics.jsonl (a torn last line, if any, is counted in *torn).
-std::vector<nlohmann::json> read_metrics(const fs::path& file, int* torn = nullptr) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    try {
-      out.push_back(nlohmann::json::parse(line));
-    } catch (const std::exception&) {
-      if (torn) ++*torn;
-    }
-  }
-  return out;
-}
+using accel::tool_test::read_metrics;
 
+// The last step a metrics.jsonl shows (it may still be being written).
 int64_t steps_logged(const fs::path& metrics) {
   int64_t n = 0;
-  for (const auto& j : read_metrics(metrics))
+  int torn = 0;
+  for (const auto& j : read_metrics(metrics, &torn))
     if (j.contains("step") && !j.contains("summary")) n = std::max<int64_t>(n, j["step"]);
   return n;
 }
@@ -192,9 +178,7 @@ data: {source: synthetic}
 )";
 
 fs::path write_config(const fs::path& dir, const std::string& extra) {
-  fs::path p = dir / "config.yaml";
-  std::ofstream(p) << kModel << extra;
-  return p;
+  return accel::tool_test::write_config(dir, kModel + extra);
 }
 
 constexpr int kTimeoutS = 10;
@@ -208,6 +192,24 @@ std::string multi_cpu_config(int64_t max_steps) {
          std::to_string(max_steps) +
          ", micro_batch_size: 2, seq_len: 16, log_every: 1, progress: plain, device: cpu}\n"
          "checkpoint: {every_steps: 0, at_end: false}\n";
+}
+
+// Three ranks started straight from the environment (RANK, WORLD_SIZE, ...), as an outside
+// launcher that does not watch them would; output to d/out, logs in d/rank<r>.log.
+std::vector<std::unique_ptr<Proc>> spawn_three_ranks(const fs::path& cfg, const fs::path& d) {
+  const std::string port = std::to_string(free_port());
+  std::vector<std::unique_ptr<Proc>> ranks;
+  for (int r = 0; r < 3; ++r)
+    ranks.push_back(spawn({"--config", cfg.string(), "--output-dir", (d / "out").string()},
+                          {{"RANK", std::to_string(r)},
+                           {"LOCAL_RANK", std::to_string(r)},
+                           {"WORLD_SIZE", "3"},
+                           {"LOCAL_WORLD_SIZE", "3"},
+                           {"MASTER_ADDR", "127.0.0.1"},
+                           {"MASTER_PORT", port},
+                           {"ACCEL_JOB_TOKEN", "fault-test-" + port}},
+                          d / ("rank" + std::to_string(r) + ".log")));
+  return ranks;
 }
 
 // Waits until `metrics` shows `step` steps or `p` exits; false when it exited first.
@@ -264,18 +266,7 @@ TEST(FaultInjection, KilledRankMakesTheOtherRanksExitNonZero) {
   for (int t = 0; t < trials(2); ++t) {
     fs::path d = temp_dir("ranks" + std::to_string(t));
     fs::path cfg = write_config(d, multi_cpu_config(100000));
-    const std::string port = std::to_string(free_port());
-    std::vector<std::unique_ptr<Proc>> ranks;
-    for (int r = 0; r < 3; ++r)
-      ranks.push_back(spawn({"--config", cfg.string(), "--output-dir", (d / "out").string()},
-                            {{"RANK", std::to_string(r)},
-                             {"LOCAL_RANK", std::to_string(r)},
-                             {"WORLD_SIZE", "3"},
-                             {"LOCAL_WORLD_SIZE", "3"},
-                             {"MASTER_ADDR", "127.0.0.1"},
-                             {"MASTER_PORT", port},
-                             {"ACCEL_JOB_TOKEN", "fault-test-" + port}},
-                            d / ("rank" + std::to_string(r) + ".log")));
+    std::vector<std::unique_ptr<Proc>> ranks = spawn_three_ranks(cfg, d);
     const int kill_step = uniform(1, 4);
     ASSERT_TRUE(
         wait_for_step(*ranks[0], d / "out" / "metrics.jsonl", kill_step, std::chrono::seconds(60)))
@@ -307,18 +298,7 @@ TEST(FaultInjection, KilledRankMakesTheOtherRanksExitNonZero) {
 TEST(FaultInjection, HungRankIsCaughtByTheCollectiveTimeout) {
   fs::path d = temp_dir("hung");
   fs::path cfg = write_config(d, multi_cpu_config(100000));
-  const std::string port = std::to_string(free_port());
-  std::vector<std::unique_ptr<Proc>> ranks;
-  for (int r = 0; r < 3; ++r)
-    ranks.push_back(spawn({"--config", cfg.string(), "--output-dir", (d / "out").string()},
-                          {{"RANK", std::to_string(r)},
-                           {"LOCAL_RANK", std::to_string(r)},
-                           {"WORLD_SIZE", "3"},
-                           {"LOCAL_WORLD_SIZE", "3"},
-                           {"MASTER_ADDR", "127.0.0.1"},
-                           {"MASTER_PORT", port},
-                           {"ACCEL_JOB_TOKEN", "fault-test-" + port}},
-                          d / ("rank" + std::to_string(r) + ".log")));
+  std::vector<std::unique_ptr<Proc>> ranks = spawn_three_ranks(cfg, d);
   ASSERT_TRUE(wait_for_step(*ranks[0], d / "out" / "metrics.jsonl", uniform(1, 3),
                             std::chrono::seconds(60)))
       << ranks[0]->output();

@@ -3,10 +3,7 @@
 // scaling (AO) writes and needs no state; a checkpoint whose fp8 state does not fit the run is
 // refused with a message saying what differs.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,26 +11,13 @@
 #include <string>
 
 #include "runtime/safetensors.h"
+#include "tests/tools/run_tool.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string output;
-};
-
-Result run(const std::string& args) {
-  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
-  int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using accel::tool_test::Result;
 
 // Every dimension a multiple of 16, so every Linear runs in fp8. A short amax history with
 // 'max' and interval 2 make each part of the state matter: the histories, the scales and the
@@ -53,29 +37,19 @@ checkpoint: {every_steps: 3, keep_last: 0}
 class Fp8Resume : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("accel_fp8_resume_" + std::to_string(getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::ofstream(dir_ / "config.yaml") << kConfig;
+    dir_ = accel::tool_test::fresh_test_dir("accel_fp8_resume");
+    accel::tool_test::write_config(dir_, kConfig);
   }
   void TearDown() override {
     if (!HasFailure()) fs::remove_all(dir_);
   }
   Result train(const std::string& out, const std::string& extra = "") {
-    return run("--config " + (dir_ / "config.yaml").string() + " --output-dir " +
-               (dir_ / out).string() + " " + extra);
+    return accel::tool_test::run_accel_train("--config " + (dir_ / "config.yaml").string() +
+                                             " --output-dir " + (dir_ / out).string() + " " +
+                                             extra);
   }
   std::map<int, double> losses(const std::string& out) {
-    std::map<int, double> m;
-    std::ifstream in(dir_ / out / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j.contains("loss")) m[j["step"].get<int>()] = j["loss"];
-    }
-    return m;
+    return accel::tool_test::read_losses(dir_ / out / "metrics.jsonl");
   }
   fs::path step3(const std::string& out) { return dir_ / out / "checkpoints" / "step_3"; }
   // Runs `out` to the end, then resumes from its step-3 checkpoint into `out`_resumed with the
