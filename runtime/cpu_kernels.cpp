@@ -2,71 +2,27 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "runtime/cpu_dtype.h"
 #include "runtime/kernels.h"
 
 namespace accel::kernels {
 namespace {
 
-template <DType D>
-struct Elem;
-#define ACCEL_PLAIN_ELEM(D, T)                                                    \
-  template <>                                                                     \
-  struct Elem<D> {                                                                \
-    using Storage = T;                                                            \
-    static double load(const T* p) { return static_cast<double>(*p); }            \
-    static void store(T* p, double v) { *p = static_cast<T>(v); }                \
-  };
-ACCEL_PLAIN_ELEM(DType::F32, float)
-ACCEL_PLAIN_ELEM(DType::F64, double)
-ACCEL_PLAIN_ELEM(DType::I32, int32_t)
-ACCEL_PLAIN_ELEM(DType::I64, int64_t)
-ACCEL_PLAIN_ELEM(DType::U8, uint8_t)
-#undef ACCEL_PLAIN_ELEM
-template <>
-struct Elem<DType::Bool> {
-  using Storage = uint8_t;
-  static double load(const uint8_t* p) { return *p ? 1.0 : 0.0; }
-  static void store(uint8_t* p, double v) { *p = v != 0.0; }
-};
-template <>
-struct Elem<DType::BF16> {
-  using Storage = uint16_t;
-  static double load(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void store(uint16_t* p, double v) { *p = f32_to_bf16(static_cast<float>(v)); }
-};
-template <>
-struct Elem<DType::F16> {
-  using Storage = uint16_t;
-  static double load(const uint16_t* p) { return f16_to_f32(*p); }
-  static void store(uint16_t* p, double v) { *p = f32_to_f16(static_cast<float>(v)); }
-};
-template <>
-struct Elem<DType::E4M3> {
-  using Storage = uint8_t;
-  static double load(const uint8_t* p) { return e4m3_to_f32(*p); }
-  static void store(uint8_t* p, double v) { *p = f32_to_e4m3(static_cast<float>(v)); }
-};
-template <>
-struct Elem<DType::E5M2> {
-  using Storage = uint8_t;
-  static double load(const uint8_t* p) { return e5m2_to_f32(*p); }
-  static void store(uint8_t* p, double v) { *p = f32_to_e5m2(static_cast<float>(v)); }
-};
+// Element access through the CPU element traits; copy, fill and accumulate convert through double.
+template <class Tr>
+double load(const typename Tr::S* p) {
+  return static_cast<double>(Tr::load(*p));
+}
+template <class Tr>
+void store(typename Tr::S* p, double v) {
+  *p = Tr::store(static_cast<typename Tr::C>(v));
+}
 
+// Calls f(accel::cpu::Traits<D>{}) for t.
 template <class F>
 void dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::F32: f(Elem<DType::F32>{}); break;
-    case DType::F64: f(Elem<DType::F64>{}); break;
-    case DType::BF16: f(Elem<DType::BF16>{}); break;
-    case DType::F16: f(Elem<DType::F16>{}); break;
-    case DType::E4M3: f(Elem<DType::E4M3>{}); break;
-    case DType::E5M2: f(Elem<DType::E5M2>{}); break;
-    case DType::I32: f(Elem<DType::I32>{}); break;
-    case DType::I64: f(Elem<DType::I64>{}); break;
-    case DType::U8: f(Elem<DType::U8>{}); break;
-    case DType::Bool: f(Elem<DType::Bool>{}); break;
-  }
+  accel::cpu::dispatch_among<DType::F32, DType::F64, DType::BF16, DType::F16, DType::E4M3,
+                             DType::E5M2, DType::I32, DType::I64, DType::U8, DType::Bool>(t, f);
 }
 
 // Calls f(dst_offset, src_offset) for every logical index, in row-major order.
@@ -111,10 +67,10 @@ void copy(const Tensor& dst, const Tensor& src) {
     using DE = decltype(dst_elem);
     dispatch_dtype(src.dtype(), [&](auto src_elem) {
       using SE = decltype(src_elem);
-      auto* d = static_cast<typename DE::Storage*>(dst.data_ptr());
-      const auto* s = static_cast<const typename SE::Storage*>(src.data_ptr());
+      auto* d = static_cast<typename DE::S*>(dst.data_ptr());
+      const auto* s = static_cast<const typename SE::S*>(src.data_ptr());
       for_each_offset(dst.shape(), dst.strides(), src.strides(),
-                      [&](int64_t od, int64_t os) { DE::store(d + od, SE::load(s + os)); });
+                      [&](int64_t od, int64_t os) { store<DE>(d + od, load<SE>(s + os)); });
     });
   });
 }
@@ -122,9 +78,9 @@ void copy(const Tensor& dst, const Tensor& src) {
 void fill(const Tensor& dst, double value) {
   dispatch_dtype(dst.dtype(), [&](auto elem) {
     using E = decltype(elem);
-    typename E::Storage v;
-    E::store(&v, value);
-    auto* d = static_cast<typename E::Storage*>(dst.data_ptr());
+    typename E::S v;
+    store<E>(&v, value);
+    auto* d = static_cast<typename E::S*>(dst.data_ptr());
     for_each_offset(dst.shape(), dst.strides(), dst.strides(),
                     [&](int64_t od, int64_t) { d[od] = v; });
   });
@@ -140,10 +96,10 @@ void accumulate(const Tensor& dst, const Tensor& src) {
   }
   dispatch_dtype(dst.dtype(), [&](auto elem) {
     using E = decltype(elem);
-    auto* d = static_cast<typename E::Storage*>(dst.data_ptr());
-    const auto* s = static_cast<const typename E::Storage*>(src.data_ptr());
+    auto* d = static_cast<typename E::S*>(dst.data_ptr());
+    const auto* s = static_cast<const typename E::S*>(src.data_ptr());
     for_each_offset(dst.shape(), dst.strides(), src.strides(), [&](int64_t od, int64_t os) {
-      E::store(d + od, E::load(d + od) + E::load(s + os));
+      store<E>(d + od, load<E>(d + od) + load<E>(s + os));
     });
   });
 }

@@ -1,6 +1,6 @@
-// What the CPU kernels share: per-dtype element traits (storage type, compute type, load/store with
-// rounding), dtype dispatch, a strided index walker and a parallel loop that stays on the calling
-// thread for small work (OpenMP dispatch costs more than a tiny kernel).
+// What the CPU kernels share: dtype dispatch over the element traits of runtime/cpu_dtype.h, a
+// strided index walker and a parallel loop that stays on the calling thread for small work (OpenMP
+// dispatch costs more than a tiny kernel).
 #pragma once
 
 #include <algorithm>
@@ -15,51 +15,11 @@
 #include <omp.h>
 #endif
 
+#include "runtime/cpu_dtype.h"
 #include "runtime/dtype.h"
 #include "runtime/tensor.h"
 
 namespace accel::cpu {
-
-// Storage type S, compute type C (float for the 16- and 8-bit floats, which round on store).
-template <DType D>
-struct Traits;
-#define ACCEL_CPU_PLAIN_TRAITS(D, T)  \
-  template <>                         \
-  struct Traits<D> {                  \
-    using S = T;                      \
-    using C = T;                      \
-    static constexpr DType dtype = D; \
-    static C load(S s) { return s; }  \
-    static S store(C c) { return c; } \
-  };
-ACCEL_CPU_PLAIN_TRAITS(DType::F32, float)
-ACCEL_CPU_PLAIN_TRAITS(DType::F64, double)
-ACCEL_CPU_PLAIN_TRAITS(DType::I32, int32_t)
-ACCEL_CPU_PLAIN_TRAITS(DType::I64, int64_t)
-ACCEL_CPU_PLAIN_TRAITS(DType::U8, uint8_t)
-#undef ACCEL_CPU_PLAIN_TRAITS
-template <>
-struct Traits<DType::Bool> {
-  using S = uint8_t;
-  using C = bool;
-  static constexpr DType dtype = DType::Bool;
-  static C load(S s) { return s != 0; }
-  static S store(C c) { return c ? 1 : 0; }
-};
-#define ACCEL_CPU_SMALL_FLOAT_TRAITS(D, T, TO_F32, FROM_F32) \
-  template <>                                                \
-  struct Traits<D> {                                         \
-    using S = T;                                             \
-    using C = float;                                         \
-    static constexpr DType dtype = D;                        \
-    static C load(S s) { return TO_F32(s); }                 \
-    static S store(C c) { return FROM_F32(c); }              \
-  };
-ACCEL_CPU_SMALL_FLOAT_TRAITS(DType::BF16, uint16_t, bf16_to_f32, f32_to_bf16)
-ACCEL_CPU_SMALL_FLOAT_TRAITS(DType::F16, uint16_t, f16_to_f32, f32_to_f16)
-ACCEL_CPU_SMALL_FLOAT_TRAITS(DType::E4M3, uint8_t, e4m3_to_f32, f32_to_e4m3)
-ACCEL_CPU_SMALL_FLOAT_TRAITS(DType::E5M2, uint8_t, e5m2_to_f32, f32_to_e5m2)
-#undef ACCEL_CPU_SMALL_FLOAT_TRAITS
 
 // Rounds a compute value to what the dtype can hold (identity for f32/f64).
 template <class Tr>
@@ -80,74 +40,29 @@ typename Tr::S* ptr(const Tensor& t) {
 // Calls f(Traits<D>{}) for the floating dtypes; throws for others.
 template <class F>
 void dispatch_float(DType t, const char* op, F&& f) {
-  switch (t) {
-    case DType::F32:
-      f(Traits<DType::F32>{});
-      return;
-    case DType::F64:
-      f(Traits<DType::F64>{});
-      return;
-    case DType::BF16:
-      f(Traits<DType::BF16>{});
-      return;
-    case DType::F16:
-      f(Traits<DType::F16>{});
-      return;
-    case DType::E4M3:
-      f(Traits<DType::E4M3>{});
-      return;
-    case DType::E5M2:
-      f(Traits<DType::E5M2>{});
-      return;
-    default:
-      unsupported_dtype(op, t);
-  }
+  using D = DType;
+  if (!dispatch_among<D::F32, D::F64, D::BF16, D::F16, D::E4M3, D::E5M2>(t, f))
+    unsupported_dtype(op, t);
 }
 
 // Floating dtypes plus i32 and i64.
 template <class F>
 void dispatch_numeric(DType t, const char* op, F&& f) {
-  switch (t) {
-    case DType::I32:
-      f(Traits<DType::I32>{});
-      return;
-    case DType::I64:
-      f(Traits<DType::I64>{});
-      return;
-    default:
-      dispatch_float(t, op, f);
-  }
+  if (!dispatch_among<DType::I32, DType::I64>(t, f)) dispatch_float(t, op, f);
 }
 
 // Every dtype.
 template <class F>
 void dispatch_all(DType t, const char* op, F&& f) {
-  switch (t) {
-    case DType::U8:
-      f(Traits<DType::U8>{});
-      return;
-    case DType::Bool:
-      f(Traits<DType::Bool>{});
-      return;
-    default:
-      dispatch_numeric(t, op, f);
-  }
+  if (!dispatch_among<DType::U8, DType::Bool>(t, f)) dispatch_numeric(t, op, f);
 }
 
 // Index types for ids and targets.
 template <class F>
 void dispatch_index(DType t, const char* op, F&& f) {
-  switch (t) {
-    case DType::I32:
-      f(Traits<DType::I32>{});
-      return;
-    case DType::I64:
-      f(Traits<DType::I64>{});
-      return;
-    default:
-      throw std::invalid_argument(std::string("[") + op + "] indices must be i32 or i64, not " +
-                                  dtype_name(t));
-  }
+  if (!dispatch_among<DType::I32, DType::I64>(t, f))
+    throw std::invalid_argument(std::string("[") + op + "] indices must be i32 or i64, not " +
+                                dtype_name(t));
 }
 
 inline int max_threads() {
