@@ -61,6 +61,19 @@ void map2(const Tensor& out, const Tensor& a, const Tensor& b, F f) {
   });
 }
 
+// out = f(x, s) elementwise, s converted to x's compute type: the scalar forms of add and mul.
+template <class F>
+void map_scalar(const char* op, const Tensor& out, const Tensor& x, double s, F f) {
+  check_out(op, out, x);
+  check_same_dtype(op, out, x);
+  dispatch_numeric(x.dtype(), op, [&](auto tr) {
+    using Tr = decltype(tr);
+    using C = typename Tr::C;
+    const C c = static_cast<C>(s);
+    map1<Tr, Tr>(out, x, [c, f](C v) { return C(f(v, c)); });
+  });
+}
+
 template <class C>
 C sigmoid_of(C x) {
   return C(1) / (C(1) + std::exp(-x));
@@ -185,25 +198,11 @@ void CpuBackend::unary(UnaryOp op, const Tensor& out, const Tensor& x) {
 }
 
 void CpuBackend::add_scalar(const Tensor& out, const Tensor& x, double s) {
-  check_out("add", out, x);
-  check_same_dtype("add", out, x);
-  dispatch_numeric(x.dtype(), "add", [&](auto tr) {
-    using Tr = decltype(tr);
-    using C = typename Tr::C;
-    const C c = static_cast<C>(s);
-    map1<Tr, Tr>(out, x, [c](C v) { return C(v + c); });
-  });
+  map_scalar("add", out, x, s, [](auto v, auto c) { return v + c; });
 }
 
 void CpuBackend::mul_scalar(const Tensor& out, const Tensor& x, double s) {
-  check_out("mul", out, x);
-  check_same_dtype("mul", out, x);
-  dispatch_numeric(x.dtype(), "mul", [&](auto tr) {
-    using Tr = decltype(tr);
-    using C = typename Tr::C;
-    const C c = static_cast<C>(s);
-    map1<Tr, Tr>(out, x, [c](C v) { return C(v * c); });
-  });
+  map_scalar("mul", out, x, s, [](auto v, auto c) { return v * c; });
 }
 
 void CpuBackend::pow_scalar(const Tensor& out, const Tensor& x, double e) {

@@ -43,6 +43,30 @@ int64_t chunked(int64_t n, int64_t grain, F&& f) {
   return chunks;
 }
 
+// Loads the row xr[0, d) into `row` in the accumulation type; returns its max in m and the sum of
+// exp(row - m) in sum (the parts of a log-sum-exp).
+template <class Tr, class A>
+void load_row_max_sumexp(const typename Tr::S* xr, int64_t d, std::vector<A>& row, A& m, A& sum) {
+  m = -std::numeric_limits<A>::infinity();
+  for (int64_t j = 0; j < d; ++j) {
+    row[j] = static_cast<A>(Tr::load(xr[j]));
+    m = std::max(m, row[j]);
+  }
+  sum = 0;
+  for (int64_t j = 0; j < d; ++j) sum += std::exp(row[j] - m);
+}
+
+// The values of a contiguous i32/i64 index tensor (ids, targets) as i64.
+std::vector<int64_t> indices_as_i64(const Tensor& t, const char* op) {
+  const int64_t n = t.numel();
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  dispatch_index(t.dtype(), op, [&](auto tr) {
+    const auto* p = ptr<decltype(tr)>(t);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(p[i]);
+  });
+  return out;
+}
+
 }  // namespace
 
 void CpuBackend::softmax(const Tensor& out, const Tensor& x, bool log) {
@@ -63,13 +87,8 @@ void CpuBackend::softmax(const Tensor& out, const Tensor& x, bool log) {
       for (int64_t r = rb; r < re; ++r) {
         const auto* xr = xp + r * d;
         auto* orow = o + r * d;
-        A m = -std::numeric_limits<A>::infinity();
-        for (int64_t j = 0; j < d; ++j) {
-          row[j] = static_cast<A>(Tr::load(xr[j]));
-          m = std::max(m, row[j]);
-        }
-        A s = 0;
-        for (int64_t j = 0; j < d; ++j) s += std::exp(row[j] - m);
+        A m, s;
+        load_row_max_sumexp<Tr>(xr, d, row, m, s);
         if (log) {
           const A lse = m + std::log(s);
           for (int64_t j = 0; j < d; ++j) orow[j] = Tr::store(row[j] - lse);
@@ -97,11 +116,7 @@ void CpuBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& grad_lo
                 grad_logits.dtype() == logits.dtype(),
             "cross_entropy", "grad_logits must be contiguous and match logits");
   // Targets as i64, validated before any parallel work.
-  std::vector<int64_t> tgt(static_cast<size_t>(n));
-  dispatch_index(targets.dtype(), "cross_entropy", [&](auto tr) {
-    const auto* tp = ptr<decltype(tr)>(targets);
-    for (int64_t i = 0; i < n; ++i) tgt[i] = static_cast<int64_t>(tp[i]);
-  });
+  const std::vector<int64_t> tgt = indices_as_i64(targets, "cross_entropy");
   for (int64_t i = 0; i < n; ++i) {
     if (tgt[i] != ignore_index && (tgt[i] < 0 || tgt[i] >= v))
       throw std::out_of_range("[cross_entropy] target " + std::to_string(tgt[i]) + " at row " +
@@ -127,13 +142,8 @@ void CpuBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& grad_lo
             if (gp) std::fill(gp + r * v, gp + (r + 1) * v, Tr::store(0));
             continue;
           }
-          A m = -std::numeric_limits<A>::infinity();
-          for (int64_t j = 0; j < v; ++j) {
-            row[j] = static_cast<A>(Tr::load(xr[j]));
-            m = std::max(m, row[j]);
-          }
-          A s = 0;
-          for (int64_t j = 0; j < v; ++j) s += std::exp(row[j] - m);
+          A m, s;
+          load_row_max_sumexp<Tr>(xr, v, row, m, s);
           const A lse = m + std::log(s);
           loss[r] = TrL::store(static_cast<typename TrL::C>(lse - row[tgt[r]]));
           if (gp) {
@@ -154,13 +164,8 @@ namespace {
 // ids as i64, each checked against [0, vocab).
 std::vector<int64_t> checked_ids(const Tensor& ids, int64_t vocab, const Tensor& weight_like) {
   require(ids.is_contiguous(), "embedding", "ids must be contiguous");
-  const int64_t n = ids.numel();
-  std::vector<int64_t> out(static_cast<size_t>(n));
-  dispatch_index(ids.dtype(), "embedding", [&](auto tr) {
-    const auto* p = ptr<decltype(tr)>(ids);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(p[i]);
-  });
-  for (int64_t i = 0; i < n; ++i)
+  std::vector<int64_t> out = indices_as_i64(ids, "embedding");
+  for (int64_t i = 0; i < ids.numel(); ++i)
     if (out[i] < 0 || out[i] >= vocab)
       throw std::out_of_range("[embedding] id " + std::to_string(out[i]) + " at flat position " +
                               std::to_string(i) + " of ids " + shape_str(ids.shape()) +
