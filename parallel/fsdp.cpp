@@ -85,16 +85,7 @@ std::vector<Module*> fsdp_units(Module& root, const FsdpOptions& o) {
   std::vector<Module*> out;
   if (o.auto_wrap_policy == "NO_WRAP") return out;
   if (o.auto_wrap_policy == "TRANSFORMER_BASED_WRAP") {
-    const auto& types = o.layer_cls_to_wrap;
-    std::function<void(Module&)> visit = [&](Module& m) {
-      for (const auto& [name, child] : m.children()) {
-        if (std::find(types.begin(), types.end(), child->type_name()) != types.end())
-          out.push_back(child);
-        else
-          visit(*child);
-      }
-    };
-    visit(root);
+    out = find_units(root, o.layer_cls_to_wrap);
     if (out.empty())
       throw std::invalid_argument(
           "fsdp_config.fsdp_transformer_layer_cls_to_wrap: no module of the model is of a listed "

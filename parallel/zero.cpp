@@ -15,9 +15,8 @@ namespace {
 // Gradient reductions allowed in flight before the oldest is waited for (bounds the transient
 // flat gradients of stages 2-3 and the reduce-scatter outputs).
 constexpr size_t kMaxInFlight = 2;
+}  // namespace
 
-// Outermost modules whose type is one of `types`, in pre-order (= forward order for models that
-// run their children in registration order).
 std::vector<Module*> find_units(Module& root, const std::vector<std::string>& types) {
   std::vector<Module*> out;
   std::function<void(Module&)> visit = [&](Module& m) {
@@ -31,7 +30,6 @@ std::vector<Module*> find_units(Module& root, const std::vector<std::string>& ty
   visit(root);
   return out;
 }
-}  // namespace
 
 FlatDataParallel::FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParallelOptions options)
     : comm_(std::move(pg)), options_(std::move(options)) {

@@ -48,6 +48,11 @@ struct DataParallelOptions {
   bool reduce_in_fp32 = false;  // stages 2-3: reduce 16-bit gradients in fp32, keep shards fp32
 };
 
+// The outermost modules below `root` whose type_name() is one of `types`, in pre-order (= forward
+// order for models that run their children in registration order): ZeRO-3's gather units and
+// FSDP's TRANSFORMER_BASED_WRAP units.
+std::vector<Module*> find_units(Module& root, const std::vector<std::string>& types);
+
 class FlatDataParallel : public Strategy {
  public:
   FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParallelOptions options);
