@@ -211,23 +211,24 @@ TEST(StrategyZero, TiedEmbeddingsAndSgdMatchSingleProcess) {
   const int port = pick_free_port();
   auto exits = run_ranks(3, [&](int rank) -> int {
     World w = make_world(rank, 3, port);
-    for (const char* kind : {"ddp", "zero3"}) {
-      RunSpec s = tied;
+    // Each case: the spec, its single-process reference, the strategy run at world 3.
+    const struct {
+      const RunSpec& spec;
+      const RunResult& ref;
+      const char* what;
+      const char* kind;
+    } cases[] = {{tied, ref_tied, "tied embeddings", "ddp"},
+                 {tied, ref_tied, "tied embeddings", "zero3"},
+                 {sgd, ref_sgd, "sgd", "zero1"},
+                 {sgd, ref_sgd, "sgd", "zero3"}};
+    for (const auto& c : cases) {
+      RunSpec s = c.spec;
       s.world = 3;
-      s.strategy = kind;
+      s.strategy = c.kind;
       RunResult a = run_training(s, w.pg, rank, s.seed);
-      std::string d = compare_losses(a.losses, ref_tied.losses, 1e-5) +
-                      compare_weights(a.final_weights, ref_tied.final_weights, 1e-5);
-      RANK_CHECK(d.empty(), "%s, tied embeddings: %s", kind, d.c_str());
-    }
-    for (const char* kind : {"zero1", "zero3"}) {
-      RunSpec s = sgd;
-      s.world = 3;
-      s.strategy = kind;
-      RunResult a = run_training(s, w.pg, rank, s.seed);
-      std::string d = compare_losses(a.losses, ref_sgd.losses, 1e-5) +
-                      compare_weights(a.final_weights, ref_sgd.final_weights, 1e-5);
-      RANK_CHECK(d.empty(), "%s, sgd: %s", kind, d.c_str());
+      std::string d = compare_losses(a.losses, c.ref.losses, 1e-5) +
+                      compare_weights(a.final_weights, c.ref.final_weights, 1e-5);
+      RANK_CHECK(d.empty(), "%s, %s: %s", c.kind, c.what, d.c_str());
     }
     return 0;
   });
