@@ -151,18 +151,17 @@ Tensor RMSNorm::forward(const Tensor& x) {
 }
 
 LlamaAttention::LlamaAttention(const LlamaConfig& c, DType dtype, Device device)
-    : q_proj(register_module("q_proj", std::make_unique<Linear>(
-                                           c.hidden_size, c.num_attention_heads * c.head_dim,
-                                           dtype, device))),
-      k_proj(register_module("k_proj", std::make_unique<Linear>(
-                                           c.hidden_size, c.num_key_value_heads * c.head_dim,
-                                           dtype, device))),
-      v_proj(register_module("v_proj", std::make_unique<Linear>(
-                                           c.hidden_size, c.num_key_value_heads * c.head_dim,
-                                           dtype, device))),
-      o_proj(register_module("o_proj", std::make_unique<Linear>(
-                                           c.num_attention_heads * c.head_dim, c.hidden_size,
-                                           dtype, device))),
+    : q_proj(register_module(
+          "q_proj", std::make_unique<Linear>(c.hidden_size, c.num_attention_heads * c.head_dim,
+                                             dtype, device))),
+      k_proj(register_module(
+          "k_proj", std::make_unique<Linear>(c.hidden_size, c.num_key_value_heads * c.head_dim,
+                                             dtype, device))),
+      v_proj(register_module(
+          "v_proj", std::make_unique<Linear>(c.hidden_size, c.num_key_value_heads * c.head_dim,
+                                             dtype, device))),
+      o_proj(register_module("o_proj", std::make_unique<Linear>(c.num_attention_heads * c.head_dim,
+                                                                c.hidden_size, dtype, device))),
       config(c) {}
 
 Tensor LlamaAttention::forward(const Tensor& x) {
@@ -180,24 +179,25 @@ Tensor LlamaAttention::forward(const Tensor& x) {
 
 LlamaMLP::LlamaMLP(const LlamaConfig& c, DType dtype, Device device)
     : gate_proj(register_module(
-          "gate_proj", std::make_unique<Linear>(c.hidden_size, c.intermediate_size, dtype, device))),
+          "gate_proj",
+          std::make_unique<Linear>(c.hidden_size, c.intermediate_size, dtype, device))),
       up_proj(register_module(
           "up_proj", std::make_unique<Linear>(c.hidden_size, c.intermediate_size, dtype, device))),
-      down_proj(register_module("down_proj", std::make_unique<Linear>(c.intermediate_size,
-                                                                      c.hidden_size, dtype,
-                                                                      device))) {}
+      down_proj(register_module(
+          "down_proj",
+          std::make_unique<Linear>(c.intermediate_size, c.hidden_size, dtype, device))) {}
 
 Tensor LlamaMLP::forward(const Tensor& x) {
-  return with_forward_hooks(*this, [&] {
-    return down_proj.forward(swiglu(gate_proj.forward(x), up_proj.forward(x)));
-  });
+  return with_forward_hooks(
+      *this, [&] { return down_proj.forward(swiglu(gate_proj.forward(x), up_proj.forward(x))); });
 }
 
 LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device device)
     : self_attn(register_module("self_attn", std::make_unique<LlamaAttention>(c, dtype, device))),
       mlp(register_module("mlp", std::make_unique<LlamaMLP>(c, dtype, device))),
-      input_layernorm(register_module(
-          "input_layernorm", std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))),
+      input_layernorm(
+          register_module("input_layernorm",
+                          std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))),
       post_attention_layernorm(register_module(
           "post_attention_layernorm",
           std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {}
@@ -210,23 +210,21 @@ Tensor LlamaDecoderLayer::forward(const Tensor& x) {
 }
 
 LlamaModel::LlamaModel(const LlamaConfig& c, DType dtype, Device device)
-    : embed_tokens(register_module("embed_tokens",
-                                   std::make_unique<Embedding>(c.vocab_size, c.hidden_size, dtype,
-                                                               device))),
+    : embed_tokens(register_module(
+          "embed_tokens", std::make_unique<Embedding>(c.vocab_size, c.hidden_size, dtype, device))),
       layers_list(register_module("layers", std::make_unique<ModuleList>())),
-      norm(register_module("norm",
-                           std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {
+      norm(register_module(
+          "norm", std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     layers.push_back(&layers_list.append(std::make_unique<LlamaDecoderLayer>(c, dtype, device)));
 }
 
-LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device device,
-                                   uint64_t seed)
+LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device device, uint64_t seed)
     : config(c), model(register_module("model", std::make_unique<LlamaModel>(c, dtype, device))) {
   c.validate();
   if (!c.tie_word_embeddings)
-    lm_head = &register_module("lm_head",
-                               std::make_unique<Linear>(c.hidden_size, c.vocab_size, dtype, device));
+    lm_head = &register_module(
+        "lm_head", std::make_unique<Linear>(c.hidden_size, c.vocab_size, dtype, device));
   finalize();
   // Each parameter draws from its own slice of the Philox stream, so initialization does not
   // depend on the device or on which parameters a rank holds.
@@ -237,8 +235,8 @@ LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device dev
     if (t.dim() == 1) {
       t.fill_(1.0);
     } else {
-      t.copy_(rand_normal(t.shape(), seed, offset, DType::F32, t.device(), 0.0,
-                          c.initializer_range));
+      t.copy_(
+          rand_normal(t.shape(), seed, offset, DType::F32, t.device(), 0.0, c.initializer_range));
     }
     offset += 2 * static_cast<uint64_t>(t.numel());
   }
@@ -308,7 +306,8 @@ void load_hf_weights(Module& model, const std::string& dir) {
   for (Parameter* p : model.parameters()) {
     auto it = file_of.find(p->name);
     if (it == file_of.end())
-      throw std::runtime_error(dir + ": checkpoint has no tensor '" + p->name + "' that the model needs");
+      throw std::runtime_error(dir + ": checkpoint has no tensor '" + p->name +
+                               "' that the model needs");
     auto& reader = readers[it->second];
     if (!reader) reader = std::make_unique<SafetensorsReader>(it->second);
     const auto& info = reader->info(p->name);
@@ -335,7 +334,9 @@ void save_hf_model(Module& model, const LlamaConfig& config, const std::string& 
   }
   save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
   write_hf_llama_config(config, (fs::path(dir) / "config.json").string(),
-                        dtype == DType::BF16 ? "bfloat16" : dtype == DType::F16 ? "float16" : "float32");
+                        dtype == DType::BF16  ? "bfloat16"
+                        : dtype == DType::F16 ? "float16"
+                                              : "float32");
 }
 
 }  // namespace accel

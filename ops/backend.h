@@ -67,18 +67,18 @@ class Backend {
   // q [B, S, Hq, D], k/v [B, S, Hkv, D] contiguous; lse [B, Hq, S] f32 saved for backward.
   virtual void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                          const Tensor& v, bool causal, double scale) = 0;
-  virtual void attention_backward(const Tensor& grad_q, const Tensor& grad_k,
-                                  const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
-                                  const Tensor& k, const Tensor& v, const Tensor& out,
-                                  const Tensor& lse, bool causal, double scale) = 0;
+  virtual void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
+                                  const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  bool causal, double scale) = 0;
 
   virtual void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
                             double high) = 0;
   virtual void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
                            double stddev) = 0;
 
-  virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m,
-                          const Tensor& v, const AdamWParams& p, double grad_scale) = 0;
+  virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                          const AdamWParams& p, double grad_scale) = 0;
   virtual void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                         double momentum, double weight_decay, double grad_scale) = 0;
   virtual double sum_of_squares(const std::vector<Tensor>& xs) = 0;

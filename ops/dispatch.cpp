@@ -31,7 +31,8 @@ Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b) {
 Tensor expand_raw(const Tensor& x, const Shape& shape) {
   if (x.shape() == shape) return x;
   size_t n = shape.size(), xd = x.shape().size();
-  if (xd > n) op_error("expand", "cannot expand " + shape_str(x.shape()) + " to " + shape_str(shape));
+  if (xd > n)
+    op_error("expand", "cannot expand " + shape_str(x.shape()) + " to " + shape_str(shape));
   Shape strides(n, 0);
   for (size_t i = 0; i < n; ++i) {
     if (i < n - xd) continue;

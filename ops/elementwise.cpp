@@ -123,9 +123,8 @@ Tensor exp(const Tensor& x) {
 
 Tensor log(const Tensor& x) {
   detail::check_floating("log", x);
-  return record("log", run_unary(UnaryOp::Log, x), {x}, [x](const Tensor& g) {
-    return std::vector<Tensor>{div(g, x.detach())};
-  });
+  return record("log", run_unary(UnaryOp::Log, x), {x},
+                [x](const Tensor& g) { return std::vector<Tensor>{div(g, x.detach())}; });
 }
 
 Tensor sqrt(const Tensor& x) {

@@ -43,8 +43,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   detail::check_floating("cross_entropy", logits);
   if (logits.dim() != 2) op_error("cross_entropy", "logits must be [N, V], got " + logits.str());
   if (targets.dim() != 1 || targets.size(0) != logits.size(0))
-    op_error("cross_entropy", "targets must be [N=" + std::to_string(logits.size(0)) + "], got " +
-                                  targets.str());
+    op_error("cross_entropy",
+             "targets must be [N=" + std::to_string(logits.size(0)) + "], got " + targets.str());
   if (targets.dtype() != DType::I64 && targets.dtype() != DType::I32)
     op_error("cross_entropy", "targets must be i64 or i32, got " + targets.str());
   detail::check_same_device("cross_entropy", logits, targets);
@@ -96,19 +96,20 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   detail::check_same_device("rms_norm", x, weight);
   detail::check_same_dtype("rms_norm", x, weight);
   if (weight.dim() != 1 || x.dim() < 1 || x.size(-1) != weight.size(0))
-    op_error("rms_norm", "weight " + shape_str(weight.shape()) + " does not match the last dim of " +
-                             shape_str(x.shape()));
+    op_error("rms_norm", "weight " + shape_str(weight.shape()) +
+                             " does not match the last dim of " + shape_str(x.shape()));
   const int64_t d = weight.size(0), rows = d ? x.numel() / d : 0;
   Tensor xc = contiguous(x);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
-  Tensor rstd = Tensor::empty({rows}, x.dtype() == DType::F64 ? DType::F64 : DType::F32,
-                              x.device());
+  Tensor rstd =
+      Tensor::empty({rows}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
   Tensor wc = contiguous(weight);
   backend_for(x.device()).rms_norm(out, rstd, xc, wc, eps);
   return record("rms_norm", out, {xc, wc}, [xc, wc, rstd](const Tensor& g) {
     Tensor gx = Tensor::empty(xc.shape(), xc.dtype(), xc.device());
     Tensor gw = Tensor::empty(wc.shape(), wc.dtype(), wc.device());
-    backend_for(xc.device()).rms_norm_backward(gx, gw, contiguous(g), xc.detach(), wc.detach(), rstd);
+    backend_for(xc.device())
+        .rms_norm_backward(gx, gw, contiguous(g), xc.detach(), wc.detach(), rstd);
     return std::vector<Tensor>{gx, gw};
   });
 }
@@ -132,8 +133,8 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
   detail::check_same_device("swiglu", gate, up);
   detail::check_same_dtype("swiglu", gate, up);
   if (gate.shape() != up.shape())
-    op_error("swiglu", "gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
-                           " differ");
+    op_error("swiglu",
+             "gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) + " differ");
   Tensor gc = contiguous(gate), uc = contiguous(up);
   Tensor out = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
   backend_for(gate.device()).swiglu(out, gc, uc);
@@ -155,24 +156,27 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.shape() != v.shape() ||
       q.size(0) != k.size(0) || q.size(1) != k.size(1) || q.size(3) != k.size(3) ||
       k.size(2) == 0 || q.size(2) % k.size(2) != 0)
-    op_error("attention", "expected q [B, S, Hq, D] and k, v [B, S, Hkv, D] with Hq a multiple of "
-                          "Hkv; got q " + shape_str(q.shape()) + ", k " + shape_str(k.shape()) +
-                              ", v " + shape_str(v.shape()));
+    op_error("attention",
+             "expected q [B, S, Hq, D] and k, v [B, S, Hkv, D] with Hq a multiple of "
+             "Hkv; got q " +
+                 shape_str(q.shape()) + ", k " + shape_str(k.shape()) + ", v " +
+                 shape_str(v.shape()));
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   Tensor qc = contiguous(q), kc = contiguous(k), vc = contiguous(v);
   Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
   Tensor lse = Tensor::empty({q.size(0), q.size(2), q.size(1)}, DType::F32, q.device());
   backend_for(q.device()).attention(out, lse, qc, kc, vc, causal, sc);
   Tensor saved_out = out.detach();
-  return record("attention", out, {qc, kc, vc}, [qc, kc, vc, saved_out, lse, causal, sc](const Tensor& g) {
-    Tensor gq = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-    Tensor gk = Tensor::empty(kc.shape(), kc.dtype(), kc.device());
-    Tensor gv = Tensor::empty(vc.shape(), vc.dtype(), vc.device());
-    backend_for(qc.device())
-        .attention_backward(gq, gk, gv, contiguous(g), qc.detach(), kc.detach(), vc.detach(),
-                            saved_out, lse, causal, sc);
-    return std::vector<Tensor>{gq, gk, gv};
-  });
+  return record("attention", out, {qc, kc, vc},
+                [qc, kc, vc, saved_out, lse, causal, sc](const Tensor& g) {
+                  Tensor gq = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
+                  Tensor gk = Tensor::empty(kc.shape(), kc.dtype(), kc.device());
+                  Tensor gv = Tensor::empty(vc.shape(), vc.dtype(), vc.device());
+                  backend_for(qc.device())
+                      .attention_backward(gq, gk, gv, contiguous(g), qc.detach(), kc.detach(),
+                                          vc.detach(), saved_out, lse, causal, sc);
+                  return std::vector<Tensor>{gq, gk, gv};
+                });
 }
 
 }  // namespace accel

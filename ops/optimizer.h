@@ -21,7 +21,8 @@ class Optimizer {
  public:
   // `params` are updated in place; state tensors live on `state_device` (the params' device, or
   // the CPU for optimizer offload, in which case params must be on the CPU too).
-  Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params, std::vector<std::string> names);
+  Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
+            std::vector<std::string> names);
 
   // One update with learning rate lr; each grad is multiplied by grad_scale first.
   void step(const std::vector<Tensor>& grads, double lr, double grad_scale = 1.0);

@@ -42,8 +42,9 @@ Tensor run_reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims
 Tensor sum(const Tensor& x, std::vector<int64_t> dims, bool keepdim) {
   dims = normalize_dims("sum", std::move(dims), x.dim());
   Tensor out = run_reduce(ReduceOp::Sum, x, dims);
-  if (!keepdim) out = out.as_strided(drop_shape(x.shape(), dims),
-                                     contiguous_strides(drop_shape(x.shape(), dims)), 0);
+  if (!keepdim)
+    out = out.as_strided(drop_shape(x.shape(), dims),
+                         contiguous_strides(drop_shape(x.shape(), dims)), 0);
   Shape in_shape = x.shape(), k = keep_shape(x.shape(), dims);
   return record("sum", out, {x}, [in_shape, k](const Tensor& g) {
     return std::vector<Tensor>{expand(reshape(g, k), in_shape)};
@@ -62,12 +63,14 @@ Tensor max(const Tensor& x, int64_t dim, bool keepdim) {
   if (x.shape()[dim] == 0) op_error("max", "cannot reduce over an empty dim of " + x.str());
   Tensor out = run_reduce(ReduceOp::Max, x, {dim});
   Tensor out_keep = out;
-  if (!keepdim) out = out.as_strided(drop_shape(x.shape(), {dim}),
-                                     contiguous_strides(drop_shape(x.shape(), {dim})), 0);
+  if (!keepdim)
+    out = out.as_strided(drop_shape(x.shape(), {dim}),
+                         contiguous_strides(drop_shape(x.shape(), {dim})), 0);
   Tensor saved = out_keep.detach();
   return record("max", out, {x}, [x, saved, dim](const Tensor& g) {
     Tensor gin = Tensor::zeros(x.shape(), x.dtype(), x.device());
-    backend_for(x.device()).max_backward(gin, x.detach(), saved, contiguous(reshape(g, saved.shape())), dim);
+    backend_for(x.device())
+        .max_backward(gin, x.detach(), saved, contiguous(reshape(g, saved.shape())), dim);
     return std::vector<Tensor>{gin};
   });
 }
@@ -75,8 +78,9 @@ Tensor max(const Tensor& x, int64_t dim, bool keepdim) {
 Tensor amax(const Tensor& x, std::vector<int64_t> dims, bool keepdim) {
   dims = normalize_dims("amax", std::move(dims), x.dim());
   Tensor out = run_reduce(ReduceOp::AbsMax, x, dims);
-  if (!keepdim) out = out.as_strided(drop_shape(x.shape(), dims),
-                                     contiguous_strides(drop_shape(x.shape(), dims)), 0);
+  if (!keepdim)
+    out = out.as_strided(drop_shape(x.shape(), dims),
+                         contiguous_strides(drop_shape(x.shape(), dims)), 0);
   return out;  // used for scaling statistics; not differentiable
 }
 

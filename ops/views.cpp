@@ -29,8 +29,8 @@ Shape infer_shape(const char* op, Shape shape, int64_t numel) {
     shape[infer] = numel / known;
   }
   if (shape_numel(shape) != numel)
-    op_error(op, "shape " + shape_str(shape) + " does not hold " + std::to_string(numel) +
-                     " elements");
+    op_error(op,
+             "shape " + shape_str(shape) + " does not hold " + std::to_string(numel) + " elements");
   return shape;
 }
 }  // namespace
@@ -41,9 +41,8 @@ Tensor view(const Tensor& x, Shape shape) {
     op_error("view", "tensor " + x.str() + " is not contiguous; use reshape (copies) instead");
   Tensor out = x.as_strided(shape, contiguous_strides(shape), x.offset());
   Shape in_shape = x.shape();
-  return record("view", out, {x}, [in_shape](const Tensor& g) {
-    return std::vector<Tensor>{reshape(g, in_shape)};
-  });
+  return record("view", out, {x},
+                [in_shape](const Tensor& g) { return std::vector<Tensor>{reshape(g, in_shape)}; });
 }
 
 Tensor reshape(const Tensor& x, Shape shape) {
@@ -112,8 +111,7 @@ Tensor expand(const Tensor& x, const Shape& shape) {
 Tensor squeeze(const Tensor& x, int64_t dim) {
   dim = normalize_dim("squeeze", dim, x.dim());
   if (x.shape()[dim] != 1)
-    op_error("squeeze", "dim " + std::to_string(dim) + " of " + shape_str(x.shape()) +
-                            " is not 1");
+    op_error("squeeze", "dim " + std::to_string(dim) + " of " + shape_str(x.shape()) + " is not 1");
   Shape shape = x.shape();
   shape.erase(shape.begin() + dim);
   return reshape(x, shape);
@@ -185,8 +183,8 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
   dim = normalize_dim("split", dim, x.dim());
   int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   if (total != x.shape()[dim])
-    op_error("split", "sizes " + shape_str(sizes) + " do not add up to dim " +
-                          std::to_string(dim) + " of " + shape_str(x.shape()));
+    op_error("split", "sizes " + shape_str(sizes) + " do not add up to dim " + std::to_string(dim) +
+                          " of " + shape_str(x.shape()));
   std::vector<Tensor> out;
   int64_t start = 0;
   for (int64_t n : sizes) {

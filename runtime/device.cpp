@@ -14,12 +14,18 @@ std::string Device::str() const {
 
 const char* mem_category_name(MemCategory c) {
   switch (c) {
-    case MemCategory::Params: return "params";
-    case MemCategory::Grads: return "grads";
-    case MemCategory::OptimizerState: return "optimizer_state";
-    case MemCategory::Activations: return "activations";
-    case MemCategory::Comm: return "comm";
-    case MemCategory::Other: return "other";
+    case MemCategory::Params:
+      return "params";
+    case MemCategory::Grads:
+      return "grads";
+    case MemCategory::OptimizerState:
+      return "optimizer_state";
+    case MemCategory::Activations:
+      return "activations";
+    case MemCategory::Comm:
+      return "comm";
+    case MemCategory::Other:
+      return "other";
   }
   return "?";
 }

@@ -26,16 +26,26 @@ size_t dtype_size(DType t) {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "f32";
-    case DType::F64: return "f64";
-    case DType::BF16: return "bf16";
-    case DType::F16: return "f16";
-    case DType::E4M3: return "e4m3";
-    case DType::E5M2: return "e5m2";
-    case DType::I32: return "i32";
-    case DType::I64: return "i64";
-    case DType::U8: return "u8";
-    case DType::Bool: return "bool";
+    case DType::F32:
+      return "f32";
+    case DType::F64:
+      return "f64";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "f16";
+    case DType::E4M3:
+      return "e4m3";
+    case DType::E5M2:
+      return "e5m2";
+    case DType::I32:
+      return "i32";
+    case DType::I64:
+      return "i64";
+    case DType::U8:
+      return "u8";
+    case DType::Bool:
+      return "bool";
   }
   return "?";
 }

@@ -38,10 +38,14 @@ ACCEL_HD uint32_t bits(uint64_t seed, uint64_t offset, uint64_t index) {
   U4 r = philox4x32(U4{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, 0u},
                     static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   switch (n & 3) {
-    case 0: return r.x;
-    case 1: return r.y;
-    case 2: return r.z;
-    default: return r.w;
+    case 0:
+      return r.x;
+    case 1:
+      return r.y;
+    case 2:
+      return r.z;
+    default:
+      return r.w;
   }
 }
 

@@ -84,7 +84,8 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, DType dtype, const
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, MemCategory category) {
   for (int64_t d : shape)
-    if (d < 0) throw std::invalid_argument("[empty] negative dimension in shape " + shape_str(shape));
+    if (d < 0)
+      throw std::invalid_argument("[empty] negative dimension in shape " + shape_str(shape));
   auto storage = allocate_storage(static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype),
                                   device, category);
   return from_storage(std::move(storage), dtype, shape, contiguous_strides(shape), 0);
@@ -217,8 +218,8 @@ void Tensor::set_grad(const Tensor& g) const {
 void Tensor::zero_grad() const { impl_->grad.reset(); }
 
 Tensor Tensor::detach() const {
-  Tensor out = from_storage(impl_->storage, impl_->dtype, impl_->shape, impl_->strides,
-                            impl_->offset);
+  Tensor out =
+      from_storage(impl_->storage, impl_->dtype, impl_->shape, impl_->strides, impl_->offset);
   out.impl()->name = impl_->name;
   return out;
 }

@@ -32,7 +32,7 @@ struct TensorImpl {
   std::shared_ptr<Storage> storage;
   DType dtype = DType::F32;
   Shape shape;
-  Shape strides;  // in elements
+  Shape strides;       // in elements
   int64_t offset = 0;  // in elements
 
   // Autograd.

@@ -83,12 +83,15 @@ int main(int argc, char** argv) {
   std::vector<std::string> extra_sets;
   int64_t steps = 20, warmup = 5;
   int num_processes = 0;
-  app.add_option("--config,-c", config, "model/training YAML (e.g. configs/llama-1b.yaml)")->required();
-  app.add_option("--strategies", strategies, "comma list: single ddp zero1 zero2 zero3 fsdp fsdp-fp8");
+  app.add_option("--config,-c", config, "model/training YAML (e.g. configs/llama-1b.yaml)")
+      ->required();
+  app.add_option("--strategies", strategies,
+                 "comma list: single ddp zero1 zero2 zero3 fsdp fsdp-fp8");
   app.add_option("--precisions", precisions, "comma list: no bf16 fp16 fp8");
   app.add_option("--steps", steps, "timed steps per combination");
   app.add_option("--warmup", warmup, "untimed steps first");
-  app.add_option("--num-processes", num_processes, "ranks per combination (default: GPUs, or 2 on CPU)");
+  app.add_option("--num-processes", num_processes,
+                 "ranks per combination (default: GPUs, or 2 on CPU)");
   app.add_option("--device", device, "auto | cpu | cuda");
   app.add_option("--set", extra_sets, "extra accel-train --set overrides");
   app.add_option("--work-dir", work_dir, "where each run's output folder goes");
@@ -119,11 +122,13 @@ int main(int argc, char** argv) {
           row.reason = why_not;
         } else if (gpu && world > gpus) {
           row.status = "skipped";
-          row.reason = "needs " + std::to_string(world) + " GPUs, this machine has " + std::to_string(gpus);
+          row.reason =
+              "needs " + std::to_string(world) + " GPUs, this machine has " + std::to_string(gpus);
         }
         if (row.status != "ok") {
           rows.push_back(row);
-          std::cerr << "accel-bench: " << strategy << "/" << precision << " skipped: " << row.reason << "\n";
+          std::cerr << "accel-bench: " << strategy << "/" << precision << " skipped: " << row.reason
+                    << "\n";
           continue;
         }
         fs::path out = fs::path(work_dir) / (strategy + "-" + precision);
@@ -163,11 +168,13 @@ int main(int argc, char** argv) {
     std::cout << bench_table(rows);
     std::cout << "MFU = tokens/s per device x FLOPs per token / peak, FLOPs per token = 6 x "
                  "(parameters - input embedding) + 12 x layers x seq x hidden"
-              << (peak > 0 ? ", peak 989 TFLOP/s (dense bf16)" : " (no known peak on CPUs)") << "\n";
+              << (peak > 0 ? ", peak 989 TFLOP/s (dense bf16)" : " (no known peak on CPUs)")
+              << "\n";
     if (!json_out.empty()) std::ofstream(json_out) << bench_json(rows).dump(1) << "\n";
     if (!markdown_out.empty()) std::ofstream(markdown_out) << bench_markdown(rows);
     if (!chart_out.empty())
-      std::ofstream(chart_out) << bench_svg(rows, "accel-bench: " + fs::path(config).stem().string());
+      std::ofstream(chart_out) << bench_svg(rows,
+                                            "accel-bench: " + fs::path(config).stem().string());
     for (const BenchRow& r : rows)
       if (r.status == "failed") return 1;
     return 0;

@@ -1,11 +1,11 @@
 // Llama against fixtures made by Hugging Face transformers (shared/reference/make_hf_fixture.py):
 // logits, loss, every parameter gradient, and the losses of five AdamW steps, all in fp32.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "models/llama.h"
@@ -51,7 +51,8 @@ TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   Tensor logits = model.forward(ids);
   EXPECT_LT(rel_error(logits, expected.load("logits")), 1e-4);
   Tensor loss = LlamaForCausalLM::loss(logits, targets);
-  EXPECT_NEAR(loss.item(), expected.load("loss").item(), 1e-4 * std::abs(expected.load("loss").item()));
+  EXPECT_NEAR(loss.item(), expected.load("loss").item(),
+              1e-4 * std::abs(expected.load("loss").item()));
   loss.backward();
   int checked = 0;
   for (Parameter* p : model.parameters()) {
@@ -137,19 +138,22 @@ TEST(LlamaWeights, ShardedIndexLoadsLikeTheSingleFile) {
   fs::copy_file(src + "/config.json", dir / "config.json");
   SafetensorsReader whole(src + "/model.safetensors");
   std::vector<std::pair<std::string, Tensor>> a, b;
-  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}},
+                          {"weight_map", nlohmann::json::object()}};
   int i = 0;
   for (const std::string& n : whole.names()) {
     bool first = i++ % 2 == 0;
     (first ? a : b).push_back({n, whole.load(n)});
-    index["weight_map"][n] = first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    index["weight_map"][n] =
+        first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
   save_safetensors((dir / "model-00001-of-00002.safetensors").string(), a);
   save_safetensors((dir / "model-00002-of-00002.safetensors").string(), b);
   std::ofstream(dir / "model.safetensors.index.json") << index.dump();
 
   LlamaConfig cfg = read_hf_llama_config(src + "/config.json");
-  LlamaForCausalLM from_index(cfg, DType::F32, Device::cpu(), 1), from_file(cfg, DType::F32, Device::cpu(), 2);
+  LlamaForCausalLM from_index(cfg, DType::F32, Device::cpu(), 1),
+      from_file(cfg, DType::F32, Device::cpu(), 2);
   load_hf_weights(from_index, dir.string());
   load_hf_weights(from_file, src);
   auto pa = from_index.parameters(), pb = from_file.parameters();
@@ -162,7 +166,8 @@ TEST(LlamaWeights, ShardedIndexLoadsLikeTheSingleFile) {
     load_hf_weights(from_index, dir.string());
     FAIL() << "expected an error";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("model-missing.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model-missing.safetensors"), std::string::npos)
+        << e.what();
   }
   fs::remove_all(dir);
 }

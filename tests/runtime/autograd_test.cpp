@@ -18,7 +18,7 @@ Tensor leaf(const std::vector<double>& v, const Shape& s) {
 
 TEST(Autograd, DiamondGraphSumsBothPaths) {
   Tensor x = leaf({1, 2, 3}, {3});
-  Tensor y = mul(x, x);        // dy/dx = 2x
+  Tensor y = mul(x, x);            // dy/dx = 2x
   Tensor z = add(y, mul(x, 3.0));  // + 3
   sum(z).backward();
   EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{5, 7, 9}));
@@ -93,8 +93,8 @@ TEST(Autograd, GradReadyHooksFireOnceInBackwardOrderWithFinalGradients) {
   Tensor out = add(mul(h, b), a);
   sum(out).backward();
   ASSERT_EQ(order, (std::vector<std::string>{"b", "a"}));
-  EXPECT_EQ(seen[0], (std::vector<double>{2, 4}));        // d/db = 2a
-  EXPECT_EQ(seen[1], (std::vector<double>{7, 9}));        // d/da = 2b + 1, complete
+  EXPECT_EQ(seen[0], (std::vector<double>{2, 4}));  // d/db = 2a
+  EXPECT_EQ(seen[1], (std::vector<double>{7, 9}));  // d/da = 2b + 1, complete
 }
 
 TEST(Autograd, CheckpointGivesTheSameGradientsAndRecomputes) {
@@ -159,12 +159,11 @@ TEST(Modules, ParameterNamesFollowHuggingFace) {
   EXPECT_EQ(names[8], "model.layers.0.input_layernorm.weight");
   EXPECT_EQ(names[names.size() - 2], "model.norm.weight");
   EXPECT_EQ(names.back(), "lm_head.weight");
-  EXPECT_EQ(m.config.num_parameters(),
-            [&] {
-              int64_t n = 0;
-              for (Parameter* p : m.parameters()) n += p->value.numel();
-              return n;
-            }());
+  EXPECT_EQ(m.config.num_parameters(), [&] {
+    int64_t n = 0;
+    for (Parameter* p : m.parameters()) n += p->value.numel();
+    return n;
+  }());
 }
 
 TEST(Schedules, WarmupThenDecay) {

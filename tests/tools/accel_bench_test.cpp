@@ -23,12 +23,12 @@ model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_v
 training: {seed: 3, micro_batch_size: 2, seq_len: 16, device: cpu}
 data: {source: synthetic}
 )";
-  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-bench --config " + (d / "tiny.yaml").string() +
-                    " --strategies single,ddp,fsdp-fp8 --precisions no,bogus --steps 3 --warmup 1" +
-                    " --num-processes 2 --device cpu --work-dir " + (d / "work").string() + " --json " +
-                    (d / "r.json").string() + " --chart " + (d / "r.svg").string() +
-                    " --markdown " + (d / "r.md").string() + " > " + (d / "out.txt").string() +
-                    " 2>&1";
+  std::string cmd =
+      std::string(ACCEL_BIN_DIR) + "/accel-bench --config " + (d / "tiny.yaml").string() +
+      " --strategies single,ddp,fsdp-fp8 --precisions no,bogus --steps 3 --warmup 1" +
+      " --num-processes 2 --device cpu --work-dir " + (d / "work").string() + " --json " +
+      (d / "r.json").string() + " --chart " + (d / "r.svg").string() + " --markdown " +
+      (d / "r.md").string() + " > " + (d / "out.txt").string() + " 2>&1";
   int status = std::system(cmd.c_str());
   EXPECT_EQ(WEXITSTATUS(status), 1);  // the bogus precision fails
   std::ifstream in(d / "r.json");

@@ -42,9 +42,9 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
   row.world_size = summary.at("world_size");
   row.tokens_per_s = tokens_per_step / (row.step_ms_median / 1e3);
   row.tokens_per_s_per_device = row.tokens_per_s / row.world_size;
-  row.mfu = peak_flops > 0
-                ? row.tokens_per_s_per_device * summary.at("flops_per_token").get<double>() / peak_flops
-                : -1;
+  row.mfu = peak_flops > 0 ? row.tokens_per_s_per_device *
+                                 summary.at("flops_per_token").get<double>() / peak_flops
+                           : -1;
   row.final_loss = summary.at("final_loss");
   row.peak_by_category = summary.at("peak_memory_bytes");
   row.peak_bytes_max_rank = 0;
@@ -84,14 +84,13 @@ std::string fmt(const char* f, double v) {
 }
 
 std::vector<std::vector<std::string>> cells(const std::vector<BenchRow>& rows) {
-  std::vector<std::vector<std::string>> out{{"strategy", "precision", "ranks", "tok/s", "tok/s/dev",
-                                             "step ms (p50/p90)", "MFU", "peak mem/rank",
-                                             "model states (formula)", "comm/step", "loss",
-                                             "status"}};
+  std::vector<std::vector<std::string>> out{
+      {"strategy", "precision", "ranks", "tok/s", "tok/s/dev", "step ms (p50/p90)", "MFU",
+       "peak mem/rank", "model states (formula)", "comm/step", "loss", "status"}};
   for (const BenchRow& r : rows) {
     if (r.status != "ok") {
-      out.push_back({r.strategy, r.precision, std::to_string(r.world_size), "-", "-", "-", "-",
-                     "-", "-", "-", "-", r.status + ": " + r.reason});
+      out.push_back({r.strategy, r.precision, std::to_string(r.world_size), "-", "-", "-", "-", "-",
+                     "-", "-", "-", r.status + ": " + r.reason});
       continue;
     }
     int64_t comm = 0;
@@ -190,9 +189,10 @@ std::string bench_svg(const std::vector<BenchRow>& rows, const std::string& titl
       continue;
     }
     int w1 = static_cast<int>((panel_w - 70) * r.tokens_per_s / max_tps);
-    int w2 = static_cast<int>((panel_w - 70) * static_cast<double>(r.peak_bytes_max_rank) / max_mem);
-    o << "<rect x=\"" << label_w << "\" y=\"" << y << "\" width=\"" << w1 << "\" height=\""
-      << bar_h << "\" fill=\"#3b7dd8\"/>\n";
+    int w2 =
+        static_cast<int>((panel_w - 70) * static_cast<double>(r.peak_bytes_max_rank) / max_mem);
+    o << "<rect x=\"" << label_w << "\" y=\"" << y << "\" width=\"" << w1 << "\" height=\"" << bar_h
+      << "\" fill=\"#3b7dd8\"/>\n";
     o << "<text x=\"" << label_w + w1 + 4 << "\" y=\"" << y + 15 << "\">"
       << fmt("%.0f", r.tokens_per_s) << "</text>\n";
     int x2 = label_w + panel_w + 30;

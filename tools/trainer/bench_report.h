@@ -1,5 +1,6 @@
 // accel-bench's results: one row per (strategy, precision) combination, read from the metrics.jsonl
-// of the accel-train run that measured it, and rendered as a table, JSON, markdown and an SVG chart.
+// of the accel-train run that measured it, and rendered as a table, JSON, markdown and an SVG
+// chart.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,9 +18,9 @@ struct BenchRow {
   double step_ms_median = 0, step_ms_p90 = 0;
   double mfu = -1;  // < 0: unknown
   double final_loss = 0;
-  int64_t peak_bytes_max_rank = 0;  // the largest per-rank peak
-  nlohmann::json peak_by_category;  // rank 0's peak bytes by category
-  nlohmann::json peak_by_rank;      // every rank's peak bytes by category
+  int64_t peak_bytes_max_rank = 0;         // the largest per-rank peak
+  nlohmann::json peak_by_category;         // rank 0's peak bytes by category
+  nlohmann::json peak_by_rank;             // every rank's peak bytes by category
   int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
   nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
 };

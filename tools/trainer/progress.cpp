@@ -56,8 +56,7 @@ void Progress::update(const StepReport& r) {
     int filled = total_ > 0 ? static_cast<int>(width * r.step / total_) : width;
     std::string bar(filled, '#');
     bar += std::string(width - filled, '.');
-    std::fprintf(stderr,
-                 "\r\033[K[%s] %lld/%lld loss %.4f lr %.2e %.0f tok/s mfu %s mem %s eta %s",
+    std::fprintf(stderr, "\r\033[K[%s] %lld/%lld loss %.4f lr %.2e %.0f tok/s mfu %s mem %s eta %s",
                  bar.c_str(), static_cast<long long>(r.step), static_cast<long long>(total_),
                  r.loss, r.lr, r.tokens_per_s, mfu, format_bytes(r.peak_mem_bytes).c_str(),
                  format_duration(eta).c_str());

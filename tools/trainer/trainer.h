@@ -7,11 +7,11 @@
 namespace accel {
 
 struct TrainOptions {
-  std::string config_path;              // may be empty: built-in defaults
-  std::vector<std::string> overrides;   // --set key=value
-  std::string output_dir;               // --output-dir (overrides training.output_dir)
-  std::string resume;                   // --resume auto|PATH ("" = fresh run)
-  bool print_config = false;            // print the effective config and exit
+  std::string config_path;             // may be empty: built-in defaults
+  std::vector<std::string> overrides;  // --set key=value
+  std::string output_dir;              // --output-dir (overrides training.output_dir)
+  std::string resume;                  // --resume auto|PATH ("" = fresh run)
+  bool print_config = false;           // print the effective config and exit
 };
 
 // Runs the whole job in this process (one rank). Returns the process exit code: 0 success,
