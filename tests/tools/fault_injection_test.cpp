@@ -544,22 +544,35 @@ TEST(FaultInjection, NanWithSkipPolicyWarnsCountsAndContinues) {
 
 // Data parallel: a NaN on one rank only must stop (or skip on) every rank alike.
 TEST(FaultInjection, NanOnOneRankStopsAllRanks) {
-  fs::path d = temp_dir("nanddp");
-  fs::path cfg = write_config(
-      d,
-      "distributed_type: MULTI_CPU\nnum_processes: 2\ndistributed: {timeout_s: 10}\n"
-      "training: {seed: 7, max_steps: 6, micro_batch_size: 2, seq_len: 16, log_every: 1, "
-      "progress: plain, device: cpu, nan_policy: stop}\n"
-      "checkpoint: {every_steps: 0, at_end: false}\n");
-  auto p = spawn({"--config", cfg.string(), "--output-dir", (d / "out").string()},
-                 {{"ACCEL_TEST_INJECT_NAN_STEP", "2"},
-                  {"ACCEL_TEST_INJECT_NAN_WHERE", "grad"},
-                  {"ACCEL_TEST_INJECT_NAN_RANK", "1"}},
-                 d / "run.log");
-  ASSERT_TRUE(p->wait_for(std::chrono::seconds(60))) << p->output();
-  EXPECT_NE(p->code(), 0) << p->output();
-  EXPECT_NE(p->output().find("non-finite gradients at step 2"), std::string::npos) << p->output();
-  fs::remove_all(d);
+  // DDP (every rank holds every gradient) and ZeRO-2 (each rank holds its chunks): both ranks stop
+  // and name the same first parameter.
+  for (const char* strategy :
+       {"distributed_type: MULTI_CPU\n",
+        "distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 2}\n"}) {
+    fs::path d = temp_dir("nanddp");
+    fs::path cfg = write_config(
+        d, std::string(strategy) +
+               "num_processes: 2\ndistributed: {timeout_s: 10}\n"
+               "training: {seed: 7, max_steps: 6, micro_batch_size: 2, seq_len: 16, log_every: 1, "
+               "progress: plain, device: cpu, nan_policy: stop}\n"
+               "checkpoint: {every_steps: 0, at_end: false}\n");
+    auto p = spawn({"--config", cfg.string(), "--output-dir", (d / "out").string()},
+                   {{"ACCEL_TEST_INJECT_NAN_STEP", "2"},
+                    {"ACCEL_TEST_INJECT_NAN_WHERE", "grad"},
+                    {"ACCEL_TEST_INJECT_NAN_RANK", "1"}},
+                   d / "run.log");
+    ASSERT_TRUE(p->wait_for(std::chrono::seconds(60))) << p->output();
+    EXPECT_NE(p->code(), 0) << p->output();
+    const std::string out = p->output();
+    const std::string want =
+        "non-finite gradients at step 2; first non-finite gradient: model.embed_tokens.weight";
+    size_t first = out.find(want);
+    EXPECT_NE(first, std::string::npos) << strategy << out;
+    // Rank 0 (no NaN of its own) reaches the same verdict; the launcher may stop it first, so
+    // at least one rank's message is required and any other must agree.
+    EXPECT_EQ(out.find("first non-finite gradient: none"), std::string::npos) << out;
+    fs::remove_all(d);
+  }
 }
 
 }  // namespace
