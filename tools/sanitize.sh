@@ -51,6 +51,18 @@ cmake --build build-asan -j "$(nproc)"
 #   (it needs ptrace; some containers forbid it) set ASAN_OPTIONS=detect_leaks=0 (ours come first,
 #   the caller's override them).
 logs="$PWD/build-asan/sanitizer-logs"
+# LeakSanitizer needs ptrace, which some containers forbid; then every sanitized process would fail
+# at exit. Probe once with an empty program and, if it cannot run, say so loudly and turn leak
+# checking off (ASan and UBSan still run).
+probe_dir=$(mktemp -d)
+echo 'int main() { return 0; }' > "$probe_dir/probe.cpp"
+clang++ -fsanitize=address "$probe_dir/probe.cpp" -o "$probe_dir/probe"
+if ! "$probe_dir/probe" > "$probe_dir/out" 2>&1; then
+  echo "sanitize: WARNING: LeakSanitizer cannot run here ($(head -c 200 "$probe_dir/out"));" \
+    "running with ASAN_OPTIONS=detect_leaks=0" >&2
+  ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+fi
+rm -rf "$probe_dir"
 rm -rf "$logs" && mkdir -p "$logs"
 export ASAN_OPTIONS="halt_on_error=1:log_path=$logs/asan${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
