@@ -12,6 +12,7 @@
 
 #include "ops/ops.h"
 #include "runtime/config.h"
+#include "runtime/format.h"
 
 namespace accel {
 
@@ -167,10 +168,8 @@ FsdpStrategy::~FsdpStrategy() {
       if (c) c->weight_provider = nullptr;
 }
 
-void FsdpStrategy::set_fp8_layers(
-    const std::vector<std::pair<std::string, Fp8LinearContext*>>& layers) {
-  if (!fsdp_.fp8_all_gather)
-    throw std::logic_error("FsdpStrategy::set_fp8_layers without fp8 all-gather enabled");
+void FsdpStrategy::set_fp8_layers(const Fp8Layers& layers) {
+  if (!fsdp_.fp8_all_gather) return;  // the layers cast their own gathered weights
   if (fp8_) throw std::logic_error("FsdpStrategy::set_fp8_layers after setup");
   for (const auto& [name, ctx] : layers) {
     if (!ctx) throw std::logic_error("fp8 all-gather: layer " + name + " has no context");
@@ -340,21 +339,47 @@ std::vector<FsdpStrategy::UnitComm> FsdpStrategy::unit_comm() const {
 }
 
 std::string FsdpStrategy::describe_unit_comm() const {
-  auto kb = [](int64_t b) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f KB", static_cast<double>(b) / 1024.0);
-    return std::string(buf);
-  };
   std::ostringstream o;
   for (const UnitComm& u : unit_comm()) {
     o << "unit " << u.name << ": " << u.numel << " params";
     if (u.fp8_numel) o << " (" << u.fp8_numel << " fp8)";
-    o << ", " << u.comm.all_gathers << " all-gathers " << kb(u.comm.all_gather_bytes) << " ("
-      << dtype_name(options().compute_dtype) << " would be "
-      << kb(u.comm.all_gathers * u.compute_gather_bytes) << "), " << u.comm.reduce_scatters
-      << " reduce-scatters " << kb(u.comm.reduce_scatter_bytes) << "\n";
+    o << ", " << u.comm.all_gathers << " all-gathers " << format_bytes(u.comm.all_gather_bytes)
+      << " (" << dtype_name(options().compute_dtype) << " would be "
+      << format_bytes(u.comm.all_gathers * u.compute_gather_bytes) << "), "
+      << u.comm.reduce_scatters << " reduce-scatters " << format_bytes(u.comm.reduce_scatter_bytes)
+      << "\n";
   }
   return o.str();
+}
+
+nlohmann::json FsdpStrategy::run_report() const {
+  if (comm().size() <= 1) return nullptr;
+  nlohmann::json units = nlohmann::json::array();
+  for (const UnitComm& u : unit_comm())
+    units.push_back(
+        {{"unit", u.name},
+         {"params", u.numel},
+         {"fp8_params", u.fp8_numel},
+         {"all_gathers", u.comm.all_gathers},
+         {"all_gather_bytes", u.comm.all_gather_bytes},
+         {"compute_dtype_all_gather_bytes", u.comm.all_gathers * u.compute_gather_bytes},
+         {"reduce_scatters", u.comm.reduce_scatters},
+         {"reduce_scatter_bytes", u.comm.reduce_scatter_bytes}});
+  return {{"fsdp_unit_comm", units}};
+}
+
+std::string FsdpStrategy::run_report_line() const {
+  if (comm().size() <= 1) return "";
+  int64_t gathered = 0, compute = 0, scattered = 0;
+  for (const UnitComm& u : unit_comm()) {
+    gathered += u.comm.all_gather_bytes;
+    compute += u.comm.all_gathers * u.compute_gather_bytes;
+    scattered += u.comm.reduce_scatter_bytes;
+  }
+  return "fsdp traffic (rank " + std::to_string(comm().rank()) + "): all-gathers " +
+         format_bytes(gathered) + " (" + dtype_name(options().compute_dtype) + " would be " +
+         format_bytes(compute) + "), reduce-scatters " + format_bytes(scattered) +
+         "; per unit: fsdp_unit_comm in metrics.jsonl";
 }
 
 std::vector<std::pair<std::string, Tensor>> FsdpStrategy::full_state_dict() {

@@ -65,7 +65,8 @@ class FsdpStrategy : public FlatDataParallel {
   ~FsdpStrategy() override;
   std::string name() const override { return "fsdp"; }
 
-  // fp8 all-gather (options.fp8_all_gather): the fp8 linear layers by module name
+  // fp8 all-gather (options.fp8_all_gather; without it the layers are not needed and ignored):
+  // the fp8 linear layers by module name
   // ("model.layers.0.mlp.up_proj") with their contexts; call once before setup(). setup() then
   // gathers each unit as one byte buffer (per rank: its chunk's non-fp8 elements in the compute
   // dtype, then its fp8 weights' elements as e4m3 cast with the weights' global scales), hands
@@ -74,7 +75,7 @@ class FsdpStrategy : public FlatDataParallel {
   // after load_state(). A unit is gathered this way while the layers' fp8 autocast is enabled;
   // with it disabled (evaluation in bf16: Fp8EvalScope) the unit is gathered in the compute
   // dtype as usual. The contexts must stay alive as long as the strategy is used.
-  void set_fp8_layers(const std::vector<std::pair<std::string, Fp8LinearContext*>>& layers);
+  void set_fp8_layers(const Fp8Layers& layers) override;
 
   void setup(Module& model, const OptimizerOptions& opts) override;
   StepResult step(double lr, double max_grad_norm, double grad_scale) override;
@@ -93,9 +94,14 @@ class FsdpStrategy : public FlatDataParallel {
     GroupComm comm;
   };
   std::vector<UnitComm> unit_comm() const;
-  // One line per unit: "unit model.layers.0: 9280 params (9216 fp8), 2 all-gathers 18.5 KB (bf16
-  // would be 37.1 KB), 1 reduce-scatter 37.1 KB".
+  // One line per unit: "unit model.layers.0: 9280 params (9216 fp8), 2 all-gathers 18.5 KiB (bf16
+  // would be 37.1 KiB), 1 reduce-scatters 37.1 KiB".
   std::string describe_unit_comm() const;
+  // With several ranks: {"fsdp_unit_comm": [{"unit", "params", "fp8_params", "all_gathers",
+  // "all_gather_bytes", "compute_dtype_all_gather_bytes", "reduce_scatters",
+  // "reduce_scatter_bytes"}, ...]} over the run, and a line with the totals.
+  nlohmann::json run_report() const override;
+  std::string run_report_line() const override;
   // The fp8 all-gather's units (null without fp8 all-gather or before setup), one per group in
   // group order (backward order, as FlatDataParallel::group()).
   const Fp8AllGather* fp8_all_gather() const;

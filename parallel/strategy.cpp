@@ -14,6 +14,7 @@
 namespace accel {
 
 nlohmann::json Strategy::checkpoint_manifest() const { return nullptr; }
+nlohmann::json Strategy::run_report() const { return nullptr; }
 
 void SingleProcessStrategy::setup(Module& model, const OptimizerOptions& opts) {
   params_ = model.parameters();

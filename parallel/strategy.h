@@ -17,6 +17,8 @@
 
 namespace accel {
 
+struct Fp8LinearContext;
+
 struct StepResult {
   double grad_norm = 0;  // global norm before clipping (over all ranks and shards)
   bool skipped = false;  // non-finite gradients: no update was applied
@@ -59,6 +61,14 @@ class Strategy {
   // True when forward issues collectives (sharded parameters): every rank must run every forward
   // (evaluation and sampling included) together.
   virtual bool forward_is_collective() const { return false; }
+  // The fp8 linear layers of the model (by module name, with their contexts), before setup();
+  // called only in fp8 training. Only FSDP with the fp8 all-gather uses them.
+  using Fp8Layers = std::vector<std::pair<std::string, Fp8LinearContext*>>;
+  virtual void set_fp8_layers(const Fp8Layers& layers) { (void)layers; }
+  // At the end of a run: entries the strategy adds to metrics.jsonl's summary object and a line
+  // for the log (null and "" when it has nothing to add). Local: no collectives.
+  virtual nlohmann::json run_report() const;
+  virtual std::string run_report_line() const { return ""; }
 };
 
 // One process: fp32 master weights and optimizer state for every parameter; with a 16-bit

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/format.h"  // format_bytes
+
 namespace accel {
 
 struct StepReport {
@@ -29,7 +31,6 @@ class Progress {
   std::chrono::steady_clock::time_point start_;
 };
 
-std::string format_bytes(int64_t bytes);      // "1.5 GiB"
 std::string format_duration(double seconds);  // "1m05s"
 
 }  // namespace accel

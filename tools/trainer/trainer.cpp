@@ -11,7 +11,7 @@
 
 #include "models/fp8_linear.h"
 #include "models/llama.h"
-#include "parallel/fsdp.h"
+#include "parallel/fsdp.h"  // reads_init_weights
 #include "parallel/launch_env.h"
 #include "parallel/launcher.h"
 #include "parallel/process_group.h"
@@ -265,12 +265,11 @@ int train(const TrainOptions& opt) {
   std::unique_ptr<Fp8Training> fp8 =
       cfg.mixed_precision == "fp8" ? apply_fp8(model, cfg.fp8, device) : nullptr;
   std::unique_ptr<Strategy> strategy = make_strategy(cfg, dist.pg, cdt);
-  if (auto* fsdp = dynamic_cast<FsdpStrategy*>(strategy.get());
-      fsdp && fsdp->fsdp_options().fp8_all_gather) {  // the fp8 layers take gathered e4m3 weights
-    std::vector<std::pair<std::string, Fp8LinearContext*>> layers;
+  if (fp8) {  // FSDP's fp8 all-gather hands these layers their gathered e4m3 weights
+    Strategy::Fp8Layers layers;
     for (const Fp8LayerChoice& c : fp8->layers())
       if (c.fp8) layers.push_back({c.name, fp8->layer_context(c.name)});
-    fsdp->set_fp8_layers(layers);
+    strategy->set_fp8_layers(layers);
   }
   OptimizerOptions oo;
   oo.name = cfg.optimizer.name;
@@ -506,36 +505,11 @@ int train(const TrainOptions& opt) {
                               {"world_size", world},
                               {"strategy", strategy->name()}};
     if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
-    auto* fsdp = dynamic_cast<FsdpStrategy*>(strategy.get());
-    if (fsdp && world > 1) {
-      // Per FSDP unit: what its all-gathers and reduce-scatters moved over the run (rank 0).
-      nlohmann::json units = nlohmann::json::array();
-      for (const FsdpStrategy::UnitComm& u : fsdp->unit_comm())
-        units.push_back(
-            {{"unit", u.name},
-             {"params", u.numel},
-             {"fp8_params", u.fp8_numel},
-             {"all_gathers", u.comm.all_gathers},
-             {"all_gather_bytes", u.comm.all_gather_bytes},
-             {"compute_dtype_all_gather_bytes", u.comm.all_gathers * u.compute_gather_bytes},
-             {"reduce_scatters", u.comm.reduce_scatters},
-             {"reduce_scatter_bytes", u.comm.reduce_scatter_bytes}});
-      summary["fsdp_unit_comm"] = units;
-    }
+    const nlohmann::json report = strategy->run_report();
+    if (report.is_object()) summary.update(report);
     metrics.write(summary);
-    if (fsdp && world > 1) {
-      int64_t gathered = 0, compute = 0, scattered = 0;
-      for (const FsdpStrategy::UnitComm& u : fsdp->unit_comm()) {
-        gathered += u.comm.all_gather_bytes;
-        compute += u.comm.all_gathers * u.compute_gather_bytes;
-        scattered += u.comm.reduce_scatter_bytes;
-      }
-      std::fprintf(stderr,
-                   "fsdp traffic (rank 0): all-gathers %s (%s would be %s), reduce-scatters %s; "
-                   "per unit: fsdp_unit_comm in metrics.jsonl\n",
-                   format_bytes(gathered).c_str(), dtype_name(cdt), format_bytes(compute).c_str(),
-                   format_bytes(scattered).c_str());
-    }
+    const std::string report_line = strategy->run_report_line();
+    if (!report_line.empty()) std::fprintf(stderr, "%s\n", report_line.c_str());
     std::fprintf(
         stderr, "done: %lld steps, final loss %.4f%s, %.1fs, peak memory %s\n",
         static_cast<long long>(step), last_loss,
