@@ -19,23 +19,12 @@
 
 #include "parallel/process_group.h"
 #include "parallel/store.h"
+#include "tests/parallel/harness.h"
 
 using namespace accel;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 std::string human(int64_t b) {
   char buf[32];
@@ -116,7 +105,7 @@ int main(int argc, char** argv) {
   }
   int rc = 0;
   for (int n : worlds) {
-    const int port = free_port();
+    const int port = accel::testing::pick_free_port();
     std::fflush(stdout);
     std::vector<pid_t> pids;
     for (int r = 0; r < n; ++r) {

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/parallel/harness.h"
 #include "tests/tools/run_tool.h"
 #include "tools/trainer/checkpoint.h"
 
@@ -146,19 +147,6 @@ int rank_of(pid_t pid) {
   return -1;
 }
 
-int free_port() {
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  int port = ntohs(a.sin_port);
-  close(s);
-  return port;
-}
-
 using accel::tool_test::read_metrics;
 
 // The last step a metrics.jsonl shows (it may still be being written).
@@ -197,7 +185,7 @@ std::string multi_cpu_config(int64_t max_steps) {
 // Three ranks started straight from the environment (RANK, WORLD_SIZE, ...), as an outside
 // launcher that does not watch them would; output to d/out, logs in d/rank<r>.log.
 std::vector<std::unique_ptr<Proc>> spawn_three_ranks(const fs::path& cfg, const fs::path& d) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(accel::testing::pick_free_port());
   std::vector<std::unique_ptr<Proc>> ranks;
   for (int r = 0; r < 3; ++r)
     ranks.push_back(spawn({"--config", cfg.string(), "--output-dir", (d / "out").string()},
