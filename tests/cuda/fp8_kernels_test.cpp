@@ -11,6 +11,9 @@
 
 #include "ops/fp8.h"
 #include "tests/cuda/cuda_test_util.h"
+#ifdef ACCEL_WITH_CUDA
+#include "ops/cuda/cublaslt.h"
+#endif
 
 namespace accel {
 namespace {
@@ -210,6 +213,54 @@ TEST(CudaFp8, GemmMatchesCpuEmulation) {
   Tensor s = Tensor::ones({1}, DType::F32, gpu());
   EXPECT_THROW(fp8_gemm(bad, s, bad, s, DType::BF16, true), std::invalid_argument);  // K % 16
 }
+
+#ifdef ACCEL_WITH_CUDA
+// fp8 GEMMs go through the shared cuBLASLt context (ops/cuda/cublaslt.h): the first call of a
+// problem times the candidates on the poisoned output, the second runs the cached algorithm, and
+// both match the CPU emulation. A bf16 GEMM of the same sizes has its own plan (no key collision).
+TEST(CudaFp8, GemmTunedThenCachedThroughSharedContext) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(11);
+  const bool was = accel::cuda::lt::gemm_tuning();
+  accel::cuda::lt::set_gemm_tuning(true);
+  const int64_t M = 320, N = 176, K = 416;  // sizes no other test uses
+  Tensor a = random_tensor({M, K}, DType::F32, rng), b = random_tensor({N, K}, DType::F32, rng);
+  Fp8Tensor qa = fp8_cast_dynamic(a, DType::E4M3), qb = fp8_cast_dynamic(b, DType::E4M3);
+  Tensor want = fp8_gemm(qa.data, qa.scale_inv, qb.data, qb.scale_inv, DType::BF16, false);
+  Tensor da = qa.data.to(gpu()), sa = qa.scale_inv.to(gpu());
+  Tensor db = qb.data.to(gpu()), sb = qb.scale_inv.to(gpu());
+  int64_t plans_before = 0;
+  for (int rep = 0; rep < 2; ++rep) {
+    SCOPED_TRACE("call " + std::to_string(rep));
+    const accel::cuda::lt::TuningStats s0 = accel::cuda::lt::tuning_stats();
+    Tensor got = cuda_test::poisoned({M, N}, DType::BF16);
+    fp8_gemm(got, da, sa, db, sb, false);
+    const accel::cuda::lt::TuningStats s1 = accel::cuda::lt::tuning_stats();
+    const int64_t new_plans = (s1.tuned + s1.heuristic_only) - (s0.tuned + s0.heuristic_only);
+    if (rep == 0) {
+      EXPECT_EQ(s1.tuned, s0.tuned + 1) << "the first fp8 call should time the candidates";
+      plans_before = new_plans;
+    } else {
+      EXPECT_EQ(new_plans, 0);
+      EXPECT_EQ(s1.cached_runs, s0.cached_runs + 1);
+    }
+    cuda_test::expect_matches(got.to(Device::cpu()), want, DType::BF16, "tuned fp8 gemm");
+  }
+  EXPECT_EQ(plans_before, 1);
+  // The same M, N, K as a bf16 GEMM: a separate plan in the same cache.
+  const accel::cuda::lt::TuningStats s2 = accel::cuda::lt::tuning_stats();
+  Tensor x = random_tensor({1, M, K}, DType::BF16, rng),
+         w = random_tensor({1, N, K}, DType::BF16, rng);
+  Tensor want16 = cuda_test::cpu_out({1, M, N}, DType::BF16);
+  cpu_backend().matmul(want16, x, w, false, true, 1.0, 0.0);
+  Tensor got16 = cuda_test::poisoned({1, M, N}, DType::BF16);
+  cuda_backend().matmul(got16, x.to(gpu()), w.to(gpu()), false, true, 1.0, 0.0);
+  const accel::cuda::lt::TuningStats s3 = accel::cuda::lt::tuning_stats();
+  EXPECT_EQ((s3.tuned + s3.heuristic_only) - (s2.tuned + s2.heuristic_only), 1);
+  cuda_test::expect_matches(got16, want16, DType::BF16, "bf16 gemm after fp8", 4.0);
+  accel::cuda::lt::set_gemm_tuning(was);
+}
+#endif
 
 TEST(CudaFp8, LinearMatchesCpuEmulation) {
   ACCEL_SKIP_WITHOUT_CUDA();

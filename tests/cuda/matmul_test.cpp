@@ -3,6 +3,7 @@
 
 #include "tests/cuda/cuda_test_util.h"
 #ifdef ACCEL_WITH_CUDA
+#include "ops/cuda/cublaslt.h"
 #include "ops/cuda/cuda_backend.h"
 #endif
 
@@ -59,6 +60,80 @@ TEST(CudaMatmulTf32, CloseToFp32WhenAllowed) {
   cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.0);
   cuda::set_allow_tf32(false);
   expect_close(got, want, 5e-3, 5e-3 * rms(want), "tf32 matmul");
+}
+
+// The first call of a problem times the heuristic's candidates, the second runs the cached
+// algorithm. With beta != 0 the timing runs must not accumulate into the caller's output: both
+// results must equal C0 * beta + alpha * A B exactly once.
+// Sets GEMM tuning for a scope and restores the previous setting.
+struct TuningSetting {
+  bool was = cuda::lt::gemm_tuning();
+  explicit TuningSetting(bool on) { cuda::lt::set_gemm_tuning(on); }
+  ~TuningSetting() { cuda::lt::set_gemm_tuning(was); }
+};
+
+TEST(CudaMatmulTuning, AccumulateTunedThenCachedMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  TuningSetting tuning(true);
+  // Shapes no other test uses, so the first call here is the plan's first.
+  const int64_t batch = 2, m = 192, n = 320, k = 448;
+  for (DType t : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    Tensor a = random_tensor({batch, m, k}, t, rng);
+    Tensor b = random_tensor({batch, n, k}, t, rng);
+    Tensor c0 = random_tensor({batch, m, n}, t, rng);
+    Tensor want = c0.clone();
+    cpu_backend().matmul(want, a, b, false, true, 0.75, 1.0);
+    Tensor ga = a.to(gpu()), gb = b.to(gpu());
+    const double atol = (t == DType::F32 ? 1e-5 : 1e-2) * rms(want);
+    const cuda::lt::TuningStats s0 = cuda::lt::tuning_stats();
+    Tensor first = c0.to(gpu());
+    cuda_backend().matmul(first, ga, gb, false, true, 0.75, 1.0);
+    const cuda::lt::TuningStats s1 = cuda::lt::tuning_stats();
+    EXPECT_EQ(s1.tuned, s0.tuned + 1)
+        << "the first call of a new problem should time the heuristic's candidates (heuristic_only "
+        << s0.heuristic_only << " -> " << s1.heuristic_only
+        << "; only one candidate offered makes this test unable to catch double accumulation)";
+    expect_close(first, want, tol_for(t).rtol, atol, "tuned accumulating matmul");
+    Tensor second = c0.to(gpu());
+    cuda_backend().matmul(second, ga, gb, false, true, 0.75, 1.0);
+    const cuda::lt::TuningStats s2 = cuda::lt::tuning_stats();
+    EXPECT_EQ(s2.tuned, s1.tuned);
+    EXPECT_EQ(s2.heuristic_only, s1.heuristic_only);
+    EXPECT_EQ(s2.cached_runs, s1.cached_runs + 1) << "the second call should reuse the plan";
+    expect_close(second, want, tol_for(t).rtol, atol, "cached accumulating matmul");
+    // beta = 0 (a different plan), tuned on the poisoned output itself, then cached.
+    Tensor want0 = cpu_out({batch, m, n}, t);
+    cpu_backend().matmul(want0, a, b, false, true, 0.75, 0.0);
+    for (int rep = 0; rep < 2; ++rep) {
+      Tensor got = poisoned({batch, m, n}, t);
+      cuda_backend().matmul(got, ga, gb, false, true, 0.75, 0.0);
+      expect_close(got, want0, tol_for(t).rtol, atol, "beta 0 matmul, call " + std::to_string(rep));
+    }
+  }
+}
+
+TEST(CudaMatmulTuning, HeuristicOnlyWhenTuningOff) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  TuningSetting tuning(false);
+  Tensor a = random_tensor({1, 96, 160}, DType::BF16, rng);
+  Tensor b = random_tensor({1, 160, 224}, DType::BF16, rng);
+  Tensor c0 = random_tensor({1, 96, 224}, DType::BF16, rng);
+  Tensor want = c0.clone();
+  cpu_backend().matmul(want, a, b, false, false, 1.0, 0.5);
+  const cuda::lt::TuningStats s0 = cuda::lt::tuning_stats();
+  Tensor got = c0.to(gpu());
+  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.5);
+  const cuda::lt::TuningStats s1 = cuda::lt::tuning_stats();
+  EXPECT_EQ(s1.tuned, s0.tuned);
+  EXPECT_EQ(s1.heuristic_only, s0.heuristic_only + 1);
+  expect_close(got, want, 1e-2, 1e-2 * rms(want), "untuned matmul");
 }
 #endif
 
