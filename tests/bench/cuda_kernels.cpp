@@ -172,8 +172,18 @@ int main(int argc, char** argv) {
     Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)),
            dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
-    row_flops("attention bwd", ms, 2.5 * fwd_flops);
+    // Both tensor-core backward paths (ACCEL_ATTN_BWD is read per call), then the caller's setting.
+    const char* bwd_env = std::getenv("ACCEL_ATTN_BWD");
+    const std::string bwd_saved = bwd_env ? bwd_env : "";
+    for (const char* impl : {"fa2", "split"}) {
+      setenv("ACCEL_ATTN_BWD", impl, 1);
+      ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+      row_flops((std::string("attention bwd (") + impl + ")").c_str(), ms, 2.5 * fwd_flops);
+    }
+    if (bwd_env)
+      setenv("ACCEL_ATTN_BWD", bwd_saved.c_str(), 1);
+    else
+      unsetenv("ACCEL_ATTN_BWD");
     if (attn_only) return 0;
     cuda::set_attention_impl("generic");
     ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
