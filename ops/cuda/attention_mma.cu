@@ -606,11 +606,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   store_rows<T, D, MT>(dv + kv_off, kfirst, p.sk, kv_stride, acc_v, 1.0f, g, tq);
 }
 
-// ---- FlashAttention-2-style backward
-// ------------------------------------------------------------- One kernel: a block owns BK = 16 *
-// kWarps keys of one KV head (one m16 tile of keys per warp) and walks the query tiles of every q
-// head of the group (causal: only tiles at or after the key block), so dK/dV accumulate in
-// registers without atomics. Per tile of BQ queries:
+// ---- backward, FlashAttention-2 style ----------------------------------------------------------
+// One kernel: a block owns BK = 16 * kWarps keys of one KV head (one m16 tile of keys per warp)
+// and walks the query tiles of `hpc` q heads of its group (causal: only the tiles at or after the
+// key block), accumulating dK/dV in registers; with hpc == group it stores them directly, else
+// the blocks of one key block add fp32 partial sums (converted afterwards). Per BQ-query tile:
 //   S^T = K Q^T, dP^T = V dO^T       (each warp: its 16 keys x BQ queries)
 //   P^T = exp2(S^T * scale2 - lse2), dS^T = P^T * (dP^T - delta)
 //   dV += P^T dO, dK += dS^T Q       (registers)
@@ -670,10 +670,11 @@ __device__ __forceinline__ void red_rows(float* base, int64_t row0, int64_t rows
 
 template <class T, int D, int BQ>
 __global__ void __launch_bounds__(kWarps * 32)
-    attn_bwd_fa2_mma(AttnParams p, float* __restrict__ dq_acc, T* __restrict__ dk,
-                     T* __restrict__ dv, const T* __restrict__ q, const T* __restrict__ k,
-                     const T* __restrict__ v, const T* __restrict__ dout,
-                     const float* __restrict__ lse, const float* __restrict__ delta) {
+    attn_bwd_fa2_mma(AttnParams p, int hpc, float* __restrict__ dq_acc, float* __restrict__ dk_acc,
+                     float* __restrict__ dv_acc, T* __restrict__ dk, T* __restrict__ dv,
+                     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse,
+                     const float* __restrict__ delta) {
   constexpr int MT = 1;
   constexpr int BK = 16 * kWarps;  // keys per block, 16 per warp
   constexpr int NB = BQ / 8;
@@ -687,8 +688,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   T* dss = qd + 4 * BQ * D;                                // dS^T [BK][BQ], swizzled
   float* stats = reinterpret_cast<float*>(dss + BK * BQ);  // [2][lse2 BQ, delta BQ]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t b = blockIdx.z, hk = blockIdx.y;
-  const int64_t j0b = int64_t(blockIdx.x) * BK;  // causal: low key blocks (most work) first
+  // x: (kv head, part of its q heads), fastest, so that all blocks of the low key blocks (the most
+  // work under a causal mask) start first; y: batch; z: key block.
+  const int n_parts = static_cast<int>(p.group) / hpc;
+  const int64_t hk = blockIdx.x / n_parts, h0 = hk * p.group + int64_t(blockIdx.x % n_parts) * hpc;
+  const int64_t b = blockIdx.y;
+  const int64_t j0b = int64_t(blockIdx.z) * BK;
   const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
   const int64_t kv_off = (b * p.sk * p.hkv + hk) * D;
   const int64_t diag = p.sk - p.sq;
@@ -697,9 +702,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   int64_t i_start = p.causal ? j0b - diag : 0;
   i_start = i_start < 0 ? 0 : i_start / BQ * BQ;
   const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + BQ - 1) / BQ) : 0;
-  const int n_it = n_qt * static_cast<int>(p.group);
+  const int n_it = n_qt * hpc;
   auto issue = [&](int it) {
-    const int64_t h = hk * p.group + it / n_qt;
+    const int64_t h = h0 + it / n_qt;
     const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
     const int64_t q_off = (b * p.sq * p.hq + h) * D;
     T* buf = qd + (it & 1) * 2 * BQ * D;
@@ -733,7 +738,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const T* dos = qs + BQ * D;
     const float* lse2 = stats + (it & 1) * 2 * BQ;
     const float* dl = lse2 + BQ;
-    const int64_t h = hk * p.group + it / n_qt;
+    const int64_t h = h0 + it / n_qt;
     const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
     // Keys of this warp above the diagonal of every query row of the tile: nothing to add, and
     // its dS^T rows are not read below (the dQ pass skips key chunks above its own rows).
@@ -790,8 +795,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   cp_async_wait<0>();
-  store_rows<T, D, MT>(dk + kv_off, kfirst, p.sk, kv_stride, acc_k, p.scale, g, tq);
-  store_rows<T, D, MT>(dv + kv_off, kfirst, p.sk, kv_stride, acc_v, 1.0f, g, tq);
+  if (dk_acc != nullptr) {  // the group's q heads are split over blocks: add fp32 partial sums
+    if (kfirst < p.sk) {
+      red_rows<D>(dk_acc + kv_off, kfirst, p.sk, kv_stride, 0, acc_k[0], g, tq);
+      red_rows<D>(dv_acc + kv_off, kfirst, p.sk, kv_stride, 0, acc_v[0], g, tq);
+    }
+  } else {
+    store_rows<T, D, MT>(dk + kv_off, kfirst, p.sk, kv_stride, acc_k, p.scale, g, tq);
+    store_rows<T, D, MT>(dv + kv_off, kfirst, p.sk, kv_stride, acc_v, 1.0f, g, tq);
+  }
 }
 
 // dQ = scale * acc, 8 elements per thread (n8 groups of 8; both pointers 16-byte aligned).
@@ -855,6 +867,37 @@ void launch_bwd_dkv(const AttnParams& p, const Tensor& grad_k, const Tensor& gra
   ACCEL_CUDA_CHECK_LAUNCH("attention_backward dk/dv (tensor cores)");
 }
 
+// q heads per fa2 block: ACCEL_ATTN_FA2_HEADS (read per call, for benchmarking) or 1, lowered to
+// a divisor of the group. One head per block balances a causal mask best (the first key block
+// has group times the work otherwise) at the cost of fp32 dK/dV partial sums through atomics;
+// the whole group per block keeps dK/dV in registers and stores them directly.
+int fa2_heads_per_block(int64_t group) {
+  const char* e = std::getenv("ACCEL_ATTN_FA2_HEADS");
+  int64_t n = e ? std::atoll(e) : 1;
+  n = n < 1 ? 1 : (n > group ? group : n);
+  while (group % n != 0) --n;
+  return static_cast<int>(n);
+}
+
+// n8 groups of 8 fp32 values in `acc` -> T (scaled) on the stream.
+template <class T>
+void convert_acc(const Tensor& dst, const Tensor& acc, float scale, cudaStream_t stream) {
+  const int64_t n8 = dst.numel() / 8;  // D is 64 or 128
+  const int64_t blocks = (n8 + 255) / 256;
+  attn_dq_convert<T>
+      <<<static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16), 256, 0, stream>>>(
+          n8, scale, static_cast<T*>(dst.data_ptr()), static_cast<const float*>(acc.data_ptr()));
+  ACCEL_CUDA_CHECK_LAUNCH("attention_backward fp32 -> gradient");
+}
+
+// fp32 accumulator shaped like `like`, from the caching allocator, zeroed on the stream.
+Tensor zeroed_acc(const Tensor& like, cudaStream_t stream) {
+  Tensor acc = Tensor::empty(like.shape(), DType::F32, like.device(), MemCategory::Other);
+  ACCEL_CUDA_CHECK(cudaMemsetAsync(acc.data_ptr(), 0,
+                                   static_cast<size_t>(like.numel()) * sizeof(float), stream));
+  return acc;
+}
+
 template <class T, int D>
 void launch_bwd_fa2(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
                     const Tensor& grad_v, const Tensor& grad_out, const Tensor& q, const Tensor& k,
@@ -868,26 +911,29 @@ void launch_bwd_fa2(const AttnParams& p, const Tensor& grad_q, const Tensor& gra
                                           static_cast<int>(smem)));
     attr_set = true;
   }
-  // fp32 dQ accumulator from the caching allocator, zeroed on the stream.
-  Tensor acc = Tensor::empty(grad_q.shape(), DType::F32, grad_q.device(), MemCategory::Other);
-  const int64_t n = grad_q.numel();
-  ACCEL_CUDA_CHECK(
-      cudaMemsetAsync(acc.data_ptr(), 0, static_cast<size_t>(n) * sizeof(float), stream));
-  dim3 grid(static_cast<unsigned>((p.sk + BK - 1) / BK), static_cast<unsigned>(p.hkv),
-            static_cast<unsigned>(p.b));
+  const int hpc = fa2_heads_per_block(p.group);
+  const bool split_kv = hpc < p.group;
+  Tensor dq_acc = zeroed_acc(grad_q, stream);
+  Tensor dk_acc, dv_acc;
+  if (split_kv) {
+    dk_acc = zeroed_acc(grad_k, stream);
+    dv_acc = zeroed_acc(grad_v, stream);
+  }
+  dim3 grid(static_cast<unsigned>(p.hkv * (p.group / hpc)), static_cast<unsigned>(p.b),
+            static_cast<unsigned>((p.sk + BK - 1) / BK));
   attn_bwd_fa2_mma<T, D, BQ><<<grid, kWarps * 32, smem, stream>>>(
-      p, static_cast<float*>(acc.data_ptr()), static_cast<T*>(grad_k.data_ptr()),
-      static_cast<T*>(grad_v.data_ptr()), static_cast<const T*>(q.data_ptr()),
-      static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
-      static_cast<const T*>(grad_out.data_ptr()), lse, delta);
+      p, hpc, static_cast<float*>(dq_acc.data_ptr()),
+      split_kv ? static_cast<float*>(dk_acc.data_ptr()) : nullptr,
+      split_kv ? static_cast<float*>(dv_acc.data_ptr()) : nullptr,
+      static_cast<T*>(grad_k.data_ptr()), static_cast<T*>(grad_v.data_ptr()),
+      static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+      static_cast<const T*>(v.data_ptr()), static_cast<const T*>(grad_out.data_ptr()), lse, delta);
   ACCEL_CUDA_CHECK_LAUNCH("attention_backward fa2 (tensor cores)");
-  const int64_t n8 = n / 8;  // D is 64 or 128
-  const int64_t blocks = (n8 + 255) / 256;
-  attn_dq_convert<T>
-      <<<static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16), 256, 0, stream>>>(
-          n8, p.scale, static_cast<T*>(grad_q.data_ptr()),
-          static_cast<const float*>(acc.data_ptr()));
-  ACCEL_CUDA_CHECK_LAUNCH("attention_backward dq convert");
+  convert_acc<T>(grad_q, dq_acc, p.scale, stream);
+  if (split_kv) {
+    convert_acc<T>(grad_k, dk_acc, p.scale, stream);
+    convert_acc<T>(grad_v, dv_acc, 1.0f, stream);
+  }
 }
 
 // m16 tiles per warp of the backward kernels for head dim 64 (128 always uses one):

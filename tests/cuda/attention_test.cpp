@@ -17,8 +17,22 @@ namespace accel {
 namespace {
 using namespace cuda_test;
 
-// Tensor-core backward paths (ACCEL_ATTN_BWD); Default leaves the variable unset.
-enum class Bwd { Default, Fa2, Split };
+// Tensor-core backward paths (ACCEL_ATTN_BWD); Default leaves the variable unset. Fa2 runs one q
+// head per block (fp32 dK/dV partial sums), Fa2Group the whole group (ACCEL_ATTN_FA2_HEADS).
+enum class Bwd { Default, Fa2, Fa2Group, Split };
+
+const char* bwd_suffix(Bwd b) {
+  switch (b) {
+    case Bwd::Fa2:
+      return "_fa2";
+    case Bwd::Fa2Group:
+      return "_fa2group";
+    case Bwd::Split:
+      return "_split";
+    default:
+      return "";
+  }
+}
 
 struct AttnCase {
   DType dtype;
@@ -33,10 +47,7 @@ std::string case_name(const AttnCase& c) {
   return std::string(dtype_name(c.dtype)) + "_b" + std::to_string(c.b) + "_s" +
          std::to_string(c.s) + (c.sk ? "_sk" + std::to_string(c.sk) : "") + "_hq" +
          std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) + "_d" + std::to_string(c.d) +
-         (c.causal ? "_causal" : "_full") + (c.generic ? "_generic" : "") +
-         (c.bwd == Bwd::Fa2     ? "_fa2"
-          : c.bwd == Bwd::Split ? "_split"
-                                : "");
+         (c.causal ? "_causal" : "_full") + (c.generic ? "_generic" : "") + bwd_suffix(c.bwd);
 }
 
 class CudaAttention : public ::testing::TestWithParam<AttnCase> {
@@ -45,14 +56,16 @@ class CudaAttention : public ::testing::TestWithParam<AttnCase> {
 #ifdef ACCEL_WITH_CUDA
     if (cuda::available()) cuda::set_attention_impl(GetParam().generic ? "generic" : "auto");
 #endif
-    if (GetParam().bwd != Bwd::Default)
-      setenv("ACCEL_ATTN_BWD", GetParam().bwd == Bwd::Fa2 ? "fa2" : "split", 1);
+    const Bwd bwd = GetParam().bwd;
+    if (bwd != Bwd::Default) setenv("ACCEL_ATTN_BWD", bwd == Bwd::Split ? "split" : "fa2", 1);
+    if (bwd == Bwd::Fa2Group) setenv("ACCEL_ATTN_FA2_HEADS", "64", 1);  // lowered to the group
   }
   void TearDown() override {
 #ifdef ACCEL_WITH_CUDA
     if (cuda::available()) cuda::set_attention_impl("auto");
 #endif
     unsetenv("ACCEL_ATTN_BWD");
+    unsetenv("ACCEL_ATTN_FA2_HEADS");
   }
 };
 
@@ -89,7 +102,7 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   expect_close(gdv, wdv, r, r * rms(wdv), "grad_v");
 }
 
-// The tensor-core cases, each run under both backward paths: GQA ratios 1, 2 and 4, head dims
+// The tensor-core cases, each run under every backward path: GQA ratios 1, 2 and 4, head dims
 // 64 and 128, bf16 and f16, batch 1 and 2, lengths below, at and across the 64-row tiles.
 std::vector<AttnCase> mma_cases() {
   const DType B = DType::BF16, H = DType::F16;
@@ -101,14 +114,15 @@ std::vector<AttnCase> mma_cases() {
       {B, 2, 130, 4, 2, 128, false}, {B, 1, 64, 2, 1, 64, true},   {H, 1, 128, 4, 4, 128, true},
   };
   std::vector<AttnCase> out;
-  for (Bwd bwd : {Bwd::Fa2, Bwd::Split})
+  for (Bwd bwd : {Bwd::Fa2, Bwd::Fa2Group, Bwd::Split})
     for (AttnCase c : base) {
+      if (bwd == Bwd::Fa2Group && c.hq == c.hkv) continue;  // the same as Fa2
       c.bwd = bwd;
       out.push_back(c);
     }
   // Key count != query count: bottom-right aligned causal mask; with more queries than keys the
   // first rows see no key at all (lse -inf, zero gradients).
-  for (Bwd bwd : {Bwd::Fa2, Bwd::Split}) {
+  for (Bwd bwd : {Bwd::Fa2, Bwd::Fa2Group, Bwd::Split}) {
     AttnCase more_keys{B, 1, 37, 4, 2, 64, true, false, bwd, 100};
     AttnCase more_queries{H, 2, 100, 2, 1, 128, true, false, bwd, 37};
     out.push_back(more_keys);
