@@ -970,7 +970,9 @@ template <class T, int D>
 void launch_bwd(AttnBwdImpl impl, const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
                 const Tensor& grad_v, const Tensor& grad_out, const Tensor& q, const Tensor& k,
                 const Tensor& v, const float* lse, const float* delta, cudaStream_t stream) {
-  if (impl == AttnBwdImpl::Fa2)
+  // fa2's grid puts key blocks in z and the batch in y (at most 65535 each).
+  const bool fa2_fits = (p.sk + 63) / 64 <= 65535 && p.b <= 65535;
+  if (impl == AttnBwdImpl::Fa2 && fa2_fits)
     launch_bwd_fa2<T, D>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
   else
     launch_bwd_split<T, D>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
