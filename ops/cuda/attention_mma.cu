@@ -703,22 +703,26 @@ __global__ void __launch_bounds__(kWarps * 32)
   i_start = i_start < 0 ? 0 : i_start / BQ * BQ;
   const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + BQ - 1) / BQ) : 0;
   const int n_it = n_qt * hpc;
-  auto issue = [&](int it) {
+  // Starts the copies of Q/dO tile `it` and returns this thread's statistic of it (thread t < BQ:
+  // lse of row t, BQ <= t < 2 BQ: delta of row t - BQ), kept in a register until put_stat stores
+  // it so that the load's latency hides behind the current tile's work.
+  auto issue = [&](int it) -> float {
     const int64_t h = h0 + it / n_qt;
     const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
     const int64_t q_off = (b * p.sq * p.hq + h) * D;
     T* buf = qd + (it & 1) * 2 * BQ * D;
     load_tile<T, D, BQ>(buf, q + q_off, i0, p.sq, q_stride);
     load_tile<T, D, BQ>(buf + BQ * D, dout + q_off, i0, p.sq, q_stride);
-    float* st = stats + (it & 1) * 2 * BQ;
     const int64_t row = i0 + (threadIdx.x & (BQ - 1));
-    const int64_t base = (b * p.hq + h) * p.sq;
-    if (threadIdx.x < BQ)
-      st[threadIdx.x] = row < p.sq ? lse[base + row] * kLog2e : 0.f;
-    else if (threadIdx.x < 2 * BQ)
-      st[threadIdx.x] = row < p.sq ? delta[base + row] : 0.f;
+    const int64_t idx = (b * p.hq + h) * p.sq + row;
+    if (threadIdx.x >= 2 * BQ || row >= p.sq) return 0.f;
+    return threadIdx.x < BQ ? lse[idx] : delta[idx];
   };
-  if (n_it > 0) issue(0);
+  auto put_stat = [&](int it, float val) {
+    if (threadIdx.x < 2 * BQ)
+      stats[(it & 1) * 2 * BQ + threadIdx.x] = threadIdx.x < BQ ? val * kLog2e : val;
+  };
+  if (n_it > 0) put_stat(0, issue(0));
   cp_async_commit();
   const int g = lane >> 2, tq = lane & 3;
   const int wr0 = warp * 16;  // this warp's keys inside the block, and its dQ rows inside a tile
@@ -731,8 +735,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int e = 0; e < 4; ++e) acc_k[0][i][e] = acc_v[0][i][e] = 0.f;
   for (int it = 0; it < n_it; ++it) {
     cp_async_wait<0>();
-    __syncthreads();                   // tile `it` is in; every warp is done with iteration it - 1
-    if (it + 1 < n_it) issue(it + 1);  // into the buffer iteration it - 1 read
+    __syncthreads();  // tile `it` is in; every warp is done with iteration it - 1
+    // Into the buffers iteration it - 1 read; the statistic is stored at the end of this one.
+    const float next_stat = it + 1 < n_it ? issue(it + 1) : 0.f;
     cp_async_commit();
     const T* qs = qd + (it & 1) * 2 * BQ * D;
     const T* dos = qs + BQ * D;
@@ -793,6 +798,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         if (any) red_rows<DC>(dq_base, r0, p.sq, q_stride, c0, acc, g, tq);
       }
     }
+    if (it + 1 < n_it) put_stat(it + 1, next_stat);
   }
   cp_async_wait<0>();
   if (dk_acc != nullptr) {  // the group's q heads are split over blocks: add fp32 partial sums
