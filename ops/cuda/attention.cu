@@ -1,7 +1,8 @@
 // Causal / full attention with grouped KV heads, never an S x S buffer.
 //
 // This file holds the generic kernels (any float dtype, head dim up to 256) and the backend entry
-// points; attention_mma.cu holds the tensor-core forward for bf16/f16 with head dim 64/128.
+// points; attention_mma.cu holds the tensor-core forward and backward for bf16/f16 with head dim
+// 64/128 (its backward: the FlashAttention-2-style kernel or the split pair, attention.cuh).
 // Generic scheme: a block of 4 warps owns 4 rows (query rows for the forward and dQ, key rows for
 // dK/dV); tiles of 32 columns (keys, or queries) are staged in shared memory as fp32 with padded
 // rows, lane j handles column j of the tile, and each lane accumulates output dims lane + 32 t.

@@ -17,6 +17,14 @@ struct AttnParams {
   float scale;
 };
 
+// The tensor-core backward: Fa2 (one kernel over key blocks, dQ through fp32 atomics, 5
+// GEMM-equivalents) or Split (a dQ kernel and a dK/dV kernel, no atomics, 7 GEMM-equivalents).
+// attention_backward_impl picks it for (dtype, head dim): None where the tensor-core kernels do
+// not apply, else Fa2 unless the environment variable ACCEL_ATTN_BWD=split (read on every call;
+// ACCEL_ATTN_BWD=fa2 or unset: the default; any other value throws).
+enum class AttnBwdImpl { None, Fa2, Split };
+AttnBwdImpl attention_backward_impl(DType dtype, int head_dim);
+
 // Run the tensor-core kernels when they support the problem (bf16/f16, head dim 64 or 128);
 // return false to fall back to the generic kernels. `delta` is scratch of B * Hq * Sq floats.
 bool attention_forward_mma(const AttnParams& p, const Tensor& out, const Tensor& lse,

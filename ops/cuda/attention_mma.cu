@@ -1,11 +1,17 @@
-// Tensor-core flash attention forward for bf16/f16, head dim 64 or 128 (mma.sync m16n8k16 with
-// fp32 accumulation, ldmatrix from XOR-swizzled shared memory, cp.async double buffering).
-// A block of 4 warps owns 64 query rows (16 per warp) and walks 64-key tiles of K and V with an
-// online softmax in the exp2 domain; the output and the natural-log lse are written once.
+// Tensor-core flash attention for bf16/f16, head dim 64 or 128 (mma.sync m16n8k16 with fp32
+// accumulation, ldmatrix from XOR-swizzled shared memory, cp.async double buffering).
+// Forward: a block of 4 warps owns 64 query rows (16 per warp) and walks 64-key tiles of K and V
+// with an online softmax in the exp2 domain; the output and the natural-log lse are written once.
+// Backward: two implementations (attention_backward_impl picks one, see attention.cuh): the
+// FlashAttention-2-style single kernel with an fp32 dQ accumulator (default) and the older split
+// pair of kernels without atomics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/common.cuh"
@@ -321,7 +327,7 @@ void launch_fwd(const AttnParams& p, const Tensor& out, const Tensor& lse, const
   ACCEL_CUDA_CHECK_LAUNCH("attention (tensor cores)");
 }
 
-// ---- backward ----------------------------------------------------------------------------------
+// ---- backward, split path ----------------------------------------------------------------------
 // Two kernels, no atomics: dQ walks key tiles for a block of query rows; dK/dV walks query tiles
 // (of every q head of the group) for a block of keys. Both recompute P from the saved lse;
 // delta = rowsum(dO * O) is computed beforehand. Each warp owns MT m16 tiles so that every B
@@ -600,6 +606,229 @@ __global__ void __launch_bounds__(kWarps * 32)
   store_rows<T, D, MT>(dv + kv_off, kfirst, p.sk, kv_stride, acc_v, 1.0f, g, tq);
 }
 
+// ---- backward, FlashAttention-2 style ----------------------------------------------------------
+// One kernel: a block owns BK = 16 * kWarps keys of one KV head (one m16 tile of keys per warp)
+// and walks the query tiles of `hpc` q heads of its group (causal: only the tiles at or after the
+// key block), accumulating dK/dV in registers; with hpc == group it stores them directly, else
+// the blocks of one key block add fp32 partial sums (converted afterwards). Per BQ-query tile:
+//   S^T = K Q^T, dP^T = V dO^T       (each warp: its 16 keys x BQ queries)
+//   P^T = exp2(S^T * scale2 - lse2), dS^T = P^T * (dP^T - delta)
+//   dV += P^T dO, dK += dS^T Q       (registers)
+//   dS^T -> shared memory; dQ[BQ x D] += dS K (each warp: 16 query rows), added into an fp32
+//   accumulator in global memory with vectorized atomics (red.global.add.v4.f32 on sm_90).
+// 5 GEMM-equivalents instead of the split path's 7. attn_dq_convert scales the accumulator into dQ.
+
+// acc[16][NC] += A[16][KR] x B[KR][c0 .. c0 + NC) where A^T is stored in a_t ([KR][AW] swizzled,
+// this warp's 16 columns starting at chunk a_ch0) and B is b_tile ([KR][D] swizzled).
+template <class T, int D, int AW, int NC>
+__device__ __forceinline__ void mm_atb(float (&acc)[NC / 8][4], const T* a_t, int a_ch0, int k16,
+                                       const T* b_tile, int c0, int lane) {
+  uint32_t af[4];
+  // .trans: matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15) of A
+  // are the transposes of 8x8 blocks of a_t at key rows +0/+0/+8/+8 and chunks +0/+1/+0/+1.
+  ldsm_x4_trans(
+      af, a_t + swz<AW>(k16 * 16 + (lane & 7) + ((lane >> 4) << 3), a_ch0 + ((lane >> 3) & 1)));
+#pragma unroll
+  for (int nd2 = 0; nd2 < NC / 16; ++nd2) {
+    uint32_t bf[4];
+    ldsm_x4_trans(bf, b_tile + swz<D>(k16 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                      c0 / 8 + nd2 * 2 + (lane >> 4)));
+    Mma<T>::run(acc[2 * nd2], af, bf);
+    Mma<T>::run(acc[2 * nd2 + 1], af, bf + 2);
+  }
+}
+
+// Adds a 16 x NC accumulator (mma layout) into fp32 rows of `base` (row r at base + r * stride,
+// columns c0 ..): lanes pair up (tq, tq ^ 1) so each adds four consecutive floats of one row.
+template <int NC>
+__device__ __forceinline__ void red_rows(float* base, int64_t row0, int64_t rows, int64_t stride,
+                                         int c0, const float (&acc)[NC / 8][4], int g, int tq) {
+  const bool odd = tq & 1;
+  const int64_t row = row0 + g + (odd ? 8 : 0);
+  float* r = base + row * stride + c0 + 2 * (tq & ~1);
+#pragma unroll
+  for (int nd = 0; nd < NC / 8; ++nd) {
+    // Even lanes keep row g and take the partner's row-g pair; odd lanes keep row g + 8.
+    const float s0 = __shfl_xor_sync(0xffffffffu, odd ? acc[nd][0] : acc[nd][2], 1);
+    const float s1 = __shfl_xor_sync(0xffffffffu, odd ? acc[nd][1] : acc[nd][3], 1);
+    if (row >= rows) continue;
+    const float4 val = odd ? make_float4(s0, s1, acc[nd][2], acc[nd][3])
+                           : make_float4(acc[nd][0], acc[nd][1], s0, s1);
+    float* dst = r + nd * 8;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // No-return vector reduction (atomicAdd on float4 may emit the returning atom form).
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(val.x),
+                 "f"(val.y), "f"(val.z), "f"(val.w));
+#else
+    atomicAdd(dst, val.x);
+    atomicAdd(dst + 1, val.y);
+    atomicAdd(dst + 2, val.z);
+    atomicAdd(dst + 3, val.w);
+#endif
+  }
+}
+
+template <class T, int D, int BQ>
+__global__ void __launch_bounds__(kWarps * 32)
+    attn_bwd_fa2_mma(AttnParams p, int hpc, float* __restrict__ dq_acc, float* __restrict__ dk_acc,
+                     float* __restrict__ dv_acc, T* __restrict__ dk, T* __restrict__ dv,
+                     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse,
+                     const float* __restrict__ delta) {
+  constexpr int MT = 1;
+  constexpr int BK = 16 * kWarps;  // keys per block, 16 per warp
+  constexpr int NB = BQ / 8;
+  constexpr int DC = D <= 64 ? D : 32;  // dQ columns per pass (bounds the accumulator registers)
+  static_assert(BQ == 16 * kWarps, "dQ: one m16 tile of query rows per warp");
+  static_assert(2 * BQ <= kWarps * 32, "one thread per statistic");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* ks = reinterpret_cast<T*>(smem_raw);
+  T* vs = ks + BK * D;
+  T* qd = vs + BK * D;                                     // [2][Q tile, dO tile]
+  T* dss = qd + 4 * BQ * D;                                // dS^T [BK][BQ], swizzled
+  float* stats = reinterpret_cast<float*>(dss + BK * BQ);  // [2][lse2 BQ, delta BQ]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // x: (kv head, part of its q heads), fastest, so that all blocks of the low key blocks (the most
+  // work under a causal mask) start first; y: batch; z: key block.
+  const int n_parts = static_cast<int>(p.group) / hpc;
+  const int64_t hk = blockIdx.x / n_parts, h0 = hk * p.group + int64_t(blockIdx.x % n_parts) * hpc;
+  const int64_t b = blockIdx.y;
+  const int64_t j0b = int64_t(blockIdx.z) * BK;
+  const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
+  const int64_t kv_off = (b * p.sk * p.hkv + hk) * D;
+  const int64_t diag = p.sk - p.sq;
+  load_tile<T, D, BK>(ks, k + kv_off, j0b, p.sk, kv_stride);
+  load_tile<T, D, BK>(vs, v + kv_off, j0b, p.sk, kv_stride);
+  int64_t i_start = p.causal ? j0b - diag : 0;
+  i_start = i_start < 0 ? 0 : i_start / BQ * BQ;
+  const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + BQ - 1) / BQ) : 0;
+  const int n_it = n_qt * hpc;
+  // Starts the copies of Q/dO tile `it` and returns this thread's statistic of it (thread t < BQ:
+  // lse of row t, BQ <= t < 2 BQ: delta of row t - BQ), kept in a register until put_stat stores
+  // it so that the load's latency hides behind the current tile's work.
+  auto issue = [&](int it) -> float {
+    const int64_t h = h0 + it / n_qt;
+    const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
+    const int64_t q_off = (b * p.sq * p.hq + h) * D;
+    T* buf = qd + (it & 1) * 2 * BQ * D;
+    load_tile<T, D, BQ>(buf, q + q_off, i0, p.sq, q_stride);
+    load_tile<T, D, BQ>(buf + BQ * D, dout + q_off, i0, p.sq, q_stride);
+    const int64_t row = i0 + (threadIdx.x & (BQ - 1));
+    const int64_t idx = (b * p.hq + h) * p.sq + row;
+    if (threadIdx.x >= 2 * BQ || row >= p.sq) return 0.f;
+    return threadIdx.x < BQ ? lse[idx] : delta[idx];
+  };
+  auto put_stat = [&](int it, float val) {
+    if (threadIdx.x < 2 * BQ)
+      stats[(it & 1) * 2 * BQ + threadIdx.x] = threadIdx.x < BQ ? val * kLog2e : val;
+  };
+  if (n_it > 0) put_stat(0, issue(0));
+  cp_async_commit();
+  const int g = lane >> 2, tq = lane & 3;
+  const int wr0 = warp * 16;  // this warp's keys inside the block, and its dQ rows inside a tile
+  const int64_t kfirst = j0b + wr0, klast = kfirst + 15;
+  const float scale2 = p.scale * kLog2e;
+  float acc_k[MT][D / 8][4], acc_v[MT][D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_k[0][i][e] = acc_v[0][i][e] = 0.f;
+  for (int it = 0; it < n_it; ++it) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile `it` is in; every warp is done with iteration it - 1
+    // Into the buffers iteration it - 1 read; the statistic is stored at the end of this one.
+    const float next_stat = it + 1 < n_it ? issue(it + 1) : 0.f;
+    cp_async_commit();
+    const T* qs = qd + (it & 1) * 2 * BQ * D;
+    const T* dos = qs + BQ * D;
+    const float* lse2 = stats + (it & 1) * 2 * BQ;
+    const float* dl = lse2 + BQ;
+    const int64_t h = h0 + it / n_qt;
+    const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
+    // Keys of this warp above the diagonal of every query row of the tile: nothing to add, and
+    // its dS^T rows are not read below (the dQ pass skips key chunks above its own rows).
+    if (!(p.causal && kfirst > i0 + BQ - 1 + diag)) {
+      float s[MT][NB][4], dp[MT][NB][4];
+      mm_abt<T, D, MT, BQ>(s, ks, wr0, qs, lane);    // S^T: keys x queries
+      mm_abt<T, D, MT, BQ>(dp, vs, wr0, dos, lane);  // dP^T
+      const bool need_mask = i0 + BQ > p.sq || klast >= p.sk || (p.causal && klast > i0 + diag);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nb * 8 + tq * 2 + (e & 1);
+          bool ok = true;
+          if (need_mask) {
+            const int64_t i = i0 + col;
+            const int64_t j = kfirst + g + (e < 2 ? 0 : 8);
+            ok = i < p.sq && j < p.sk && !(p.causal && j > i + diag);
+          }
+          const float pr = ok ? exp2f(fmaf(s[0][nb][e], scale2, -lse2[col])) : 0.f;
+          s[0][nb][e] = pr;
+          dp[0][nb][e] = pr * (dp[0][nb][e] - dl[col]);
+        }
+      mm_pb<T, D, MT, BQ>(acc_v, s, dos, lane);
+      mm_pb<T, D, MT, BQ>(acc_k, dp, qs, lane);
+      // dS^T rows of this warp, rounded to T exactly as dK used them.
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<uint32_t*>(dss + swz<BQ>(wr0 + g + hf * 8, nb) + tq * 2) =
+              Mma<T>::pack(dp[0][nb][2 * hf], dp[0][nb][2 * hf + 1]);
+    }
+    __syncthreads();  // dS^T complete
+    // dQ rows i0 + wr0 .. + 15 of head h; key chunk c (keys j0b + 16 c ..) adds nothing to rows
+    // that see none of its keys, which also covers the chunks whose warp skipped above.
+    const int64_t r0 = i0 + wr0;
+    if (r0 < p.sq) {
+      float* dq_base = dq_acc + (b * p.sq * p.hq + h) * D;
+#pragma unroll
+      for (int c0 = 0; c0 < D; c0 += DC) {
+        float acc[DC / 8][4];
+#pragma unroll
+        for (int i = 0; i < DC / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        bool any = false;
+#pragma unroll
+        for (int c = 0; c < BK / 16; ++c) {
+          if (j0b + 16 * c >= p.sk || (p.causal && j0b + 16 * c > r0 + 15 + diag)) continue;
+          mm_atb<T, D, BQ, DC>(acc, dss, wr0 / 8, c, ks, c0, lane);
+          any = true;
+        }
+        if (any) red_rows<DC>(dq_base, r0, p.sq, q_stride, c0, acc, g, tq);
+      }
+    }
+    if (it + 1 < n_it) put_stat(it + 1, next_stat);
+  }
+  cp_async_wait<0>();
+  if (dk_acc != nullptr) {  // the group's q heads are split over blocks: add fp32 partial sums
+    if (kfirst < p.sk) {
+      red_rows<D>(dk_acc + kv_off, kfirst, p.sk, kv_stride, 0, acc_k[0], g, tq);
+      red_rows<D>(dv_acc + kv_off, kfirst, p.sk, kv_stride, 0, acc_v[0], g, tq);
+    }
+  } else {
+    store_rows<T, D, MT>(dk + kv_off, kfirst, p.sk, kv_stride, acc_k, p.scale, g, tq);
+    store_rows<T, D, MT>(dv + kv_off, kfirst, p.sk, kv_stride, acc_v, 1.0f, g, tq);
+  }
+}
+
+// dQ = scale * acc, 8 elements per thread (n8 groups of 8; both pointers 16-byte aligned).
+template <class T>
+__global__ void attn_dq_convert(int64_t n8, float scale, T* __restrict__ dq,
+                                const float* __restrict__ acc) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n8;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 a = reinterpret_cast<const float4*>(acc)[2 * i];
+    const float4 c = reinterpret_cast<const float4*>(acc)[2 * i + 1];
+    uint4 o;
+    o.x = Mma<T>::pack(a.x * scale, a.y * scale);
+    o.y = Mma<T>::pack(a.z * scale, a.w * scale);
+    o.z = Mma<T>::pack(c.x * scale, c.y * scale);
+    o.w = Mma<T>::pack(c.z * scale, c.w * scale);
+    reinterpret_cast<uint4*>(dq)[i] = o;
+  }
+}
+
 template <class T, int D, int MT>
 void launch_bwd_dq(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_out,
                    const Tensor& q, const Tensor& k, const Tensor& v, const float* lse,
@@ -644,6 +873,75 @@ void launch_bwd_dkv(const AttnParams& p, const Tensor& grad_k, const Tensor& gra
   ACCEL_CUDA_CHECK_LAUNCH("attention_backward dk/dv (tensor cores)");
 }
 
+// q heads per fa2 block: ACCEL_ATTN_FA2_HEADS (read per call, for benchmarking) or 1, lowered to
+// a divisor of the group. One head per block balances a causal mask best (the first key block
+// has group times the work otherwise) at the cost of fp32 dK/dV partial sums through atomics;
+// the whole group per block keeps dK/dV in registers and stores them directly.
+int fa2_heads_per_block(int64_t group) {
+  const char* e = std::getenv("ACCEL_ATTN_FA2_HEADS");
+  int64_t n = e ? std::atoll(e) : 1;
+  n = n < 1 ? 1 : (n > group ? group : n);
+  while (group % n != 0) --n;
+  return static_cast<int>(n);
+}
+
+// n8 groups of 8 fp32 values in `acc` -> T (scaled) on the stream.
+template <class T>
+void convert_acc(const Tensor& dst, const Tensor& acc, float scale, cudaStream_t stream) {
+  const int64_t n8 = dst.numel() / 8;  // D is 64 or 128
+  const int64_t blocks = (n8 + 255) / 256;
+  attn_dq_convert<T>
+      <<<static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16), 256, 0, stream>>>(
+          n8, scale, static_cast<T*>(dst.data_ptr()), static_cast<const float*>(acc.data_ptr()));
+  ACCEL_CUDA_CHECK_LAUNCH("attention_backward fp32 -> gradient");
+}
+
+// fp32 accumulator shaped like `like`, from the caching allocator, zeroed on the stream.
+Tensor zeroed_acc(const Tensor& like, cudaStream_t stream) {
+  Tensor acc = Tensor::empty(like.shape(), DType::F32, like.device(), MemCategory::Other);
+  ACCEL_CUDA_CHECK(cudaMemsetAsync(acc.data_ptr(), 0,
+                                   static_cast<size_t>(like.numel()) * sizeof(float), stream));
+  return acc;
+}
+
+template <class T, int D>
+void launch_bwd_fa2(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
+                    const Tensor& grad_v, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                    const Tensor& v, const float* lse, const float* delta, cudaStream_t stream) {
+  constexpr int BQ = 16 * kWarps, BK = 16 * kWarps;
+  const size_t smem = ((2 * BK + 4 * BQ) * D + BK * BQ) * sizeof(T) + 4 * BQ * sizeof(float);
+  static bool attr_set = false;
+  if (!attr_set) {
+    ACCEL_CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_fa2_mma<T, D, BQ>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    attr_set = true;
+  }
+  const int hpc = fa2_heads_per_block(p.group);
+  const bool split_kv = hpc < p.group;
+  Tensor dq_acc = zeroed_acc(grad_q, stream);
+  Tensor dk_acc, dv_acc;
+  if (split_kv) {
+    dk_acc = zeroed_acc(grad_k, stream);
+    dv_acc = zeroed_acc(grad_v, stream);
+  }
+  dim3 grid(static_cast<unsigned>(p.hkv * (p.group / hpc)), static_cast<unsigned>(p.b),
+            static_cast<unsigned>((p.sk + BK - 1) / BK));
+  attn_bwd_fa2_mma<T, D, BQ><<<grid, kWarps * 32, smem, stream>>>(
+      p, hpc, static_cast<float*>(dq_acc.data_ptr()),
+      split_kv ? static_cast<float*>(dk_acc.data_ptr()) : nullptr,
+      split_kv ? static_cast<float*>(dv_acc.data_ptr()) : nullptr,
+      static_cast<T*>(grad_k.data_ptr()), static_cast<T*>(grad_v.data_ptr()),
+      static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+      static_cast<const T*>(v.data_ptr()), static_cast<const T*>(grad_out.data_ptr()), lse, delta);
+  ACCEL_CUDA_CHECK_LAUNCH("attention_backward fa2 (tensor cores)");
+  convert_acc<T>(grad_q, dq_acc, p.scale, stream);
+  if (split_kv) {
+    convert_acc<T>(grad_k, dk_acc, p.scale, stream);
+    convert_acc<T>(grad_v, dv_acc, 1.0f, stream);
+  }
+}
+
 // m16 tiles per warp of the backward kernels for head dim 64 (128 always uses one):
 // ACCEL_ATTN_DQ_MT / ACCEL_ATTN_DKV_MT = 1 or 2 override the defaults (for benchmarking).
 int env_mt(const char* name, int dflt) {
@@ -653,9 +951,10 @@ int env_mt(const char* name, int dflt) {
 }
 
 template <class T, int D>
-void launch_bwd(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
-                const Tensor& grad_v, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                const Tensor& v, const float* lse, const float* delta, cudaStream_t stream) {
+void launch_bwd_split(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
+                      const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
+                      const Tensor& k, const Tensor& v, const float* lse, const float* delta,
+                      cudaStream_t stream) {
   if constexpr (D <= 64) {
     static const int dq_mt = env_mt("ACCEL_ATTN_DQ_MT", kDefaultDqMt);
     static const int dkv_mt = env_mt("ACCEL_ATTN_DKV_MT", kDefaultDkvMt);
@@ -673,9 +972,32 @@ void launch_bwd(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
   }
 }
 
+template <class T, int D>
+void launch_bwd(AttnBwdImpl impl, const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
+                const Tensor& grad_v, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                const Tensor& v, const float* lse, const float* delta, cudaStream_t stream) {
+  // fa2's grid puts key blocks in z and the batch in y (at most 65535 each).
+  const bool fa2_fits = (p.sk + 63) / 64 <= 65535 && p.b <= 65535;
+  if (impl == AttnBwdImpl::Fa2 && fa2_fits)
+    launch_bwd_fa2<T, D>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
+  else
+    launch_bwd_split<T, D>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, lse, delta, stream);
+}
+
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 }  // namespace
+
+AttnBwdImpl attention_backward_impl(DType dtype, int head_dim) {
+  if ((dtype != DType::BF16 && dtype != DType::F16) || (head_dim != 64 && head_dim != 128))
+    return AttnBwdImpl::None;
+  // Read on every call so a benchmark can time both paths in one process.
+  const char* e = std::getenv("ACCEL_ATTN_BWD");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "fa2") == 0) return AttnBwdImpl::Fa2;
+  if (std::strcmp(e, "split") == 0) return AttnBwdImpl::Split;
+  throw std::invalid_argument(std::string("[attention] ACCEL_ATTN_BWD='") + e +
+                              "' is not a backward implementation; use fa2 or split (or unset it)");
+}
 
 bool attention_forward_mma(const AttnParams& p, const Tensor& out, const Tensor& lse,
                            const Tensor& q, const Tensor& k, const Tensor& v, cudaStream_t stream) {
@@ -707,18 +1029,20 @@ bool attention_backward_mma(const AttnParams& p, const Tensor& grad_q, const Ten
   if ((t != DType::BF16 && t != DType::F16) || (p.d != 64 && p.d != 128)) return false;
   for (const Tensor* x : {&grad_q, &grad_k, &grad_v, &grad_out, &q, &k, &v})
     if (!aligned16(x->data_ptr())) return false;
+  const AttnBwdImpl impl = attention_backward_impl(t, p.d);
   const float* l = static_cast<const float*>(lse.data_ptr());
   if (t == DType::BF16) {
     if (p.d == 64)
-      launch_bwd<__nv_bfloat16, 64>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
+      launch_bwd<__nv_bfloat16, 64>(impl, p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta,
+                                    stream);
     else
-      launch_bwd<__nv_bfloat16, 128>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta,
+      launch_bwd<__nv_bfloat16, 128>(impl, p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta,
                                      stream);
   } else {
     if (p.d == 64)
-      launch_bwd<__half, 64>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
+      launch_bwd<__half, 64>(impl, p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
     else
-      launch_bwd<__half, 128>(p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
+      launch_bwd<__half, 128>(impl, p, grad_q, grad_k, grad_v, grad_out, q, k, v, l, delta, stream);
   }
   return true;
 }

@@ -2,6 +2,7 @@
 // copy bandwidth, 4.3 TB/s on an H200 unless --bw says otherwise), GEMM and attention TFLOP/s.
 // Shapes are Llama-3.2-1B's at 8192 tokens per step (hidden 2048, MLP 8192, 32 q / 8 kv heads of
 // 64, vocab 128256). Plain main: `bench_cuda_kernels [--bw TBps] [--iters N]`.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -172,8 +173,49 @@ int main(int argc, char** argv) {
     Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)),
            dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
+    // Both tensor-core backward paths (ACCEL_ATTN_BWD is read per call), then the caller's setting.
+    const char* bwd_env = std::getenv("ACCEL_ATTN_BWD");
+    const std::string bwd_saved = bwd_env ? bwd_env : "";
+    for (const char* impl : {"fa2", "split"}) {
+      setenv("ACCEL_ATTN_BWD", impl, 1);
+      ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+      row_flops((std::string("attention bwd (") + impl + ")").c_str(), ms, 2.5 * fwd_flops);
+    }
+    // fa2 with the whole q-head group per block (dK/dV in registers, no partial sums).
+    const char* heads_env = std::getenv("ACCEL_ATTN_FA2_HEADS");
+    const std::string heads_saved = heads_env ? heads_env : "";
+    setenv("ACCEL_ATTN_BWD", "fa2", 1);
+    setenv("ACCEL_ATTN_FA2_HEADS", "64", 1);
     ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
-    row_flops("attention bwd", ms, 2.5 * fwd_flops);
+    row_flops("attention bwd (fa2, group/block)", ms, 2.5 * fwd_flops);
+    if (heads_env)
+      setenv("ACCEL_ATTN_FA2_HEADS", heads_saved.c_str(), 1);
+    else
+      unsetenv("ACCEL_ATTN_FA2_HEADS");
+    {  // Head dim 128 at the same width (half the heads), for choosing the path per head dim.
+      const int64_t hq2 = HQ / 2, hkv2 = HKV / 2, d2 = 2 * D;
+      const double sc2 = 1.0 / std::sqrt(static_cast<double>(d2));
+      Tensor q2 = randn({B, S, hq2, d2}, bf), k2 = randn({B, S, hkv2, d2}, bf),
+             v2 = randn({B, S, hkv2, d2}, bf), dout2 = randn({B, S, hq2, d2}, bf);
+      Tensor o2 = Tensor::empty(q2.shape(), bf, Device::cuda(0));
+      Tensor lse2 = Tensor::empty({B, hq2, S}, DType::F32, Device::cuda(0));
+      Tensor dq2 = Tensor::empty(q2.shape(), bf, Device::cuda(0)),
+             dk2 = Tensor::empty(k2.shape(), bf, Device::cuda(0)),
+             dv2 = Tensor::empty(v2.shape(), bf, Device::cuda(0));
+      const double flops2 = 4.0 * B * hq2 * S * S * d2 / 2;
+      ms = time_ms([&] { be.attention(o2, lse2, q2, k2, v2, true, sc2); });
+      row_flops("attention fwd (d128)", ms, flops2);
+      for (const char* impl : {"fa2", "split"}) {
+        setenv("ACCEL_ATTN_BWD", impl, 1);
+        ms = time_ms(
+            [&] { be.attention_backward(dq2, dk2, dv2, dout2, q2, k2, v2, o2, lse2, true, sc2); });
+        row_flops((std::string("attention bwd (d128, ") + impl + ")").c_str(), ms, 2.5 * flops2);
+      }
+    }
+    if (bwd_env)
+      setenv("ACCEL_ATTN_BWD", bwd_saved.c_str(), 1);
+    else
+      unsetenv("ACCEL_ATTN_BWD");
     if (attn_only) return 0;
     cuda::set_attention_impl("generic");
     ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });

@@ -3,9 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
 
 #include "tests/cuda/cuda_test_util.h"
 #ifdef ACCEL_WITH_CUDA
+#include "ops/cuda/attention.cuh"
 #include "ops/cuda/cuda_backend.h"
 #endif
 
@@ -13,18 +17,37 @@ namespace accel {
 namespace {
 using namespace cuda_test;
 
+// Tensor-core backward paths (ACCEL_ATTN_BWD); Default leaves the variable unset. Fa2 runs one q
+// head per block (fp32 dK/dV partial sums), Fa2Group the whole group (ACCEL_ATTN_FA2_HEADS).
+enum class Bwd { Default, Fa2, Fa2Group, Split };
+
+const char* bwd_suffix(Bwd b) {
+  switch (b) {
+    case Bwd::Fa2:
+      return "_fa2";
+    case Bwd::Fa2Group:
+      return "_fa2group";
+    case Bwd::Split:
+      return "_split";
+    default:
+      return "";
+  }
+}
+
 struct AttnCase {
   DType dtype;
   int64_t b, s, hq, hkv, d;
   bool causal;
-  bool generic;  // force the generic kernels
+  bool generic = false;  // force the generic kernels
+  Bwd bwd = Bwd::Default;
+  int64_t sk = 0;  // key count when it differs from s (causal mask bottom-right aligned)
 };
 
 std::string case_name(const AttnCase& c) {
   return std::string(dtype_name(c.dtype)) + "_b" + std::to_string(c.b) + "_s" +
-         std::to_string(c.s) + "_hq" + std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) +
-         "_d" + std::to_string(c.d) + (c.causal ? "_causal" : "_full") +
-         (c.generic ? "_generic" : "");
+         std::to_string(c.s) + (c.sk ? "_sk" + std::to_string(c.sk) : "") + "_hq" +
+         std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) + "_d" + std::to_string(c.d) +
+         (c.causal ? "_causal" : "_full") + (c.generic ? "_generic" : "") + bwd_suffix(c.bwd);
 }
 
 class CudaAttention : public ::testing::TestWithParam<AttnCase> {
@@ -33,11 +56,16 @@ class CudaAttention : public ::testing::TestWithParam<AttnCase> {
 #ifdef ACCEL_WITH_CUDA
     if (cuda::available()) cuda::set_attention_impl(GetParam().generic ? "generic" : "auto");
 #endif
+    const Bwd bwd = GetParam().bwd;
+    if (bwd != Bwd::Default) setenv("ACCEL_ATTN_BWD", bwd == Bwd::Split ? "split" : "fa2", 1);
+    if (bwd == Bwd::Fa2Group) setenv("ACCEL_ATTN_FA2_HEADS", "64", 1);  // lowered to the group
   }
   void TearDown() override {
 #ifdef ACCEL_WITH_CUDA
     if (cuda::available()) cuda::set_attention_impl("auto");
 #endif
+    unsetenv("ACCEL_ATTN_BWD");
+    unsetenv("ACCEL_ATTN_FA2_HEADS");
   }
 };
 
@@ -48,7 +76,8 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  const Shape qs{c.b, c.s, c.hq, c.d}, ks{c.b, c.s, c.hkv, c.d}, ls{c.b, c.hq, c.s};
+  const int64_t sk = c.sk ? c.sk : c.s;
+  const Shape qs{c.b, c.s, c.hq, c.d}, ks{c.b, sk, c.hkv, c.d}, ls{c.b, c.hq, c.s};
   Tensor q = random_tensor(qs, t, rng, -2, 2), k = random_tensor(ks, t, rng, -2, 2);
   Tensor v = random_tensor(ks, t, rng);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
@@ -73,18 +102,62 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   expect_close(gdv, wdv, r, r * rms(wdv), "grad_v");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
-                         ::testing::Values(AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, false},
-                                           AttnCase{DType::BF16, 1, 130, 4, 1, 128, true, false},
-                                           AttnCase{DType::BF16, 2, 77, 2, 2, 64, false, false},
-                                           AttnCase{DType::F16, 1, 129, 4, 2, 128, true, false},
-                                           AttnCase{DType::BF16, 1, 300, 4, 1, 64, true, false},
-                                           AttnCase{DType::F16, 1, 200, 2, 2, 64, false, false},
-                                           AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, true},
-                                           AttnCase{DType::F32, 2, 70, 4, 2, 64, true, false},
-                                           AttnCase{DType::F32, 1, 45, 3, 1, 80, false, false},
-                                           AttnCase{DType::F32, 1, 33, 2, 2, 16, true, false}),
+// The tensor-core cases, each run under every backward path: GQA ratios 1, 2 and 4, head dims
+// 64 and 128, bf16 and f16, batch 1 and 2, lengths below, at and across the 64-row tiles.
+std::vector<AttnCase> mma_cases() {
+  const DType B = DType::BF16, H = DType::F16;
+  const std::vector<AttnCase> base = {
+      {B, 2, 100, 4, 2, 64, true},   {B, 1, 130, 4, 1, 128, true}, {B, 2, 77, 2, 2, 64, false},
+      {H, 1, 129, 4, 2, 128, true},  {B, 1, 300, 4, 1, 64, true},  {H, 1, 200, 2, 2, 64, false},
+      {B, 2, 1, 4, 4, 64, true},     {H, 1, 1, 2, 1, 128, false},  {B, 2, 37, 4, 1, 128, true},
+      {H, 2, 37, 4, 4, 64, true},    {B, 1, 257, 8, 2, 64, true},  {H, 2, 257, 2, 1, 128, true},
+      {B, 2, 130, 4, 2, 128, false}, {B, 1, 64, 2, 1, 64, true},   {H, 1, 128, 4, 4, 128, true},
+  };
+  std::vector<AttnCase> out;
+  for (Bwd bwd : {Bwd::Fa2, Bwd::Fa2Group, Bwd::Split})
+    for (AttnCase c : base) {
+      if (bwd == Bwd::Fa2Group && c.hq == c.hkv) continue;  // the same as Fa2
+      c.bwd = bwd;
+      out.push_back(c);
+    }
+  // Key count != query count: bottom-right aligned causal mask; with more queries than keys the
+  // first rows see no key at all (lse -inf, zero gradients).
+  for (Bwd bwd : {Bwd::Fa2, Bwd::Fa2Group, Bwd::Split}) {
+    AttnCase more_keys{B, 1, 37, 4, 2, 64, true, false, bwd, 100};
+    AttnCase more_queries{H, 2, 100, 2, 1, 128, true, false, bwd, 37};
+    out.push_back(more_keys);
+    out.push_back(more_queries);
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorCores, CudaAttention, ::testing::ValuesIn(mma_cases()),
                          [](const auto& info) { return case_name(info.param); });
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
+                         ::testing::Values(AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, true},
+                                           AttnCase{DType::F32, 2, 70, 4, 2, 64, true},
+                                           AttnCase{DType::F32, 1, 45, 3, 1, 80, false},
+                                           AttnCase{DType::F32, 1, 33, 2, 2, 16, true}),
+                         [](const auto& info) { return case_name(info.param); });
+
+#ifdef ACCEL_WITH_CUDA
+// The switch itself (host code, no GPU needed).
+TEST(CudaAttentionOps, BackwardSwitchFollowsEnv) {
+  unsetenv("ACCEL_ATTN_BWD");
+  EXPECT_EQ(cuda::attention_backward_impl(DType::BF16, 64), cuda::AttnBwdImpl::Fa2);
+  EXPECT_EQ(cuda::attention_backward_impl(DType::F16, 128), cuda::AttnBwdImpl::Fa2);
+  EXPECT_EQ(cuda::attention_backward_impl(DType::F32, 64), cuda::AttnBwdImpl::None);
+  EXPECT_EQ(cuda::attention_backward_impl(DType::BF16, 80), cuda::AttnBwdImpl::None);
+  setenv("ACCEL_ATTN_BWD", "split", 1);
+  EXPECT_EQ(cuda::attention_backward_impl(DType::BF16, 64), cuda::AttnBwdImpl::Split);
+  setenv("ACCEL_ATTN_BWD", "fa2", 1);
+  EXPECT_EQ(cuda::attention_backward_impl(DType::BF16, 128), cuda::AttnBwdImpl::Fa2);
+  setenv("ACCEL_ATTN_BWD", "fast", 1);
+  EXPECT_THROW(cuda::attention_backward_impl(DType::BF16, 64), std::invalid_argument);
+  unsetenv("ACCEL_ATTN_BWD");
+}
+#endif
 
 TEST(CudaAttentionOps, AutogradThroughOpsLayer) {
   ACCEL_SKIP_WITHOUT_CUDA();
