@@ -112,6 +112,14 @@ struct AdamWParams {
 // (clipping and loss-scale unscaling).
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                 const AdamWParams& p, double grad_scale = 1.0);
+// adamw_step over lists (one entry per tensor; every list as long as `params`, all on one
+// device), in one pass where the backend can: each entry gets exactly adamw_step's numbers. With
+// `compute_copies` non-empty (one defined bf16/f16 tensor per param, same shape, contiguous), each
+// copy also receives its updated param rounded once to nearest even, as copy_ would write it.
+void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
+                      const AdamWParams& p, double grad_scale = 1.0,
+                      const std::vector<Tensor>& compute_copies = {});
 // param -= lr * (momentum buffer), torch.optim.SGD semantics with dampening 0, no nesterov.
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, double lr,
               double momentum, double weight_decay, double grad_scale = 1.0);

@@ -21,6 +21,44 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
   backend_for(param.device()).adamw_step(param, grad, m, v, p, grad_scale);
 }
 
+void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
+                      const AdamWParams& p, double grad_scale,
+                      const std::vector<Tensor>& compute_copies) {
+  const char* op = "adamw_step_multi";
+  const size_t n = params.size();
+  if (grads.size() != n || ms.size() != n || vs.size() != n ||
+      (!compute_copies.empty() && compute_copies.size() != n))
+    detail::op_error(op, std::to_string(n) + " params, " + std::to_string(grads.size()) +
+                             " grads, " + std::to_string(ms.size()) + " exp_avg, " +
+                             std::to_string(vs.size()) + " exp_avg_sq and " +
+                             std::to_string(compute_copies.size()) +
+                             " compute copies: the lists must have one entry per param "
+                             "(compute copies may be empty)");
+  if (n == 0) return;
+  for (size_t i = 0; i < n; ++i) {
+    if (!params[i].defined() || !grads[i].defined() || !ms[i].defined() || !vs[i].defined())
+      detail::op_error(op, "entry " + std::to_string(i) +
+                               " has an undefined param, grad or moment (leave it out instead)");
+    check_state(op, params[i], grads[i], ms[i]);
+    check_state(op, params[i], grads[i], vs[i]);
+    detail::check_same_device(op, params[0], params[i]);
+    if (compute_copies.empty()) continue;
+    const Tensor& c = compute_copies[i];
+    if (!c.defined() || c.shape() != params[i].shape() || !c.is_contiguous())
+      detail::op_error(op, "compute copy " + (c.defined() ? c.str() : std::string("(undefined)")) +
+                               " of param " + params[i].str() +
+                               " must be defined, contiguous and of the param's shape");
+    if (c.dtype() != DType::BF16 && c.dtype() != DType::F16)
+      detail::op_error(op, "compute copy " + c.str() + " must be bf16 or f16");
+    if (params[i].dtype() != DType::F32)
+      detail::op_error(op, "compute copies need f32 params, not " + params[i].str());
+    detail::check_same_device(op, params[i], c);
+  }
+  backend_for(params[0].device())
+      .adamw_step_multi(params, grads, ms, vs, compute_copies, p, grad_scale);
+}
+
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
               double momentum, double weight_decay, double grad_scale) {
   check_state("sgd_step", param, grad, buf);

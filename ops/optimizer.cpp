@@ -8,12 +8,24 @@
 namespace accel {
 
 Optimizer::Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
-                     std::vector<std::string> names)
-    : opts_(opts), params_(std::move(params)), names_(std::move(names)) {
+                     std::vector<std::string> names, std::vector<Tensor> compute_copies)
+    : opts_(opts),
+      params_(std::move(params)),
+      names_(std::move(names)),
+      copies_(std::move(compute_copies)) {
   if (opts_.name != "adamw" && opts_.name != "sgd")
     throw std::invalid_argument("optimizer.name '" + opts_.name + "' is not one of adamw, sgd");
   if (names_.size() != params_.size())
     throw std::logic_error("Optimizer: one name per parameter is needed");
+  if (!copies_.empty() && copies_.size() != params_.size())
+    throw std::logic_error("Optimizer: compute copies must be empty or one per parameter");
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    const Tensor& c = copies_[i];
+    if (!c.defined() || c.shape() != params_[i].shape() || c.device() != params_[i].device() ||
+        (c.dtype() != DType::BF16 && c.dtype() != DType::F16) || params_[i].dtype() != DType::F32)
+      throw std::logic_error("Optimizer: compute copy of '" + names_[i] +
+                             "' must be a bf16/f16 tensor of its f32 param's shape and device");
+  }
   for (const Tensor& p : params_) {
     m_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
     if (opts_.name == "adamw")
@@ -26,15 +38,26 @@ void Optimizer::step(const std::vector<Tensor>& grads, double lr, double grad_sc
     throw std::logic_error("Optimizer::step: " + std::to_string(grads.size()) + " grads for " +
                            std::to_string(params_.size()) + " params");
   ++step_;
+  if (opts_.name == "adamw") {
+    // One multi-tensor update over the params that have a gradient.
+    std::vector<Tensor> p, g, m, v, c;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      p.push_back(params_[i]);
+      g.push_back(grads[i]);
+      m.push_back(m_[i]);
+      v.push_back(v_[i]);
+      if (!copies_.empty()) c.push_back(copies_[i]);
+    }
+    adamw_step_multi(
+        p, g, m, v, AdamWParams{lr, opts_.beta1, opts_.beta2, opts_.eps, opts_.weight_decay, step_},
+        grad_scale, c);
+    return;
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!grads[i].defined()) continue;
-    if (opts_.name == "adamw") {
-      adamw_step(params_[i], grads[i], m_[i], v_[i],
-                 AdamWParams{lr, opts_.beta1, opts_.beta2, opts_.eps, opts_.weight_decay, step_},
-                 grad_scale);
-    } else {
-      sgd_step(params_[i], grads[i], m_[i], lr, opts_.momentum, opts_.weight_decay, grad_scale);
-    }
+    sgd_step(params_[i], grads[i], m_[i], lr, opts_.momentum, opts_.weight_decay, grad_scale);
+    if (!copies_.empty()) copies_[i].copy_(params_[i]);
   }
 }
 

@@ -21,10 +21,16 @@ class Optimizer {
  public:
   // `params` are updated in place; state tensors live on `state_device` (the params' device, or
   // the CPU for optimizer offload, in which case params must be on the CPU too).
+  //
+  // `compute_copies`: empty, or one bf16/f16 tensor per (f32) param, same shape and device, that
+  // every step refreshes with its updated param rounded once (as copy_ would): AdamW writes them
+  // in the same pass as the update. Copies of params whose grad is undefined are left as they
+  // are (their params did not change). The owner refreshes them itself after load_state.
   Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
-            std::vector<std::string> names);
+            std::vector<std::string> names, std::vector<Tensor> compute_copies = {});
 
-  // One update with learning rate lr; each grad is multiplied by grad_scale first.
+  // One update with learning rate lr; each grad is multiplied by grad_scale first. Params whose
+  // grad is undefined are skipped.
   void step(const std::vector<Tensor>& grads, double lr, double grad_scale = 1.0);
 
   int64_t step_count() const { return step_; }
@@ -39,7 +45,8 @@ class Optimizer {
   OptimizerOptions opts_;
   std::vector<Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<Tensor> m_, v_;  // adamw moments, or m_ = momentum buffers for sgd
+  std::vector<Tensor> copies_;  // compute copies (empty: none)
+  std::vector<Tensor> m_, v_;   // adamw moments, or m_ = momentum buffers for sgd
   int64_t step_ = 0;
 };
 

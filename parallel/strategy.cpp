@@ -19,6 +19,7 @@ nlohmann::json Strategy::run_report() const { return nullptr; }
 void SingleProcessStrategy::setup(Module& model, const OptimizerOptions& opts) {
   params_ = model.parameters();
   std::vector<std::string> names;
+  std::vector<Tensor> copies;  // the optimizer refreshes them in its update pass
   NoGradGuard no_grad;
   for (Parameter* p : params_) {
     if (p->value.dtype() != DType::F32)
@@ -34,9 +35,10 @@ void SingleProcessStrategy::setup(Module& model, const OptimizerOptions& opts) {
       copy.set_name(p->name);
       master_.back().set_requires_grad(false);
       p->value = copy;
+      copies.push_back(copy);
     }
   }
-  optimizer_ = std::make_unique<Optimizer>(opts, master_, names);
+  optimizer_ = std::make_unique<Optimizer>(opts, master_, names, std::move(copies));
 }
 
 StepResult SingleProcessStrategy::step(double lr, double max_grad_norm, double grad_scale) {
@@ -53,11 +55,8 @@ StepResult SingleProcessStrategy::step(double lr, double max_grad_norm, double g
     for (size_t i = 0; i < params_.size() && r.first_non_finite.empty(); ++i)
       if (grads[i].defined() && has_non_finite(grads[i])) r.first_non_finite = params_[i]->name;
   } else {
+    // Also refreshes the 16-bit compute copies (the optimizer holds them).
     optimizer_->step(grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
-    if (compute_dtype_ != DType::F32) {
-      NoGradGuard no_grad;
-      for (size_t i = 0; i < params_.size(); ++i) params_[i]->value.copy_(master_[i]);
-    }
   }
   for (Parameter* p : params_) p->value.zero_grad();
   return r;

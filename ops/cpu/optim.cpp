@@ -99,6 +99,18 @@ void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tenso
   });
 }
 
+void CpuBackend::adamw_step_multi(const std::vector<Tensor>& params,
+                                  const std::vector<Tensor>& grads, const std::vector<Tensor>& ms,
+                                  const std::vector<Tensor>& vs,
+                                  const std::vector<Tensor>& compute_copies, const AdamWParams& p,
+                                  double grad_scale) {
+  // The per-tensor kernel, then copy_'s rounding: the same numbers as the two separate passes.
+  for (size_t i = 0; i < params.size(); ++i) {
+    adamw_step(params[i], grads[i], ms[i], vs[i], p, grad_scale);
+    if (!compute_copies.empty()) compute_copies[i].copy_(params[i]);
+  }
+}
+
 void CpuBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                           double momentum, double weight_decay, double grad_scale) {
   check_state("sgd_step", param, grad, buf);

@@ -50,6 +50,10 @@ class CudaBackend final : public Backend {
                    double stddev) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                   const AdamWParams& p, double grad_scale) override;
+  void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
+                        const std::vector<Tensor>& compute_copies, const AdamWParams& p,
+                        double grad_scale) override;
   void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                 double momentum, double weight_decay, double grad_scale) override;
   double sum_of_squares(const std::vector<Tensor>& xs) override;
@@ -67,10 +71,13 @@ bool allow_tf32();
 // environment variable ACCEL_ATTENTION=generic sets it at start).
 void set_attention_impl(const char* impl);
 
-// AdamW over many tensors in one launch per (dtype pair): the same math as adamw_step for each i.
+// AdamW over many tensors in one launch per (param, grad, copy) dtype combination (a chunked
+// work list over all of them): the same math as adamw_step for each i. `compute_copies` empty, or
+// one bf16/f16 tensor per (fp32) param that receives the updated param rounded to nearest even.
 void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
-                      const AdamWParams& p, double grad_scale);
+                      const AdamWParams& p, double grad_scale,
+                      const std::vector<Tensor>& compute_copies = {});
 }  // namespace cuda
 
 }  // namespace accel

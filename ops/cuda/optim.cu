@@ -2,6 +2,8 @@
 // and SGD with momentum. Per-element math in fp32; the step's scalars are computed on the host in
 // double.
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "ops/cuda/common.cuh"
 
@@ -14,55 +16,112 @@ struct AdamScalars {
   float step_size, inv_bias2_sqrt, grad_scale;
 };
 
-template <class TP, class TG>
-__global__ void adamw_kernel(TP* __restrict__ p, const TG* __restrict__ g, TP* __restrict__ m,
-                             TP* __restrict__ v, int64_t n, AdamScalars s) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float gr = to_f(g[i]) * s.grad_scale;
-    float mi = to_f(m[i]), vi = to_f(v[i]), pi = to_f(p[i]);
-    pi *= s.decay;
-    mi += (1.0f - s.beta1) * (gr - mi);
-    vi = s.beta2 * vi + (1.0f - s.beta2) * gr * gr;
-    const float denom = sqrtf(vi) * s.inv_bias2_sqrt + s.eps;
-    pi -= s.step_size * mi / denom;
-    p[i] = from_f<TP>(pi);
-    m[i] = from_f<TP>(mi);
-    v[i] = from_f<TP>(vi);
-  }
+// One element of AdamW, in the order every AdamW kernel here has used (CPU/GPU agreement as
+// before).
+__device__ __forceinline__ void adamw_update(float gr, float& pi, float& mi, float& vi,
+                                             const AdamScalars& s) {
+  pi *= s.decay;
+  mi += (1.0f - s.beta1) * (gr - mi);
+  vi = s.beta2 * vi + (1.0f - s.beta2) * gr * gr;
+  const float denom = sqrtf(vi) * s.inv_bias2_sqrt + s.eps;
+  pi -= s.step_size * mi / denom;
 }
 
-// Up to kMultiMax tensors per launch; blockIdx.y picks the tensor, blocks grid-stride over it.
-constexpr int kMultiMax = 24;
-template <class TP, class TG>
+// Multi-tensor AdamW: every tensor of a launch is cut into chunks of kChunk elements and each
+// block updates one chunk (the work list is the prefix sum of chunk counts; a block finds its
+// tensor by binary search). Aligned tensors go kVec elements per load; the rest, and each
+// chunk's tail, one element at a time. The tensor table travels as a __grid_constant__ kernel
+// parameter (up to 32 KB since CUDA 12.1 on sm_70+), so a launch needs no device-side upload.
+constexpr int kMultiThreads = 256;
+constexpr int kVec = 4;
+constexpr int64_t kChunk = 16384;  // 16 vectors per thread
+constexpr int kMultiMax = 320;     // tensors per launch (llama-1b has 147)
+
+struct NoCopy {};  // the copy type when no compute copies are written
+
+template <class T>
+struct alignas(sizeof(T) * kVec) Pack {
+  T x[kVec];
+};
+
+template <class TP, class TG, class TC>
 struct AdamMulti {
   TP* p[kMultiMax];
   const TG* g[kMultiMax];
   TP* m[kMultiMax];
   TP* v[kMultiMax];
+  TC* c[kMultiMax];
   int64_t n[kMultiMax];
+  int32_t first_chunk[kMultiMax + 1];  // tensor t owns chunks [first_chunk[t], first_chunk[t+1])
+  bool vec[kMultiMax];                 // all of tensor t's pointers are aligned for Pack access
+  int count;
 };
 
-template <class TP, class TG>
-__global__ void adamw_multi_kernel(AdamMulti<TP, TG> a, AdamScalars s) {
-  const int t = blockIdx.y;
+// The compute copy's rounding, exactly as Tensor::copy_ (store_f) writes it: round to nearest
+// even (f32_to_bf16 keeps NaN payload bits the way the cast kernel does).
+template <class TC>
+__device__ __forceinline__ TC round_copy(float v) {
+  if constexpr (std::is_same_v<TC, __nv_bfloat16>)
+    return __ushort_as_bfloat16(f32_to_bf16(v));
+  else
+    return __float2half_rn(v);
+}
+
+template <class TP, class TG, class TC>
+__global__ void __launch_bounds__(kMultiThreads)
+    adamw_multi_kernel(const __grid_constant__ AdamMulti<TP, TG, TC> a, const AdamScalars s) {
+  constexpr bool kCopy = !std::is_same_v<TC, NoCopy>;
+  const int chunk = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = a.count - 1;  // the last tensor whose first chunk is <= this one
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.first_chunk[mid] <= chunk)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int t = lo;
   TP* __restrict__ p = a.p[t];
   const TG* __restrict__ g = a.g[t];
   TP* __restrict__ m = a.m[t];
   TP* __restrict__ v = a.v[t];
-  const int64_t n = a.n[t];
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
+  [[maybe_unused]] TC* __restrict__ c = a.c[t];
+  const int64_t begin = static_cast<int64_t>(chunk - a.first_chunk[t]) * kChunk;
+  const int64_t end = min(a.n[t], begin + kChunk);
+  int64_t rest = begin;
+  if (a.vec[t]) {
+    rest = begin + (end - begin) / kVec * kVec;
+    for (int64_t i = begin + int64_t(threadIdx.x) * kVec; i < rest;
+         i += int64_t(kMultiThreads) * kVec) {
+      Pack<TP> pp = *reinterpret_cast<const Pack<TP>*>(p + i);
+      Pack<TP> mp = *reinterpret_cast<const Pack<TP>*>(m + i);
+      Pack<TP> vp = *reinterpret_cast<const Pack<TP>*>(v + i);
+      const Pack<TG> gp = *reinterpret_cast<const Pack<TG>*>(g + i);
+      [[maybe_unused]] Pack<std::conditional_t<kCopy, TC, TP>> cp;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float gr = to_f(gp.x[k]) * s.grad_scale;
+        float mi = to_f(mp.x[k]), vi = to_f(vp.x[k]), pi = to_f(pp.x[k]);
+        adamw_update(gr, pi, mi, vi, s);
+        pp.x[k] = from_f<TP>(pi);
+        mp.x[k] = from_f<TP>(mi);
+        vp.x[k] = from_f<TP>(vi);
+        if constexpr (kCopy) cp.x[k] = round_copy<TC>(pi);
+      }
+      *reinterpret_cast<Pack<TP>*>(p + i) = pp;
+      *reinterpret_cast<Pack<TP>*>(m + i) = mp;
+      *reinterpret_cast<Pack<TP>*>(v + i) = vp;
+      if constexpr (kCopy) *reinterpret_cast<Pack<TC>*>(c + i) = cp;
+    }
+  }
+  for (int64_t i = rest + threadIdx.x; i < end; i += kMultiThreads) {
     const float gr = to_f(g[i]) * s.grad_scale;
     float mi = to_f(m[i]), vi = to_f(v[i]), pi = to_f(p[i]);
-    pi *= s.decay;
-    mi += (1.0f - s.beta1) * (gr - mi);
-    vi = s.beta2 * vi + (1.0f - s.beta2) * gr * gr;
-    const float denom = sqrtf(vi) * s.inv_bias2_sqrt + s.eps;
-    pi -= s.step_size * mi / denom;
+    adamw_update(gr, pi, mi, vi, s);
     p[i] = from_f<TP>(pi);
     m[i] = from_f<TP>(mi);
     v[i] = from_f<TP>(vi);
+    if constexpr (kCopy) c[i] = round_copy<TC>(pi);
   }
 }
 
@@ -130,28 +189,70 @@ AdamScalars adam_scalars(const AdamWParams& p, double grad_scale) {
   return s;
 }
 
-void launch_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const AdamScalars& s, cudaStream_t stream) {
-  const int64_t n = param.numel();
-  if (n == 0) return;
-  dispatch_param_grad(param.dtype(), grad.dtype(), "adamw_step", [&](auto tp, auto tg) {
-    using TP = decltype(tp);
-    using TG = decltype(tg);
-    adamw_kernel<TP, TG><<<grid_for(n, 256, 4), 256, 0, stream>>>(
-        static_cast<TP*>(param.data_ptr()), static_cast<const TG*>(grad.data_ptr()),
-        static_cast<TP*>(m.data_ptr()), static_cast<TP*>(v.data_ptr()), n, s);
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("adamw_step");
+template <class T>
+bool aligned_for_pack(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % alignof(Pack<T>) == 0;
+}
+
+// Launches over `group` (indices of non-empty tensors of one dtype combination), kMultiMax
+// tensors per launch.
+template <class TP, class TG, class TC>
+void launch_adamw_multi(const std::vector<size_t>& group, const std::vector<Tensor>& params,
+                        const std::vector<Tensor>& grads, const std::vector<Tensor>& ms,
+                        const std::vector<Tensor>& vs, const std::vector<Tensor>& copies,
+                        const AdamScalars& s, cudaStream_t stream) {
+  constexpr bool kCopy = !std::is_same_v<TC, NoCopy>;
+  static_assert(sizeof(AdamMulti<TP, TG, TC>) + sizeof(AdamScalars) <= 32764,
+                "kernel parameters over CUDA's 32 KB limit");
+  size_t k = 0;
+  while (k < group.size()) {
+    AdamMulti<TP, TG, TC> a{};
+    int count = 0;
+    int64_t chunks = 0;
+    for (; k < group.size() && count < kMultiMax; ++k, ++count) {
+      const size_t i = group[k];
+      const int64_t n = params[i].numel();
+      const int64_t own = (n + kChunk - 1) / kChunk;
+      if (count > 0 && chunks + own > std::numeric_limits<int32_t>::max()) break;
+      a.p[count] = static_cast<TP*>(params[i].data_ptr());
+      a.g[count] = static_cast<const TG*>(grads[i].data_ptr());
+      a.m[count] = static_cast<TP*>(ms[i].data_ptr());
+      a.v[count] = static_cast<TP*>(vs[i].data_ptr());
+      bool vec = aligned_for_pack<TP>(a.p[count]) && aligned_for_pack<TG>(a.g[count]) &&
+                 aligned_for_pack<TP>(a.m[count]) && aligned_for_pack<TP>(a.v[count]);
+      if constexpr (kCopy) {
+        a.c[count] = static_cast<TC*>(copies[i].data_ptr());
+        vec = vec && aligned_for_pack<TC>(a.c[count]);
+      }
+      a.vec[count] = vec;
+      a.n[count] = n;
+      a.first_chunk[count] = static_cast<int32_t>(chunks);
+      chunks += own;
+    }
+    require(chunks <= std::numeric_limits<int32_t>::max(), "adamw_step",
+            "tensor too large for one launch");
+    a.first_chunk[count] = static_cast<int32_t>(chunks);
+    a.count = count;
+    adamw_multi_kernel<TP, TG, TC>
+        <<<static_cast<unsigned>(chunks), kMultiThreads, 0, stream>>>(a, s);
+    ACCEL_CUDA_CHECK_LAUNCH("adamw_step_multi");
+  }
 }
 
 }  // namespace
 
 void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m,
                              const Tensor& v, const AdamWParams& p, double grad_scale) {
-  check_state("adamw_step", param, grad, {&m, &v});
-  if (p.step < 1) throw std::invalid_argument("[adamw_step] step must be >= 1 (it is 1-based)");
-  OpScope sc(param);
-  launch_adamw(param, grad, m, v, adam_scalars(p, grad_scale), sc.stream);
+  // One kernel for both forms: a single tensor is a work list of one.
+  cuda::adamw_step_multi({param}, {grad}, {m}, {v}, p, grad_scale);
+}
+
+void CudaBackend::adamw_step_multi(const std::vector<Tensor>& params,
+                                   const std::vector<Tensor>& grads, const std::vector<Tensor>& ms,
+                                   const std::vector<Tensor>& vs,
+                                   const std::vector<Tensor>& compute_copies, const AdamWParams& p,
+                                   double grad_scale) {
+  cuda::adamw_step_multi(params, grads, ms, vs, p, grad_scale, compute_copies);
 }
 
 void CudaBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
@@ -179,47 +280,56 @@ void CudaBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor
 namespace cuda {
 void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
-                      const AdamWParams& p, double grad_scale) {
-  if (grads.size() != params.size() || ms.size() != params.size() || vs.size() != params.size())
-    throw std::invalid_argument("[adamw_step_multi] params, grads, m and v lists differ in length");
+                      const AdamWParams& p, double grad_scale,
+                      const std::vector<Tensor>& compute_copies) {
+  const bool with_copies = !compute_copies.empty();
+  if (grads.size() != params.size() || ms.size() != params.size() || vs.size() != params.size() ||
+      (with_copies && compute_copies.size() != params.size()))
+    throw std::invalid_argument(
+        "[adamw_step_multi] params, grads, m, v (and compute copies) lists differ in length");
   if (params.empty()) return;
   if (p.step < 1) throw std::invalid_argument("[adamw_step] step must be >= 1 (it is 1-based)");
-  OpScope sc(params[0]);
-  const AdamScalars s = adam_scalars(p, grad_scale);
   for (size_t i = 0; i < params.size(); ++i) {
     check_state("adamw_step", params[i], grads[i], {&ms[i], &vs[i]});
     require(params[i].device() == params[0].device(), "adamw_step", "tensors on different devices");
+    if (!with_copies) continue;
+    const Tensor& c = compute_copies[i];
+    require(c.defined() && c.device() == params[i].device() && c.is_contiguous() &&
+                c.numel() == params[i].numel() &&
+                (c.dtype() == DType::BF16 || c.dtype() == DType::F16) &&
+                params[i].dtype() == DType::F32,
+            "adamw_step",
+            "compute copy " + (c.defined() ? c.str() : std::string("(undefined)")) +
+                " must be a contiguous bf16/f16 tensor beside f32 param " + params[i].str());
   }
-  // Group tensors by (param dtype, grad dtype); each group goes in launches of kMultiMax.
+  OpScope sc(params[0]);
+  const AdamScalars s = adam_scalars(p, grad_scale);
+  auto copy_dtype = [&](size_t i) { return with_copies ? compute_copies[i].dtype() : DType::F32; };
+  // Group tensors by (param, grad, copy) dtype; one launch per group (kMultiMax tensors each).
   std::vector<bool> done(params.size(), false);
   for (size_t first = 0; first < params.size(); ++first) {
     if (done[first]) continue;
-    const DType tp = params[first].dtype(), tg = grads[first].dtype();
+    const DType tp = params[first].dtype(), tg = grads[first].dtype(), tc = copy_dtype(first);
     std::vector<size_t> group;
     for (size_t i = first; i < params.size(); ++i)
-      if (!done[i] && params[i].dtype() == tp && grads[i].dtype() == tg) {
+      if (!done[i] && params[i].dtype() == tp && grads[i].dtype() == tg && copy_dtype(i) == tc) {
         done[i] = true;
         if (params[i].numel() > 0) group.push_back(i);
       }
+    if (group.empty()) continue;
     dispatch_param_grad(tp, tg, "adamw_step", [&](auto tpv, auto tgv) {
       using TP = decltype(tpv);
       using TG = decltype(tgv);
-      for (size_t b = 0; b < group.size(); b += kMultiMax) {
-        AdamMulti<TP, TG> a{};
-        int count = 0;
-        int64_t largest = 0;
-        for (size_t k = b; k < group.size() && count < kMultiMax; ++k, ++count) {
-          const size_t i = group[k];
-          a.p[count] = static_cast<TP*>(params[i].data_ptr());
-          a.g[count] = static_cast<const TG*>(grads[i].data_ptr());
-          a.m[count] = static_cast<TP*>(ms[i].data_ptr());
-          a.v[count] = static_cast<TP*>(vs[i].data_ptr());
-          a.n[count] = params[i].numel();
-          largest = std::max(largest, a.n[count]);
-        }
-        const int bx = static_cast<int>(std::min<int64_t>((largest + 255) / 256, sm_count() * 8));
-        adamw_multi_kernel<TP, TG><<<dim3(bx, count), 256, 0, sc.stream>>>(a, s);
-        ACCEL_CUDA_CHECK_LAUNCH("adamw_step_multi");
+      if (!with_copies) {
+        launch_adamw_multi<TP, TG, NoCopy>(group, params, grads, ms, vs, compute_copies, s,
+                                           sc.stream);
+      } else if constexpr (std::is_same_v<TP, float>) {
+        if (tc == DType::BF16)
+          launch_adamw_multi<TP, TG, __nv_bfloat16>(group, params, grads, ms, vs, compute_copies, s,
+                                                    sc.stream);
+        else
+          launch_adamw_multi<TP, TG, __half>(group, params, grads, ms, vs, compute_copies, s,
+                                             sc.stream);
       }
     });
   }
