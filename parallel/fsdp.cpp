@@ -408,6 +408,10 @@ Tensor byte_view(const Tensor& wire, int64_t byte_offset, DType dt, int64_t n) {
   return Tensor::from_storage(wire.storage(), dt, {n}, {1}, at / es);
 }
 constexpr int64_t kPackAlign = 16;  // bytes
+// One f32 scale per 16 bytes. Each gathered weight's scale is a view into these vectors, and the
+// H200's cuBLASLt refused the fp8 GEMM ("the requested functionality is not supported") while
+// they were packed 4 bytes apart; 16-byte-aligned scale pointers run.
+constexpr int64_t kScaleStride = 4;
 }  // namespace
 
 Fp8AllGather::Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world) {
@@ -444,7 +448,8 @@ void Fp8AllGather::init() {
   for (auto& unit : index_)
     for (int64_t& k : unit)
       if (k >= 0) k = num_fp8_++;
-  scales_ = Tensor::full({std::max<int64_t>(num_fp8_, 1)}, 1.0, DType::F32, Device::cpu());
+  scales_ =
+      Tensor::full({std::max<int64_t>(num_fp8_, 1) * kScaleStride}, 1.0, DType::F32, Device::cpu());
   scale_invs_ = scales_.clone();
 }
 
@@ -506,10 +511,10 @@ void Fp8AllGather::precompute_scales(const std::vector<Tensor>& shards, const Co
   // One MAX all-reduce for every fp8 weight of the model.
   comm.all_reduce(amax, ReduceOp::Max)->wait();
   std::vector<double> g = amax.to_vector();
-  std::vector<float> sc(g.size()), inv(g.size());
+  std::vector<float> sc(g.size() * kScaleStride, 1.0f), inv(sc.size(), 1.0f);
   for (size_t i = 0; i < g.size(); ++i) {
-    sc[i] = fp8_scale_for_amax(static_cast<float>(g[i]), kE4M3Max, 0, 1.0f);
-    inv[i] = 1.0f / sc[i];
+    sc[i * kScaleStride] = fp8_scale_for_amax(static_cast<float>(g[i]), kE4M3Max, 0, 1.0f);
+    inv[i * kScaleStride] = 1.0f / sc[i * kScaleStride];
   }
   // New tensors (not in place): fp8 tensors handed out earlier keep their scales.
   const Shape n{static_cast<int64_t>(sc.size())};
@@ -520,7 +525,7 @@ void Fp8AllGather::precompute_scales(const std::vector<Tensor>& shards, const Co
 Tensor Fp8AllGather::scale(int unit, int slot) const {
   const int64_t k = index_.at(unit).at(slot);
   if (k < 0) throw std::logic_error("fp8 all-gather: slot is not an fp8 weight");
-  return flat_view(scales_, k, {1});
+  return flat_view(scales_, k * kScaleStride, {1});
 }
 
 Fp8AllGather::Pending Fp8AllGather::start(int unit, const Tensor& shard, const Comm& comm) const {
@@ -622,8 +627,8 @@ std::vector<Fp8Tensor> Fp8AllGather::finish(const Pending& p, const Tensor& hp_f
       narrow(narrow(t.data, 0, 0, rows), 1, 0, cols).copy_(flat_view(raw[i], 0, s.shape));
     }
     const int64_t k = index_[unit][i];
-    t.scale = flat_view(scales_, k, {1});
-    t.scale_inv = flat_view(scale_invs_, k, {1});
+    t.scale = flat_view(scales_, k * kScaleStride, {1});
+    t.scale_inv = flat_view(scale_invs_, k * kScaleStride, {1});
     if (t.scale.device() != dev) {
       t.scale = t.scale.to(dev);
       t.scale_inv = t.scale_inv.to(dev);
