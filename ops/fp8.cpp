@@ -1,6 +1,7 @@
 // ops/fp8.h: argument checks, device dispatch, delayed-scaling bookkeeping and the fp8 linear op.
 #include "ops/fp8.h"
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 
@@ -186,6 +187,13 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
   detail::check_same_device(op, a, out);
   check_scalar_f32(op, a_scale_inv, "a_scale_inv", a.device());
   check_scalar_f32(op, b_scale_inv, "b_scale_inv", a.device());
+  // cuBLASLt on an H200 refuses ("not supported") scale pointers that are not 16-byte aligned;
+  // the CPU emulation holds callers to the same rule so that CPU tests catch it.
+  for (const Tensor* s : {&a_scale_inv, &b_scale_inv})
+    if (reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 != 0)
+      op_error(op,
+               "scale_inv tensors must start on 16-byte boundaries (a view at an offset into "
+               "a vector of scales is not; give each scale its own 16 bytes)");
   if (out.numel() == 0) return;
   FP8_DISPATCH(a.device(), gemm, out, a, a_scale_inv, b, b_scale_inv, fast_accum);
 }
