@@ -117,6 +117,8 @@ class FsdpStrategy : public FlatDataParallel {
   WorkPtr start_group_gather(int g) override;
   void finish_group_gather(int g) override;
   void release_group(int g) override;
+  // The fp8 all-gather marks a unit's fp8 weights NaN in its flat buffer while gathered.
+  bool shard_may_alias_flat_buffer() const override { return !fsdp_.fp8_all_gather; }
 
  private:
   struct Fp8State;

@@ -114,6 +114,7 @@ int FlatDataParallel::group_of_unit(int unit) const {
 }
 
 WorkPtr FlatDataParallel::start_group_gather(int gi) {
+  if (resident_) return completed_work();  // the shard is the gathered buffer
   Group& g = groups_[gi];
   g.flat->materialize();
   Tensor chunk = g.flat->full_chunk(comm_.rank());
@@ -122,7 +123,9 @@ WorkPtr FlatDataParallel::start_group_gather(int gi) {
   return comm_.all_gather(g.flat->full(), chunk);
 }
 
-void FlatDataParallel::release_group(int gi) { groups_[gi].flat->release(); }
+void FlatDataParallel::release_group(int gi) {
+  if (!resident_) groups_[gi].flat->release();
+}
 
 void FlatDataParallel::count_gather(int gi, int64_t bytes) {
   GroupComm& c = group_comm_.at(gi);
@@ -192,8 +195,13 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
       }
     } else {
       const Device shard_dev = options_.offload_params ? host : device_;
-      g.shard = Tensor::empty({layout.shard_numel}, cdt, shard_dev, MemCategory::Params);
-      g.shard.copy_(g.flat->full_chunk(rank));
+      resident_ = world == 1 && !options_.offload_params && shard_may_alias_flat_buffer();
+      if (resident_) {
+        g.shard = g.flat->full();
+      } else {
+        g.shard = Tensor::empty({layout.shard_numel}, cdt, shard_dev, MemCategory::Params);
+        g.shard.copy_(g.flat->full_chunk(rank));
+      }
       g.master_is_compute = fp32_here && !options_.offload_params;
       if (g.master_is_compute) {
         g.master = g.shard;
@@ -205,9 +213,6 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     }
     flat32 = Tensor();
     if (stage <= 1) g.flat->allocate_grad();
-    if (stage >= 2)
-      g.shard_grad = Tensor::zeros({layout.shard_numel}, options_.reduce_in_fp32 ? DType::F32 : cdt,
-                                   device_, MemCategory::Grads);
     masters.push_back(g.master);
     names.push_back(gname);
     groups_.push_back(std::move(g));
@@ -270,27 +275,44 @@ void FlatDataParallel::launch_reduction(int gi) {
   const int stage = options_.zero_stage;
   if (!f.grad().defined()) f.allocate_grad();  // every parameter unused: zeros
   Pending p;
+  const bool one_rank = comm_.size() == 1;  // a reduction over one rank is the identity
   if (stage == 0) {
     p.work = comm_.all_reduce(f.grad(), ReduceOp::Avg);
   } else {
     const DType rdt = stage >= 2 && options_.reduce_in_fp32 ? DType::F32 : f.dtype();
-    Tensor out = Tensor::empty({f.layout().shard_numel}, rdt, device_, MemCategory::Comm);
+    // Stages 2-3: the first micro-batch's output becomes the gradient shard itself.
+    const bool adopt = stage >= 2 && !g.shard_grad_fresh;
     Tensor in = f.grad();
     if (in.dtype() != rdt) {  // widen before the reduction (FSDP's fp32 reduce dtype)
-      Tensor wide = Tensor::empty(in.shape(), rdt, device_, MemCategory::Comm);
+      Tensor wide = Tensor::empty(in.shape(), rdt, device_,
+                                  one_rank && adopt ? MemCategory::Grads : MemCategory::Comm);
       wide.copy_(in);
       in = wide;
     }
-    p.work = comm_.reduce_scatter(out, in, ReduceOp::Avg);
-    ++group_comm_[gi].reduce_scatters;
-    group_comm_[gi].reduce_scatter_bytes += static_cast<int64_t>(in.nbytes());
+    Tensor out = in;
+    if (one_rank) {
+      p.work = completed_work();
+    } else {
+      out = Tensor::empty({f.layout().shard_numel}, rdt, device_,
+                          adopt ? MemCategory::Grads : MemCategory::Comm);
+      p.work = comm_.reduce_scatter(out, in, ReduceOp::Avg);
+      ++group_comm_[gi].reduce_scatters;
+      group_comm_[gi].reduce_scatter_bytes += static_cast<int64_t>(in.nbytes());
+    }
     if (stage == 1) {
       Tensor chunk = f.grad_chunk(comm_.rank());
-      p.done = [chunk, out] { chunk.copy_(out); };
+      if (!one_rank) p.done = [chunk, out] { chunk.copy_(out); };
     } else {
       f.free_grad();  // `in` stays alive until the reduction is done
-      Tensor acc = g.shard_grad;
-      p.done = [acc, out, in] { kernels::accumulate(acc, out); };
+      p.done = [this, gi, out, in] {
+        Group& owner = groups_[gi];
+        if (owner.shard_grad_fresh) {
+          kernels::accumulate(owner.shard_grad, out);
+        } else {
+          owner.shard_grad = out;
+          owner.shard_grad_fresh = true;
+        }
+      };
     }
   }
   pending_.push_back(std::move(p));
@@ -314,8 +336,11 @@ std::vector<Tensor> FlatDataParallel::owned_grads() const {
       out.push_back(g.flat->grad());
     else if (stage == 1)
       out.push_back(g.flat->grad_chunk(comm_.rank()));
-    else
+    else if (g.shard_grad_fresh)
       out.push_back(g.shard_grad);
+    else
+      throw std::logic_error(name() + ": " + g.flat->name() +
+                             " has no reduced gradient this step (no micro-batch reduced it)");
   }
   return out;
 }
@@ -392,7 +417,7 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
     if (stage <= 1)
       g.flat->grad().zero_();
     else
-      g.shard_grad.zero_();
+      g.shard_grad = Tensor(), g.shard_grad_fresh = false;  // the next reduction makes a new one
   }
   return r;
 }

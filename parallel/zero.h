@@ -103,6 +103,9 @@ class FlatDataParallel : public Strategy {
   virtual WorkPtr start_group_gather(int g);
   virtual void finish_group_gather(int g) { (void)g; }
   virtual void release_group(int g);
+  // Stage 3 at world size 1: may a unit's shard be its flat buffer itself, never released, so
+  // that gathers and releases do nothing? (FSDP's fp8 all-gather writes into the flat buffer.)
+  virtual bool shard_may_alias_flat_buffer() const { return true; }
   const Comm& comm() const { return comm_; }
   Device device() const { return device_; }
   // Stage 3: this rank's compute-dtype chunk of group g (on the host with offload_params).
@@ -120,6 +123,9 @@ class FlatDataParallel : public Strategy {
     bool master_is_compute = false;  // master aliases the compute buffer (fp32, not offloaded)
     Tensor shard;                    // stage 3: the compute-dtype chunk this rank keeps
     Tensor shard_grad;               // stages 2-3: reduced gradient of this rank's chunk
+    // Stages 2-3: shard_grad holds this step's sum. The first micro-batch's reduction output
+    // becomes shard_grad (no zeroing, no accumulate); later ones are added to it.
+    bool shard_grad_fresh = false;
   };
   struct Pending {
     WorkPtr work;
@@ -145,6 +151,7 @@ class FlatDataParallel : public Strategy {
   std::unique_ptr<GradReadiness> readiness_;
   std::unique_ptr<UnitScheduler> scheduler_;
   int num_layer_units_ = 0;
+  bool resident_ = false;  // stage 3, world 1: every shard is its flat buffer (see above)
   std::deque<Pending> pending_;
   std::vector<GroupComm> group_comm_;
   std::unordered_map<std::string, int64_t> model_order_;  // parameter name -> model index
