@@ -2,6 +2,7 @@
 // grouped KV heads, causal and full masks, and sequence lengths that are not tile multiples.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -18,7 +19,8 @@ namespace {
 using namespace cuda_test;
 
 // Tensor-core backward paths (ACCEL_ATTN_BWD); Default leaves the variable unset. Fa2 runs one q
-// head per block (fp32 dK/dV partial sums), Fa2Group the whole group (ACCEL_ATTN_FA2_HEADS).
+// head per block (fp32 dK/dV partial sums), Fa2Group the whole group (the default), both through
+// ACCEL_ATTN_FA2_HEADS.
 enum class Bwd { Default, Fa2, Fa2Group, Split };
 
 const char* bwd_suffix(Bwd b) {
@@ -58,6 +60,7 @@ class CudaAttention : public ::testing::TestWithParam<AttnCase> {
 #endif
     const Bwd bwd = GetParam().bwd;
     if (bwd != Bwd::Default) setenv("ACCEL_ATTN_BWD", bwd == Bwd::Split ? "split" : "fa2", 1);
+    if (bwd == Bwd::Fa2) setenv("ACCEL_ATTN_FA2_HEADS", "1", 1);
     if (bwd == Bwd::Fa2Group) setenv("ACCEL_ATTN_FA2_HEADS", "64", 1);  // lowered to the group
   }
   void TearDown() override {
@@ -95,11 +98,17 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   Tensor gdq = poisoned(qs, t), gdk = poisoned(ks, t), gdv = poisoned(ks, t);
   cuda_backend().attention_backward(gdq, gdk, gdv, dout.to(gpu()), qg, kg, vg, want.to(gpu()),
                                     wl.to(gpu()), c.causal, scale);
-  // Gradients sum over many rows: compare against each tensor's scale.
-  const double r = t == DType::F32 ? 1e-4 : 2e-2;
-  expect_close(gdq, wdq, r, r * rms(wdq), "grad_q");
-  expect_close(gdk, wdk, r, r * rms(wdk), "grad_k");
-  expect_close(gdv, wdv, r, r * rms(wdv), "grad_v");
+  // Gradients sum over many rows: compare against each tensor's scale. A gradient can be exactly
+  // zero (one visible key: softmax is 1, dS = 0), where the GPU's rounding noise of dP - delta
+  // remains: the scale has a floor of 1e-3 of the incoming gradient's. The kernels round P to
+  // the input dtype for the P^T dO product (as FlashAttention does); in bf16 that alone puts a
+  // key's dV that many rows attend to strongly (early keys under a causal mask) at about 2e-2 of
+  // the scale now and then.
+  const double r = t == DType::F32 ? 1e-4 : (t == DType::BF16 ? 3e-2 : 2e-2);
+  const double floor = 1e-3 * rms(dout);
+  expect_close(gdq, wdq, r, r * std::max(rms(wdq), floor), "grad_q");
+  expect_close(gdk, wdk, r, r * std::max(rms(wdk), floor), "grad_k");
+  expect_close(gdv, wdv, r, r * std::max(rms(wdv), floor), "grad_v");
 }
 
 // The tensor-core cases, each run under every backward path: GQA ratios 1, 2 and 4, head dims
