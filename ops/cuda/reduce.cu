@@ -346,28 +346,79 @@ void CudaBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& grad_l
 // ------------------------------------------------------------
 namespace {
 
+// Sum of squares over many contiguous tensors of one dtype in one launch: each tensor is cut
+// into chunks of kSqChunk elements, one block per chunk (the block finds its tensor by binary
+// search over the chunk prefix sums), one fp64 atomic per block. A llama-1b step's 147
+// gradients take one launch instead of 147.
+constexpr int kSqMax = 128;          // tensors per launch; the table stays under 4 KB
+constexpr int64_t kSqChunk = 65536;  // elements per block (a multiple of every vector width)
+
 template <class T>
-__global__ void sumsq_kernel(double* acc, const T* __restrict__ x, int64_t n) {
+struct SqMulti {
+  const T* x[kSqMax];
+  int64_t n[kSqMax];
+  int32_t first_chunk[kSqMax + 1];
+  int count;
+};
+
+template <class T>
+__global__ void __launch_bounds__(256)
+    sumsq_multi_kernel(double* acc, const __grid_constant__ SqMulti<T> a) {
   __shared__ double sm[32];
-  double s = 0;
-  constexpr int N = 16 / sizeof(T);
-  const int64_t nv = (reinterpret_cast<uintptr_t>(x) & 15) == 0 ? n / N : 0;
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x,
-                stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = tid; i < nv; i += stride) {
-    T buf[N];
-    *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(x)[i];
-    float part = 0.f;  // N <= 8 squares in float, then into the fp64 sum
-#pragma unroll
-    for (int k = 0; k < N; ++k) part += to_f(buf[k]) * to_f(buf[k]);
-    s += part;
+  const int chunk = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = a.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.first_chunk[mid] <= chunk)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
-  for (int64_t i = nv * N + tid; i < n; i += stride) {
-    float v = to_f(x[i]);
+  const T* __restrict__ x = a.x[lo];
+  const int64_t begin = static_cast<int64_t>(chunk - a.first_chunk[lo]) * kSqChunk;
+  const int64_t end = min(a.n[lo], begin + kSqChunk);
+  constexpr int N = 16 / sizeof(T);
+  double s = 0;
+  int64_t rest = begin;
+  if ((reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+    rest = begin + (end - begin) / N * N;
+    for (int64_t i = begin / N + threadIdx.x; i < rest / N; i += blockDim.x) {
+      T buf[N];
+      *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(x)[i];
+      float part = 0.f;
+#pragma unroll
+      for (int k = 0; k < N; ++k) part += to_f(buf[k]) * to_f(buf[k]);
+      s += part;
+    }
+  }
+  for (int64_t i = rest + threadIdx.x; i < end; i += blockDim.x) {
+    const float v = to_f(x[i]);
     s += double(v) * v;
   }
   s = block_sum(s, sm);
   if (threadIdx.x == 0) atomicAdd(acc, s);
+}
+
+// Launches sumsq_multi_kernel over `xs` (contiguous, dtype T), kSqMax tensors at a time.
+template <class T>
+void sumsq_multi(double* acc, const std::vector<const Tensor*>& xs, cudaStream_t stream) {
+  for (size_t start = 0; start < xs.size(); start += kSqMax) {
+    SqMulti<T> a{};
+    int64_t chunks = 0;
+    for (size_t i = start; i < xs.size() && a.count < kSqMax; ++i) {
+      const int64_t n = xs[i]->numel();
+      a.x[a.count] = static_cast<const T*>(xs[i]->data_ptr());
+      a.n[a.count] = n;
+      a.first_chunk[a.count] = static_cast<int32_t>(chunks);
+      chunks += (n + kSqChunk - 1) / kSqChunk;
+      ++a.count;
+    }
+    a.first_chunk[a.count] = static_cast<int32_t>(chunks);
+    if (chunks == 0) continue;
+    require(chunks < (int64_t(1) << 31), "sum_of_squares", "too many chunks for one launch");
+    sumsq_multi_kernel<T><<<static_cast<unsigned>(chunks), 256, 0, stream>>>(acc, a);
+    ACCEL_CUDA_CHECK_LAUNCH("sum_of_squares");
+  }
 }
 
 __global__ void sumsq_generic_kernel(double* acc, const void* x, DType t, StridedLayout l,
@@ -408,24 +459,25 @@ double CudaBackend::sum_of_squares(const std::vector<Tensor>& xs) {
   OpScope sc(xs[0]);
   DeviceBuffer acc(sizeof(double));
   ACCEL_CUDA_CHECK(cudaMemsetAsync(acc.get(), 0, sizeof(double), sc.stream));
+  // Contiguous float tensors by dtype, one multi-tensor launch per dtype; others one by one.
+  std::vector<const Tensor*> by_dtype[3];  // f32, bf16, f16
   for (const Tensor& x : xs) {
     require_cuda(x, "sum_of_squares", "tensor");
     require(x.device() == xs[0].device(), "sum_of_squares", "tensors on different devices");
     const int64_t n = x.numel();
     if (n == 0) continue;
     if (x.is_contiguous() && float_compute(x.dtype())) {
-      dispatch_float(x.dtype(), "sum_of_squares", [&](auto t) {
-        using T = decltype(t);
-        sumsq_kernel<T><<<grid_for(n / 8 + 1, 256, 4), 256, 0, sc.stream>>>(
-            acc.as<double>(), static_cast<const T*>(x.data_ptr()), n);
-      });
+      by_dtype[x.dtype() == DType::F32 ? 0 : (x.dtype() == DType::BF16 ? 1 : 2)].push_back(&x);
     } else {
       auto l = make_layouts(x.shape(), {x.strides()}, "sum_of_squares");
       sumsq_generic_kernel<<<grid_for(n, 256, 4), 256, 0, sc.stream>>>(
           acc.as<double>(), x.data_ptr(), x.dtype(), l[0], n);
+      ACCEL_CUDA_CHECK_LAUNCH("sum_of_squares");
     }
-    ACCEL_CUDA_CHECK_LAUNCH("sum_of_squares");
   }
+  sumsq_multi<float>(acc.as<double>(), by_dtype[0], sc.stream);
+  sumsq_multi<__nv_bfloat16>(acc.as<double>(), by_dtype[1], sc.stream);
+  sumsq_multi<__half>(acc.as<double>(), by_dtype[2], sc.stream);
   double host = 0;
   ACCEL_CUDA_CHECK(
       cudaMemcpyAsync(&host, acc.get(), sizeof(double), cudaMemcpyDeviceToHost, sc.stream));

@@ -126,6 +126,34 @@ TEST_P(CudaReduce, SumOfSquaresAndNonFinite) {
   }
 }
 
+// The gradient-norm shape of a training step: many tensors of mixed dtypes in one call (more
+// than one multi-tensor launch holds), sizes across the per-block chunk, views that are not
+// 16-byte aligned (scalar path).
+TEST(CudaReduceMulti, SumOfSquaresOverManyMixedTensors) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<Tensor> cpu_xs, gpu_xs;
+  const DType types[] = {DType::BF16, DType::F32, DType::F16};
+  for (int i = 0; i < 300; ++i) {
+    const DType t = types[i % 3];
+    const int64_t n = i % 50 == 7 ? 2 * 65536 + 3 : (i % 7 == 0 ? 1 : 1 + (i * 977) % 5000);
+    Tensor x = random_tensor({n + 1}, t, rng);
+    const bool misaligned = i % 11 == 5;  // a view starting one element in
+    cpu_xs.push_back(misaligned ? x.as_strided({n}, {1}, 1) : x.as_strided({n}, {1}, 0));
+    Tensor xg = x.to(gpu());
+    gpu_xs.push_back(misaligned ? xg.as_strided({n}, {1}, 1) : xg.as_strided({n}, {1}, 0));
+  }
+  const double want = cpu_backend().sum_of_squares(cpu_xs);
+  const double got = cuda_backend().sum_of_squares(gpu_xs);
+  EXPECT_NEAR(got, want, 1e-6 * want);
+  // Dropping one tensor changes the sum by its share: every tensor is counted once.
+  std::vector<Tensor> fewer(gpu_xs.begin() + 1, gpu_xs.end());
+  const double first = cpu_backend().sum_of_squares({cpu_xs[0]});
+  EXPECT_NEAR(cuda_backend().sum_of_squares(fewer), want - first, 1e-6 * want);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaReduce, ::testing::Values(DType::F32, DType::BF16, DType::F16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
