@@ -163,8 +163,12 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
 
   const Device host = Device::cpu();
   const Device master_dev = options_.offload_optimizer ? host : device_;
-  std::vector<Tensor> masters;
+  std::vector<Tensor> masters, copies;
   std::vector<std::string> names;
+  // 16-bit compute with the master weights on the same device: the optimizer writes the compute
+  // copy in its update (one pass over the weights instead of an update and a copy).
+  optimizer_writes_compute_ =
+      cdt != DType::F32 && !options_.offload_optimizer && !(stage == 3 && options_.offload_params);
   NoGradGuard no_grad;
   for (size_t gi = 0; gi < group_params.size(); ++gi) {
     Group g;
@@ -215,9 +219,12 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     if (stage <= 1) g.flat->allocate_grad();
     masters.push_back(g.master);
     names.push_back(gname);
+    if (optimizer_writes_compute_)  // where the 16-bit compute weights of the master chunk live
+      copies.push_back(stage == 0 ? g.flat->full()
+                                  : (stage < 3 ? g.flat->full_chunk(rank) : g.shard));
     groups_.push_back(std::move(g));
   }
-  optimizer_ = std::make_unique<Optimizer>(opts, masters, names);
+  optimizer_ = std::make_unique<Optimizer>(opts, masters, names, std::move(copies));
   group_comm_.assign(groups_.size(), GroupComm{});
 
   std::vector<std::vector<Tensor>> leaves;
@@ -345,18 +352,20 @@ std::vector<Tensor> FlatDataParallel::owned_grads() const {
   return out;
 }
 
-void FlatDataParallel::refresh_compute() {
+void FlatDataParallel::refresh_compute(bool after_update) {
   NoGradGuard no_grad;
   const int stage = options_.zero_stage, rank = comm_.rank();
+  // After an update the optimizer has already written this rank's compute weights.
+  const bool copy = !(after_update && optimizer_writes_compute_);
   std::vector<WorkPtr> works;
   for (Group& g : groups_) {
     if (stage == 0) {
-      if (!g.master_is_compute) g.flat->full().copy_(g.master);
+      if (!g.master_is_compute && copy) g.flat->full().copy_(g.master);
     } else if (stage < 3) {
       Tensor chunk = g.flat->full_chunk(rank);
-      if (!g.master_is_compute) chunk.copy_(g.master);
+      if (!g.master_is_compute && copy) chunk.copy_(g.master);
       works.push_back(comm_.all_gather(g.flat->full(), chunk));
-    } else if (!g.master_is_compute) {
+    } else if (!g.master_is_compute && copy) {
       g.shard.copy_(g.master);
     }
   }
@@ -411,7 +420,7 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
     if (options_.offload_optimizer)
       for (Tensor& t : opt_grads) t = t.to(Device::cpu());
     optimizer_->step(opt_grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
-    refresh_compute();
+    refresh_compute(/*after_update=*/true);
   }
   for (Group& g : groups_) {
     if (stage <= 1)
@@ -543,7 +552,7 @@ void FlatDataParallel::load_state(
     }
   }
   optimizer_->load_state(group_state, optimizer_steps);
-  refresh_compute();
+  refresh_compute(/*after_update=*/false);
 }
 
 nlohmann::json FlatDataParallel::checkpoint_manifest() const {

@@ -137,7 +137,9 @@ class FlatDataParallel : public Strategy {
   void launch_reduction(int g);
   Tensor gather_group_fp32(int g);
   void wait_pending(size_t keep);
-  void refresh_compute();
+  // The compute weights from the master weights (all-gathered at stages 1-2); after_update: the
+  // optimizer already wrote this rank's part where optimizer_writes_compute_.
+  void refresh_compute(bool after_update);
   std::vector<Tensor> owned_grads() const;
   // The first parameter (model order) whose gradient holds NaN or Inf on any rank; collective.
   std::string first_non_finite_param(const std::vector<Tensor>& grads);
@@ -152,6 +154,7 @@ class FlatDataParallel : public Strategy {
   std::unique_ptr<UnitScheduler> scheduler_;
   int num_layer_units_ = 0;
   bool resident_ = false;  // stage 3, world 1: every shard is its flat buffer (see above)
+  bool optimizer_writes_compute_ = false;  // the optimizer's update writes the compute copies
   std::deque<Pending> pending_;
   std::vector<GroupComm> group_comm_;
   std::unordered_map<std::string, int64_t> model_order_;  // parameter name -> model index
