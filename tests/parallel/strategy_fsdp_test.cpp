@@ -6,8 +6,8 @@
 // and wired into training: equal to gathering bf16, equal to the single process, exact bytes);
 // fsdp_cpu_ram_efficient_loading (only rank 0 reads model.init_from).
 #include <cmath>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
