@@ -143,6 +143,7 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<ProcessGroup> pg, FsdpOptions options
                          d.select_units = [copy](Module& m) { return fsdp_units(m, copy); };
                          d.reshard_after_forward = options.reshard_after_forward;
                          d.reduce_in_fp32 = true;
+                         d.layout = FlatLayout::Mode::Dim0;  // FSDP2: every parameter on dim 0
                          return d;
                        }()),
       fsdp_(std::move(options)) {}
@@ -284,7 +285,10 @@ WorkPtr FsdpStrategy::start_group_gather(int g) {
 }
 
 void FsdpStrategy::finish_group_gather(int g) {
-  if (!fp8_ || !fp8_->pending[g]) return;
+  if (!fp8_ || !fp8_->pending[g]) {
+    FlatDataParallel::finish_group_gather(g);  // the compute-dtype gather's copy-out
+    return;
+  }
   std::unique_ptr<Fp8AllGather::Pending> p = std::move(fp8_->pending[g]);
   NoGradGuard no_grad;
   FlatParamGroup& f = flat_group(g);
@@ -414,12 +418,13 @@ constexpr int64_t kPackAlign = 16;  // bytes
 constexpr int64_t kScaleStride = 4;
 }  // namespace
 
-Fp8AllGather::Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world) {
+Fp8AllGather::Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world,
+                           FlatLayout::Mode mode) {
   for (const auto& ws : unit_weights) {
     for (Parameter* p : ws)
       if (p->value.dim() != 2)
         throw std::logic_error("fp8 all-gather: weight " + p->name + " is not 2-d");
-    layouts_.emplace_back(ws, world);
+    layouts_.emplace_back(ws, world, mode);
     index_.emplace_back(ws.size(), 0);
   }
   init();
@@ -504,7 +509,7 @@ void Fp8AllGather::precompute_scales(const std::vector<Tensor>& shards, const Co
       if (k < 0 || r.size() == 0) continue;
       if (!shards[u].defined() || shards[u].numel() != l.shard_numel)
         throw std::logic_error("fp8 all-gather: unit " + std::to_string(u) + " has no shard");
-      const int64_t off = l.slots[i].offset + r.begin - rank * l.shard_numel;
+      const int64_t off = l.shard_offset(i, rank);
       flat_view(amax, k, {1}).copy_(fp8_amax(flat_view(shards[u], off, {1, r.size()})));
     }
   }
@@ -553,7 +558,7 @@ Fp8AllGather::Pending Fp8AllGather::start(int unit, const Tensor& shard, const C
   for (size_t i = 0; i < l.slots.size(); ++i) {
     FlatLayout::Range r = l.owned(i, rank);
     if (r.size() == 0) continue;
-    const int64_t off = l.slots[i].offset + r.begin - rank * l.shard_numel;
+    const int64_t off = l.shard_offset(i, rank);
     if (!is_fp8(unit, static_cast<int>(i))) {
       byte_view(mine, hp_pos * es, p.hp_dtype, r.size()).copy_(flat_view(shard, off, {r.size()}));
       hp_pos += r.size();
@@ -581,7 +586,7 @@ std::vector<Fp8Tensor> Fp8AllGather::finish(const Pending& p, const Tensor& hp_f
   const int64_t per_rank = p.wire.numel() / l.world;
   const bool any_hp = num_fp8_weights(unit) < static_cast<int64_t>(l.slots.size());
   if (any_hp &&
-      (!hp_full.defined() || hp_full.numel() != l.padded_numel || hp_full.dtype() != p.hp_dtype))
+      (!hp_full.defined() || hp_full.numel() != l.flat_numel || hp_full.dtype() != p.hp_dtype))
     throw std::logic_error("fp8 all-gather: the unit's flat buffer is missing or of another shape");
   // Each fp8 weight's bytes, row-major [rows * cols], assembled from every rank's part.
   std::vector<Tensor> raw(l.slots.size());
@@ -608,8 +613,8 @@ std::vector<Fp8Tensor> Fp8AllGather::finish(const Pending& p, const Tensor& hp_f
       }
     }
   }
-  if (any_hp && l.padded_numel > l.numel)
-    flat_view(hp_full, l.numel, {l.padded_numel - l.numel}).zero_();
+  if (any_hp && l.flat_numel > l.numel)
+    flat_view(hp_full, l.numel, {l.flat_numel - l.numel}).zero_();
   // Copy-out: padded to multiples of 16 for the GEMM where needed.
   std::vector<Fp8Tensor> out(l.slots.size());
   for (size_t i = 0; i < l.slots.size(); ++i) {

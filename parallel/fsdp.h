@@ -5,9 +5,11 @@
 // gradients reduce-scattered (in fp32 when computing in 16 bits) as soon as they are complete.
 //
 // The engine is FlatDataParallel at stage 3 (parallel/zero.h); what FSDP adds is the unit choice,
-// the reshard/reduce-dtype/offload options and its state dict types. The layout is the shared
-// FlatLayout (one contiguous chunk per rank of each unit's flat buffer), not FSDP2's per-parameter
-// dim-0 chunks; docs/parallel.md ("## FSDP2") says why and what differs.
+// the reshard/reduce-dtype/offload options, its state dict types and the layout: FSDP2's
+// per-parameter dim-0 shards (FlatLayout::Mode::Dim0: rank r holds rows [r*c, (r+1)*c) of every
+// parameter, c = ceil(d0 / N), zero-padded), gathered into a rank-major wire buffer and copied
+// out into the unit's flat compute buffer; gradients copied in to rank-major order before the
+// reduce-scatter. docs/parallel.md ("## FSDP2") has the details.
 #pragma once
 
 #include <memory>
@@ -130,9 +132,9 @@ class FsdpStrategy : public FlatDataParallel {
 };
 
 // fp8 all-gather (fp8_config.enable_fsdp_float8_all_gather; torchao's tensorwise dynamic
-// scaling, ALGORITHMS.md 3.7) of units laid out by FlatLayouts over the ranks (rank r holds the
-// contiguous chunk r of each, in a high-precision dtype), some of whose slots are fp8 weights
-// [out, in].
+// scaling, ALGORITHMS.md 3.7) of units laid out by FlatLayouts over the ranks (rank r holds its
+// shard of each, in a high-precision dtype: the dim-0 rows of every parameter, or a contiguous
+// chunk), some of whose slots are fp8 weights [out, in].
 //   precompute_scales(shards)  after each optimizer step: every fp8 weight's max|w| over this
 //                              rank's chunks -> one f32 vector for ALL fp8 weights of all units ->
 //                              ONE MAX all-reduce -> scale_i = 448 / amax_i (fp8_scale_for_amax)
@@ -149,7 +151,8 @@ class FsdpStrategy : public FlatDataParallel {
 class Fp8AllGather {
  public:
   // Units made of fp8 weights only (each unit's layout is over exactly these weights).
-  Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world);
+  Fp8AllGather(const std::vector<std::vector<Parameter*>>& unit_weights, int world,
+               FlatLayout::Mode mode = FlatLayout::Mode::Dim0);
   // Units with the given layouts; fp8[u][i]: slot i of unit u is an fp8 weight (2-d).
   Fp8AllGather(std::vector<FlatLayout> layouts, const std::vector<std::vector<bool>>& fp8);
 
@@ -163,7 +166,7 @@ class Fp8AllGather {
   // elements), rounded up to a multiple of 16. The all-gather moves world times this.
   int64_t packed_bytes_per_rank(int unit, size_t element_size) const;
 
-  // shards[u]: this rank's chunk [shard_numel] of unit u (any float dtype; units without fp8
+  // shards[u]: this rank's shard [shard_numel] of unit u (any float dtype; units without fp8
   // weights may pass an undefined tensor). The amaxes are all-reduced on `reduce_device` and the
   // scales kept on `device` (where start() is given the shards).
   void precompute_scales(const std::vector<Tensor>& shards, const Comm& comm);
@@ -180,7 +183,7 @@ class Fp8AllGather {
   };
   Pending start(int unit, const Tensor& shard, const Comm& comm) const;
   // After p.work completed: the other slots' elements into hp_full (the unit's flat buffer
-  // [padded_numel] in the shard's dtype; the tail padding is zeroed, the fp8 slots' parts are
+  // [flat_numel] in the shard's dtype; the tail padding is zeroed, the fp8 slots' parts are
   // not written) and one Fp8Tensor per slot (empty for slots that are not fp8 weights).
   std::vector<Fp8Tensor> finish(const Pending& p, const Tensor& hp_full) const;
   // start + wait + finish; hp_full may be undefined when every slot is an fp8 weight.

@@ -59,40 +59,210 @@ double Comm::sum(double v, Device device) const {
 
 // ---- layout --------------------------------------------------------------------------------
 
-FlatLayout::FlatLayout(const std::vector<Parameter*>& params, int world_size) : world(world_size) {
-  if (world < 1) throw std::logic_error("FlatLayout: world size must be >= 1");
+namespace {
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// A view of `t`'s storage at t.offset() + offset with any shape and strides (no autograd).
+Tensor strided_view(const Tensor& t, int64_t offset, const Shape& shape, const Shape& strides) {
+  return Tensor::from_storage(t.storage(), t.dtype(), shape, strides, t.offset() + offset);
+}
+}  // namespace
+
+FlatLayout::FlatLayout(const std::vector<Parameter*>& params, int world_size, Mode m)
+    : mode(m), world(world_size) {
+  std::vector<FlatSlot> s;
   for (Parameter* p : params) {
-    FlatSlot s;
-    s.param = p;
-    s.name = p->name;
-    s.shape = p->value.shape();
-    s.numel = p->value.numel();
-    s.offset = numel;
-    numel += s.numel;
-    slots.push_back(std::move(s));
+    FlatSlot slot;
+    slot.param = p;
+    slot.name = p->name;
+    slot.shape = p->value.shape();
+    s.push_back(std::move(slot));
   }
-  int64_t per_rank = (numel + world - 1) / world;
-  shard_numel = (per_rank + kFlatAlignment - 1) / kFlatAlignment * kFlatAlignment;
-  padded_numel = shard_numel * world;
+  build(std::move(s));
+}
+
+FlatLayout::FlatLayout(const std::vector<std::pair<std::string, Shape>>& params, int world_size,
+                       Mode m)
+    : mode(m), world(world_size) {
+  std::vector<FlatSlot> s;
+  for (const auto& [name, shape] : params) {
+    FlatSlot slot;
+    slot.name = name;
+    slot.shape = shape;
+    s.push_back(std::move(slot));
+  }
+  build(std::move(s));
+}
+
+void FlatLayout::build(std::vector<FlatSlot> s) {
+  if (world < 1) throw std::logic_error("FlatLayout: world size must be >= 1");
+  slots = std::move(s);
+  numel = 0;
+  int64_t per_rank_dim0 = 0;
+  for (FlatSlot& slot : slots) {
+    slot.numel = shape_numel(slot.shape);
+    slot.offset = numel;
+    numel += slot.numel;
+    slot.rows = slot.shape.empty() ? 1 : slot.shape[0];
+    slot.row_numel = slot.rows > 0 ? slot.numel / slot.rows : 0;
+    slot.rows_per_rank = (slot.rows + world - 1) / world;
+    slot.shard_offset = per_rank_dim0;
+    per_rank_dim0 += slot.rows_per_rank * slot.row_numel;
+  }
+  if (mode == Mode::Contiguous) {
+    shard_numel = round_up((numel + world - 1) / world, kFlatAlignment);
+    padded_numel = shard_numel * world;
+    flat_numel = padded_numel;
+  } else {
+    shard_numel = round_up(per_rank_dim0, kFlatAlignment);
+    padded_numel = shard_numel * world;
+    flat_numel = round_up(numel, kFlatAlignment);
+  }
 }
 
 FlatLayout::Range FlatLayout::owned(size_t slot, int rank) const {
   const FlatSlot& s = slots.at(slot);
+  if (mode == Mode::Dim0) {
+    const int64_t lo = std::min<int64_t>(rank * s.rows_per_rank, s.rows);
+    const int64_t hi = std::min<int64_t>((rank + 1) * s.rows_per_rank, s.rows);
+    if (hi <= lo) return {};
+    return {lo * s.row_numel, hi * s.row_numel};
+  }
   int64_t lo = std::max(s.offset, rank * shard_numel);
   int64_t hi = std::min(s.offset + s.numel, (rank + 1) * shard_numel);
   if (hi <= lo) return {};
   return {lo - s.offset, hi - s.offset};
 }
 
+int64_t FlatLayout::shard_offset(size_t slot, int rank) const {
+  const FlatSlot& s = slots.at(slot);
+  if (mode == Mode::Dim0) return s.shard_offset;
+  return s.offset + owned(slot, rank).begin - rank * shard_numel;
+}
+
+namespace {
+void check_numel(const Tensor& t, int64_t n, const char* what) {
+  if (t.numel() != n)
+    throw std::logic_error(std::string("FlatLayout: ") + what + " has " +
+                           std::to_string(t.numel()) + " elements, the layout needs " +
+                           std::to_string(n));
+}
+}  // namespace
+
+void FlatLayout::pack(const Tensor& flat, const Tensor& wire) const {
+  check_numel(flat, flat_numel, "the flat buffer");
+  check_numel(wire, padded_numel, "the wire buffer");
+  if (mode == Mode::Contiguous) {
+    if (wire.storage() != flat.storage() || wire.offset() != flat.offset()) wire.copy_(flat);
+    return;
+  }
+  wire.zero_();
+  for (const FlatSlot& s : slots) {
+    const int64_t c = s.rows_per_rank, len = c * s.row_numel;
+    if (len == 0) continue;
+    const int64_t full = std::min<int64_t>(s.rows / c, world);  // ranks owning c rows
+    if (full > 0)
+      strided_view(wire, s.shard_offset, {full, len}, {shard_numel, 1})
+          .copy_(flat_view(flat, s.offset, {full, len}));
+    const int64_t rem = s.rows - full * c;
+    if (rem > 0 && full < world)
+      flat_view(wire, full * shard_numel + s.shard_offset, {rem * s.row_numel})
+          .copy_(flat_view(flat, s.offset + full * len, {rem * s.row_numel}));
+  }
+}
+
+void FlatLayout::unpack(const Tensor& wire, const Tensor& flat) const {
+  check_numel(flat, flat_numel, "the flat buffer");
+  check_numel(wire, padded_numel, "the wire buffer");
+  if (mode == Mode::Contiguous) {
+    if (wire.storage() != flat.storage() || wire.offset() != flat.offset()) flat.copy_(wire);
+    return;
+  }
+  for (const FlatSlot& s : slots) {
+    const int64_t c = s.rows_per_rank, len = c * s.row_numel;
+    if (len == 0) continue;
+    const int64_t full = std::min<int64_t>(s.rows / c, world);
+    if (full > 0)
+      flat_view(flat, s.offset, {full, len})
+          .copy_(strided_view(wire, s.shard_offset, {full, len}, {shard_numel, 1}));
+    const int64_t rem = s.rows - full * c;
+    if (rem > 0 && full < world)
+      flat_view(flat, s.offset + full * len, {rem * s.row_numel})
+          .copy_(flat_view(wire, full * shard_numel + s.shard_offset, {rem * s.row_numel}));
+  }
+  if (flat_numel > numel) flat_view(flat, numel, {flat_numel - numel}).zero_();
+}
+
+void FlatLayout::extract_shard(const Tensor& flat, int rank, const Tensor& shard) const {
+  check_numel(flat, flat_numel, "the flat buffer");
+  check_numel(shard, shard_numel, "the shard");
+  if (mode == Mode::Contiguous) {
+    shard.copy_(flat_view(flat, rank * shard_numel, {shard_numel}));
+    return;
+  }
+  shard.zero_();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    Range r = owned(i, rank);
+    if (r.size() == 0) continue;
+    flat_view(shard, shard_offset(i, rank), {r.size()})
+        .copy_(flat_view(flat, slots[i].offset + r.begin, {r.size()}));
+  }
+}
+
+void FlatLayout::insert_shard(const Tensor& shard, int rank, const Tensor& flat) const {
+  check_numel(flat, flat_numel, "the flat buffer");
+  check_numel(shard, shard_numel, "the shard");
+  for (size_t i = 0; i < slots.size(); ++i) {
+    Range r = owned(i, rank);
+    if (r.size() == 0) continue;
+    flat_view(flat, slots[i].offset + r.begin, {r.size()})
+        .copy_(flat_view(shard, shard_offset(i, rank), {r.size()}));
+  }
+}
+
 nlohmann::json FlatLayout::to_json() const {
   nlohmann::json params = nlohmann::json::array();
-  for (const FlatSlot& s : slots)
-    params.push_back({{"name", s.name}, {"shape", s.shape}, {"offset", s.offset}});
-  return {{"numel", numel},
+  for (const FlatSlot& s : slots) {
+    nlohmann::json p = {{"name", s.name}, {"shape", s.shape}, {"offset", s.offset}};
+    if (mode == Mode::Dim0) {
+      p["rows_per_rank"] = s.rows_per_rank;
+      p["shard_offset"] = s.shard_offset;
+    }
+    params.push_back(p);
+  }
+  return {{"layout", mode_name(mode)},
+          {"numel", numel},
           {"padded_numel", padded_numel},
           {"shard_numel", shard_numel},
+          {"flat_numel", flat_numel},
           {"world", world},
           {"params", params}};
+}
+
+FlatLayout FlatLayout::from_json(const nlohmann::json& j) {
+  const std::string m = j.value("layout", std::string("contiguous"));
+  if (m != "contiguous" && m != "dim0")
+    throw std::runtime_error("shard layout '" + m + "' is not known (contiguous or dim0)");
+  std::vector<std::pair<std::string, Shape>> params;
+  for (const nlohmann::json& p : j.at("params"))
+    params.push_back({p.at("name").get<std::string>(), p.at("shape").get<Shape>()});
+  FlatLayout l(params, j.at("world").get<int>(), m == "dim0" ? Mode::Dim0 : Mode::Contiguous);
+  auto mismatch = [&](const std::string& what) {
+    throw std::runtime_error("shard layout: " + what +
+                             " in the manifest differs from the layout its parameters give (was "
+                             "it written by another version?)");
+  };
+  if (j.at("shard_numel").get<int64_t>() != l.shard_numel) mismatch("shard_numel");
+  if (j.at("padded_numel").get<int64_t>() != l.padded_numel) mismatch("padded_numel");
+  size_t i = 0;
+  for (const nlohmann::json& p : j.at("params")) {
+    const FlatSlot& s = l.slots[i++];
+    if (p.at("offset").get<int64_t>() != s.offset) mismatch("the offset of " + s.name);
+    if (l.mode == Mode::Dim0 && (p.at("shard_offset").get<int64_t>() != s.shard_offset ||
+                                 p.at("rows_per_rank").get<int64_t>() != s.rows_per_rank))
+      mismatch("the dim-0 split of " + s.name);
+  }
+  return l;
 }
 
 std::vector<std::vector<Parameter*>> make_buckets(const std::vector<Parameter*>& params,
@@ -146,13 +316,14 @@ Tensor flat_view(const Tensor& flat, int64_t offset, const Shape& shape) {
 
 std::unique_ptr<FlatParamGroup> FlatParamGroup::make(std::string name,
                                                      const std::vector<Parameter*>& params,
-                                                     int world, DType dtype, Device device) {
+                                                     int world, DType dtype, Device device,
+                                                     FlatLayout::Mode mode) {
   std::unique_ptr<FlatParamGroup> g(new FlatParamGroup);
   g->name_ = std::move(name);
-  g->layout_ = FlatLayout(params, world);
+  g->layout_ = FlatLayout(params, world, mode);
   g->dtype_ = dtype;
   g->device_ = device;
-  g->full_ = Tensor::zeros({g->layout_.padded_numel}, dtype, device, MemCategory::Params);
+  g->full_ = Tensor::zeros({g->layout_.flat_numel}, dtype, device, MemCategory::Params);
   NoGradGuard no_grad;
   for (const FlatSlot& s : g->layout_.slots) {
     Tensor leaf = flat_view(g->full_, s.offset, s.shape);
@@ -166,6 +337,10 @@ std::unique_ptr<FlatParamGroup> FlatParamGroup::make(std::string name,
 }
 
 Tensor FlatParamGroup::full_chunk(int rank) const {
+  if (!layout_.wire_is_flat())
+    throw std::logic_error(
+        "FlatParamGroup::full_chunk: the dim-0 layout has no chunk of the flat "
+        "buffer per rank (use FlatLayout::extract_shard)");
   return flat_view(full_, rank * layout_.shard_numel, {layout_.shard_numel});
 }
 
@@ -174,16 +349,18 @@ void FlatParamGroup::release() { release_storage(*full_.storage()); }
 void FlatParamGroup::materialize() {
   if (materialized()) return;
   materialize_storage(*full_.storage(),
-                      static_cast<size_t>(layout_.padded_numel) * dtype_size(dtype_));
+                      static_cast<size_t>(layout_.flat_numel) * dtype_size(dtype_));
 }
 
 Tensor FlatParamGroup::grad_chunk(int rank) const {
+  if (!layout_.wire_is_flat())
+    throw std::logic_error("FlatParamGroup::grad_chunk: not with the dim-0 layout");
   return flat_view(grad_, rank * layout_.shard_numel, {layout_.shard_numel});
 }
 
 void FlatParamGroup::allocate_grad() {
   if (!grad_.defined())
-    grad_ = Tensor::zeros({layout_.padded_numel}, dtype_, device_, MemCategory::Grads);
+    grad_ = Tensor::zeros({layout_.flat_numel}, dtype_, device_, MemCategory::Grads);
   for (size_t i = 0; i < params_.size(); ++i)
     if (!params_[i].grad().defined())
       params_[i].set_grad(flat_view(grad_, layout_.slots[i].offset, layout_.slots[i].shape));

@@ -1,8 +1,9 @@
 // The shared core of the data-parallel strategies (DDP, ZeRO-1/2/3, and FSDP2 on top of it):
 //
 //   Comm            collectives that also run without a process group (world size 1)
-//   FlatLayout      parameters laid end to end in one flat buffer, padded to a multiple of the
-//                   world size; rank r owns the contiguous chunk [r*shard, (r+1)*shard)
+//   FlatLayout      parameters laid end to end in one flat buffer and how it is sharded:
+//                   Contiguous (ZeRO: rank r owns the chunk [r*shard, (r+1)*shard)) or Dim0
+//                   (FSDP2: every parameter split on dim 0, rank-major wire with copy-in/out)
 //   FlatParamGroup  one bucket (DDP, ZeRO-1/2) or one gather unit (ZeRO-3): the flat compute
 //                   buffer whose views the model's Parameter slots hold, its flat gradient
 //                   buffer, and the rank's shard of it
@@ -66,32 +67,78 @@ struct FlatSlot {
   std::string name;
   Shape shape;
   int64_t numel = 0;
-  int64_t offset = 0;  // first element in the flat buffer
+  int64_t offset = 0;  // first element in the flat (parameter-ordered) buffer
+  // Dim0 layout: rows = shape[0] (1-d: its elements; 0-d: 1), row_numel = numel / rows,
+  // rows_per_rank = ceil(rows / world), shard_offset = where the slot's rows start inside every
+  // rank's shard (sum of rows_per_rank * row_numel of the slots before it).
+  int64_t rows = 0, row_numel = 0, rows_per_rank = 0, shard_offset = 0;
 };
 
-// Parameters end to end; the buffer is padded with zeros to world * shard_numel elements, and
-// shard_numel is a multiple of kFlatAlignment so that every rank's chunk starts aligned. Rank r
-// owns [r * shard_numel, (r + 1) * shard_numel); a parameter may straddle two or more ranks, and
-// the padding sits at the end (on the last rank or ranks).
+// How a group of parameters is split over the ranks. Both modes keep the parameters end to end in
+// one flat *parameter-ordered* buffer (the compute buffer the Parameter slots view, and the flat
+// gradient); they differ in what rank r's shard [shard_numel] holds.
+//
+// Contiguous (ZeRO-1/2/3): the flat buffer is padded with zeros to world * shard_numel elements
+// and rank r owns its chunk [r * shard_numel, (r + 1) * shard_numel); a parameter may straddle two
+// or more ranks, and the padding sits at the end. The rank-major collective buffer ("wire": the
+// all-gather output, the reduce-scatter input) IS the flat buffer.
+//
+// Dim0 (FSDP2): every parameter is sharded on dim 0: slot i has rows_per_rank c_i = ceil(d0_i / N)
+// and rank r owns rows [r * c_i, min((r + 1) * c_i, d0_i)) (possibly none), zero-padded to c_i
+// rows. Rank r's shard is the concatenation over the slots of those c_i * row_numel_i elements,
+// then zeros up to shard_numel (a multiple of kFlatAlignment). The wire [world * shard_numel] is
+// rank-major and differs from the flat buffer [flat_numel]: a copy-out (unpack) writes the
+// gathered rows into the flat buffer, a copy-in (pack) puts the flat gradient into wire order.
+//
+// Everything that maps a shard to parameters goes through owned() and shard_offset(), so both
+// modes share the code.
 struct FlatLayout {
+  enum class Mode { Contiguous, Dim0 };
   static constexpr int64_t kFlatAlignment = 16;  // elements
   std::vector<FlatSlot> slots;
+  Mode mode = Mode::Contiguous;
   int world = 1;
   int64_t numel = 0;         // sum of the parameters' elements
-  int64_t padded_numel = 0;  // world * shard_numel
+  int64_t padded_numel = 0;  // world * shard_numel: the wire (collective) buffer
   int64_t shard_numel = 0;
+  int64_t flat_numel = 0;  // the parameter-ordered buffer: padded_numel (Contiguous),
+                           // numel rounded up to kFlatAlignment (Dim0)
 
   FlatLayout() = default;
-  FlatLayout(const std::vector<Parameter*>& params, int world);
+  FlatLayout(const std::vector<Parameter*>& params, int world, Mode mode = Mode::Contiguous);
+  // Without parameters (param stays null): names and shapes, e.g. from a checkpoint manifest.
+  FlatLayout(const std::vector<std::pair<std::string, Shape>>& params, int world,
+             Mode mode = Mode::Contiguous);
 
   struct Range {
     int64_t begin = 0, end = 0;  // in the parameter's own (flattened) element indices
     int64_t size() const { return end - begin; }
   };
-  // The elements of slot i that `rank` owns (empty when none).
+  // The elements of slot i that `rank` owns (empty when none): one contiguous range.
   Range owned(size_t slot, int rank) const;
-  // {"numel", "padded_numel", "shard_numel", "world", "params": [{"name", "shape", "offset"}]}
+  // Where owned(slot, rank).begin sits inside rank's shard [shard_numel].
+  int64_t shard_offset(size_t slot, int rank) const;
+  // Whether the wire buffer is the flat buffer itself (Contiguous): no copy-in/copy-out.
+  bool wire_is_flat() const { return mode == Mode::Contiguous; }
+
+  // Copies between the flat parameter-ordered buffer [flat_numel] and the rank-major wire
+  // [padded_numel] or one rank's shard [shard_numel] (any float dtypes; values are converted;
+  // tensors may live on different devices only for the shard copies). Padding in the
+  // destination is zeroed where noted.
+  void pack(const Tensor& flat, const Tensor& wire) const;    // copy-in; zeroes padding
+  void unpack(const Tensor& wire, const Tensor& flat) const;  // copy-out; zeroes the tail
+  void extract_shard(const Tensor& flat, int rank, const Tensor& shard) const;  // zeroes padding
+  void insert_shard(const Tensor& shard, int rank, const Tensor& flat) const;   // owned part only
+
+  // {"layout": "contiguous"|"dim0", "numel", "padded_numel", "shard_numel", "flat_numel",
+  //  "world", "params": [{"name", "shape", "offset", "rows_per_rank", "shard_offset"}]}
   nlohmann::json to_json() const;
+  // The layout a to_json() describes (slots without parameters); checks its numbers.
+  static FlatLayout from_json(const nlohmann::json& j);
+  static const char* mode_name(Mode m) { return m == Mode::Dim0 ? "dim0" : "contiguous"; }
+
+ private:
+  void build(std::vector<FlatSlot> slots);
 };
 
 // Splits `params` (given in the order their gradients are expected, i.e. backward order) into
@@ -122,7 +169,8 @@ class FlatParamGroup {
   // Builds the group for `params` (fp32 or any dtype; values are converted) over `world` ranks.
   static std::unique_ptr<FlatParamGroup> make(std::string name,
                                               const std::vector<Parameter*>& params, int world,
-                                              DType dtype, Device device);
+                                              DType dtype, Device device,
+                                              FlatLayout::Mode mode = FlatLayout::Mode::Contiguous);
 
   const std::string& name() const { return name_; }
   const FlatLayout& layout() const { return layout_; }
@@ -131,15 +179,15 @@ class FlatParamGroup {
   // The leaf tensors the Parameter slots hold (one per slot).
   const std::vector<Tensor>& params() const { return params_; }
 
-  // The flat compute buffer [padded_numel] and rank r's chunk of it [shard_numel]. Reading them
-  // needs materialized().
+  // The flat compute buffer [flat_numel] and (Contiguous layout only) rank r's chunk of it
+  // [shard_numel]. Reading them needs materialized().
   Tensor full() const { return full_; }
   Tensor full_chunk(int rank) const;
   bool materialized() const { return storage_materialized(*full_.storage()); }
   void release();      // frees the flat buffer's bytes (the slots keep their tensors)
   void materialize();  // new bytes, contents undefined (fill them: a gather)
 
-  // The flat gradient [padded_numel] in the compute dtype, when allocated.
+  // The flat gradient [flat_numel] in the compute dtype, when allocated; its chunk (Contiguous).
   const Tensor& grad() const { return grad_; }
   Tensor grad_chunk(int rank) const;
   // Allocates a zeroed flat gradient (category Grads) and makes every parameter without a

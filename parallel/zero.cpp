@@ -37,6 +37,8 @@ FlatDataParallel::FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParalle
   if (st < 0 || st > 3)
     throw std::invalid_argument("deepspeed_config.zero_stage must be 1, 2 or 3, got " +
                                 std::to_string(st));
+  if (options_.layout != FlatLayout::Mode::Contiguous && st != 3)
+    throw std::logic_error("the dim-0 shard layout needs stage 3 (FSDP)");
   if (options_.offload_optimizer && st == 0)
     throw std::invalid_argument(
         "optimizer offload needs ZeRO (distributed_type DEEPSPEED with zero_stage >= 1)");
@@ -117,13 +119,28 @@ WorkPtr FlatDataParallel::start_group_gather(int gi) {
   if (resident_) return completed_work();  // the shard is the gathered buffer
   Group& g = groups_[gi];
   g.flat->materialize();
-  Tensor chunk = g.flat->full_chunk(comm_.rank());
+  const FlatLayout& l = g.flat->layout();
+  Tensor wire = g.flat->full();
+  if (!l.wire_is_flat()) {
+    wire = Tensor::empty({l.padded_numel}, g.flat->dtype(), device_, MemCategory::Comm);
+    g.wire = wire;
+  }
+  Tensor chunk = flat_view(wire, comm_.rank() * l.shard_numel, {l.shard_numel});
   chunk.copy_(g.shard);
-  count_gather(gi, static_cast<int64_t>(g.flat->full().nbytes()));
-  return comm_.all_gather(g.flat->full(), chunk);
+  count_gather(gi, static_cast<int64_t>(wire.nbytes()));
+  return comm_.all_gather(wire, chunk);
+}
+
+void FlatDataParallel::finish_group_gather(int gi) {
+  Group& g = groups_[gi];
+  if (!g.wire.defined()) return;
+  NoGradGuard no_grad;
+  g.flat->layout().unpack(g.wire, g.flat->full());  // copy-out
+  g.wire = Tensor();
 }
 
 void FlatDataParallel::release_group(int gi) {
+  groups_[gi].wire = Tensor();
   if (!resident_) groups_[gi].flat->release();
 }
 
@@ -174,16 +191,16 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     Group g;
     const std::string gname = "group" + std::to_string(gi);
     // fp32 values of rank 0, flat and padded: the source of the master weights.
-    FlatLayout layout(group_params[gi], world);
+    FlatLayout layout(group_params[gi], world, options_.layout);
     Tensor flat32 =
-        Tensor::zeros({layout.padded_numel}, DType::F32, device_, MemCategory::OptimizerState);
+        Tensor::zeros({layout.flat_numel}, DType::F32, device_, MemCategory::OptimizerState);
     for (const FlatSlot& s : layout.slots)
       flat_view(flat32, s.offset, s.shape).copy_(s.param->value);
     comm_.broadcast(flat32, 0)->wait();
     for (const FlatSlot& s : layout.slots)
       s.param->value.copy_(flat_view(flat32, s.offset, s.shape));
 
-    g.flat = FlatParamGroup::make(gname, group_params[gi], world, cdt, device_);
+    g.flat = FlatParamGroup::make(gname, group_params[gi], world, cdt, device_, options_.layout);
     const bool fp32_here = cdt == DType::F32 && !options_.offload_optimizer;
     if (stage == 0) {
       g.master_is_compute = fp32_here;
@@ -195,7 +212,7 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
       } else {
         g.master = Tensor::empty({layout.shard_numel}, DType::F32, master_dev,
                                  MemCategory::OptimizerState);
-        g.master.copy_(flat_view(flat32, rank * layout.shard_numel, {layout.shard_numel}));
+        layout.extract_shard(flat32, rank, g.master);
       }
     } else {
       const Device shard_dev = options_.offload_params ? host : device_;
@@ -204,7 +221,7 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
         g.shard = g.flat->full();
       } else {
         g.shard = Tensor::empty({layout.shard_numel}, cdt, shard_dev, MemCategory::Params);
-        g.shard.copy_(g.flat->full_chunk(rank));
+        layout.extract_shard(g.flat->full(), rank, g.shard);
       }
       g.master_is_compute = fp32_here && !options_.offload_params;
       if (g.master_is_compute) {
@@ -212,7 +229,7 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
       } else {
         g.master = Tensor::empty({layout.shard_numel}, DType::F32, master_dev,
                                  MemCategory::OptimizerState);
-        g.master.copy_(flat_view(flat32, rank * layout.shard_numel, {layout.shard_numel}));
+        layout.extract_shard(flat32, rank, g.master);
       }
     }
     flat32 = Tensor();
@@ -290,7 +307,13 @@ void FlatDataParallel::launch_reduction(int gi) {
     // Stages 2-3: the first micro-batch's output becomes the gradient shard itself.
     const bool adopt = stage >= 2 && !g.shard_grad_fresh;
     Tensor in = f.grad();
-    if (in.dtype() != rdt) {  // widen before the reduction (FSDP's fp32 reduce dtype)
+    if (!f.layout().wire_is_flat()) {
+      // Dim-0 layout: copy-in into rank-major order (widening to the reduce dtype on the way).
+      Tensor wire = Tensor::empty({f.layout().padded_numel}, rdt, device_,
+                                  one_rank && adopt ? MemCategory::Grads : MemCategory::Comm);
+      f.layout().pack(in, wire);
+      in = wire;
+    } else if (in.dtype() != rdt) {  // widen before the reduction (FSDP's fp32 reduce dtype)
       Tensor wide = Tensor::empty(in.shape(), rdt, device_,
                                   one_rank && adopt ? MemCategory::Grads : MemCategory::Comm);
       wide.copy_(in);
@@ -389,7 +412,7 @@ std::string FlatDataParallel::first_non_finite_param(const std::vector<Tensor>& 
       if (stage >= 1) {
         FlatLayout::Range owned = l.owned(s, rank);
         if (owned.size() == 0) continue;
-        begin = slot.offset + owned.begin - rank * l.shard_numel;
+        begin = l.shard_offset(s, rank);
         size = owned.size();
       }
       if (has_non_finite(flat_view(grads[gi], begin, {size}))) first = index;
@@ -435,10 +458,13 @@ Tensor FlatDataParallel::gather_group_fp32(int gi) {
   Group& g = groups_[gi];
   if (options_.zero_stage == 0) return g.master;
   const FlatLayout& l = g.flat->layout();
-  Tensor full32 = Tensor::empty({l.padded_numel}, DType::F32, device_, MemCategory::Other);
-  Tensor chunk = flat_view(full32, comm_.rank() * l.shard_numel, {l.shard_numel});
+  Tensor wire = Tensor::empty({l.padded_numel}, DType::F32, device_, MemCategory::Other);
+  Tensor chunk = flat_view(wire, comm_.rank() * l.shard_numel, {l.shard_numel});
   chunk.copy_(g.master);
-  comm_.all_gather(full32, chunk)->wait();
+  comm_.all_gather(wire, chunk)->wait();
+  if (l.wire_is_flat()) return wire;
+  Tensor full32 = Tensor::empty({l.flat_numel}, DType::F32, device_, MemCategory::Other);
+  l.unpack(wire, full32);  // copy-out
   return full32;
 }
 
@@ -533,9 +559,9 @@ void FlatDataParallel::load_state(
     if (state.count(key)) {
       g.master.copy_(tensor(key, {l.shard_numel}));
     } else {
-      Tensor full32 = Tensor::zeros({l.padded_numel}, DType::F32, Device::cpu());
+      Tensor full32 = Tensor::zeros({l.flat_numel}, DType::F32, Device::cpu());
       for (const FlatSlot& s : l.slots) flat_view(full32, s.offset, s.shape).copy_(weight(s));
-      g.master.copy_(flat_view(full32, rank * l.shard_numel, {l.shard_numel}));
+      l.extract_shard(full32, rank, g.master);
     }
   }
   // Optimizer state under the optimizer's own names ("group<i>.<suffix>").

@@ -46,6 +46,10 @@ struct DataParallelOptions {
   std::function<std::vector<Module*>(Module&)> select_units;
   bool reshard_after_forward = true;  // stage 3: release a unit after its forward
   bool reduce_in_fp32 = false;  // stages 2-3: reduce 16-bit gradients in fp32, keep shards fp32
+  // Stage 3: how parameters are sharded (parallel/sharding.h). ZeRO: Contiguous (a rank's shard
+  // is a chunk of the unit's flat buffer); FSDP: Dim0 (every parameter split on dim 0; gathers
+  // go through a rank-major wire buffer with a copy-out, reductions through a copy-in).
+  FlatLayout::Mode layout = FlatLayout::Mode::Contiguous;
 };
 
 // The outermost modules below `root` whose type_name() is one of `types`, in pre-order (= forward
@@ -98,10 +102,12 @@ class FlatDataParallel : public Strategy {
 
  protected:
   // Stage 3, by group index: issue the all-gather of group g's parameters (default: this rank's
-  // compute-dtype shard into the group's flat buffer), finish it once the collective completed
-  // (default: nothing), and release the gathered parameters (default: the flat buffer's bytes).
+  // compute-dtype shard into the group's flat buffer, or with the dim-0 layout into a rank-major
+  // wire buffer), finish it once the collective completed (default: the dim-0 copy-out from the
+  // wire into the flat buffer, else nothing), and release the gathered parameters (default: the
+  // flat buffer's bytes).
   virtual WorkPtr start_group_gather(int g);
-  virtual void finish_group_gather(int g) { (void)g; }
+  virtual void finish_group_gather(int g);
   virtual void release_group(int g);
   // Stage 3 at world size 1: may a unit's shard be its flat buffer itself, never released, so
   // that gathers and releases do nothing? (FSDP's fp8 all-gather writes into the flat buffer.)
@@ -119,9 +125,10 @@ class FlatDataParallel : public Strategy {
  private:
   struct Group {
     std::unique_ptr<FlatParamGroup> flat;
-    Tensor master;                   // fp32: [padded_numel] (stage 0) or this rank's [shard_numel]
+    Tensor master;                   // fp32: [flat_numel] (stage 0) or this rank's [shard_numel]
     bool master_is_compute = false;  // master aliases the compute buffer (fp32, not offloaded)
     Tensor shard;                    // stage 3: the compute-dtype chunk this rank keeps
+    Tensor wire;                     // stage 3, dim-0 layout: a gather in flight (rank-major)
     Tensor shard_grad;               // stages 2-3: reduced gradient of this rank's chunk
     // Stages 2-3: shard_grad holds this step's sum. The first micro-batch's reduction output
     // becomes shard_grad (no zeroing, no accumulate); later ones are added to it.

@@ -2,10 +2,11 @@
 //
 // Turns a training checkpoint (checkpoints/step_N written by accel-train) into a Hugging Face
 // model folder: OUT_DIR/model.safetensors + config.json, which transformers loads and which
-// accel-train takes as model.init_from at any world size. For a sharded checkpoint (ZeRO: the
-// manifest in trainer_state.json "extra" and the fp32 master chunks "group<i>.master" in every
-// rank's optimizer.rank<R>.safetensors) the weights are rebuilt from the shards; otherwise the
-// checkpoint's model.safetensors is converted.
+// accel-train takes as model.init_from at any world size. For a sharded checkpoint (ZeRO and FSDP:
+// the manifest in trainer_state.json "extra" and the fp32 master shards "group<i>.master" in every
+// rank's optimizer.rank<R>.safetensors) the weights are rebuilt from the shards through the
+// manifest's layout (ZeRO's contiguous chunks or FSDP's dim-0 rows); otherwise the checkpoint's
+// model.safetensors is converted.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "parallel/sharding.h"
 #include "runtime/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -53,10 +55,19 @@ Named from_shards(const fs::path& dir, const nlohmann::json& manifest, int world
   try {
     for (const nlohmann::json& g : manifest.at("groups")) {
       const std::string name = g.at("name");
-      const int64_t shard = g.at("shard_numel"), padded = g.at("padded_numel");
-      if (shard * world != padded)
-        throw std::runtime_error("group " + name + ": shard_numel * world_size != padded_numel");
-      Tensor full = Tensor::empty({padded}, DType::F32);
+      // The manifest's layout (contiguous chunks for ZeRO, dim-0 rows for FSDP;
+      // parallel/sharding.h) maps each rank's shard back to the parameters.
+      FlatLayout l;
+      try {
+        l = FlatLayout::from_json(g);
+      } catch (const std::runtime_error& e) {
+        throw std::runtime_error("group " + name + ": " + e.what());
+      }
+      if (l.world != world)
+        throw std::runtime_error("group " + name + ": laid out over " + std::to_string(l.world) +
+                                 " ranks, the manifest's world_size is " + std::to_string(world));
+      const int64_t shard = l.shard_numel;
+      Tensor full = Tensor::zeros({l.flat_numel}, DType::F32);
       for (int r = 0; r < world; ++r) {
         const std::string key = name + ".master";
         if (!ranks[r]->contains(key))
@@ -66,18 +77,12 @@ Named from_shards(const fs::path& dir, const nlohmann::json& manifest, int world
         if (chunk.numel() != shard || chunk.dtype() != DType::F32)
           throw std::runtime_error(ranks[r]->path() + ": '" + key + "' is " + chunk.str() +
                                    ", the manifest says f32 [" + std::to_string(shard) + "]");
-        Tensor dst = Tensor::from_storage(full.storage(), DType::F32, {shard}, {1}, r * shard);
-        dst.copy_(chunk);
+        l.insert_shard(flat_view(chunk, 0, {shard}), r, full);
       }
-      for (const nlohmann::json& p : g.at("params")) {
-        Shape shape = p.at("shape").get<Shape>();
-        const int64_t offset = p.at("offset");
-        if (offset < 0 || offset + shape_numel(shape) > padded)
-          throw std::runtime_error("parameter " + p.at("name").get<std::string>() +
-                                   " lies outside its group");
-        Tensor view = Tensor::from_storage(full.storage(), DType::F32, shape,
-                                           contiguous_strides(shape), offset);
-        out.push_back({p.at("name").get<std::string>(), view.clone(MemCategory::Params)});
+      for (const FlatSlot& s : l.slots) {
+        Tensor view = Tensor::from_storage(full.storage(), DType::F32, s.shape,
+                                           contiguous_strides(s.shape), s.offset);
+        out.push_back({s.name, view.clone(MemCategory::Params)});
       }
     }
   } catch (const nlohmann::json::exception& e) {

@@ -6,9 +6,12 @@
 // and wired into training: equal to gathering bf16, equal to the single process, exact bytes);
 // fsdp_cpu_ram_efficient_loading (only rank 0 reads model.init_from).
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "models/fp8_linear.h"
@@ -233,8 +236,78 @@ TEST(FsdpSchedule, GathersAndFp32ReduceScatter) {
   }
 }
 
+// FSDP's shards are dim-0 shards: after setup and after training steps, rank r's fp32 master
+// shard of every unit holds rows [r*c, min((r+1)*c, d0)) of each parameter (c = ceil(d0 / N)) at
+// the parameter's place in the shard, zeros for the padded rows, and zeros after the last
+// parameter; ZeRO-3 keeps the contiguous layout.
+void dim0_shard_case(int world) {
+  const int port = pick_free_port();
+  auto exits = run_ranks(world, [&](int rank) -> int {
+    World w = make_world(rank, world, port);
+    RunSpec s;
+    s.world = world;
+    FsdpCase c;
+    c.world = world;
+    Trainee t = make_fsdp_trainee(s, c, w.pg, s.seed);
+    for (int step = 0; step < 2; ++step) {
+      if (step) train_step(s, t, 0, rank, w.pg.get());
+      auto* f = dynamic_cast<FlatDataParallel*>(t.strategy.get());
+      std::map<std::string, Tensor> weights;
+      for (auto& [n, v] : full_weights(*t.strategy)) weights[n] = v;
+      std::map<std::string, Tensor> state;
+      for (auto& [n, v] : t.strategy->optimizer_state()) state[n] = v;
+      for (int g = 0; g < f->num_groups(); ++g) {
+        const FlatLayout& l = f->group(g).layout();
+        RANK_CHECK(l.mode == FlatLayout::Mode::Dim0, "group %d is not dim-0 sharded", g);
+        const std::vector<double> shard = state.at(f->group(g).name() + ".master").to_vector();
+        RANK_CHECK(static_cast<int64_t>(shard.size()) == l.shard_numel, "group %d shard size", g);
+        int64_t pos = 0;
+        for (const FlatSlot& slot : l.slots) {
+          const Shape& shape = slot.shape;
+          const int64_t d0 = shape.empty() ? 1 : shape[0], row = slot.numel / d0;
+          const int64_t cr = (d0 + world - 1) / world;
+          const std::vector<double> p = weights.at(slot.name).to_vector();
+          for (int64_t k = 0; k < cr * row; ++k, ++pos) {
+            const int64_t e = rank * cr * row + k;  // row rank*cr + k/row of the parameter
+            const double want = e < d0 * row ? p[e] : 0.0;
+            RANK_CHECK(shard[pos] == want, "%s: shard element %lld is %.9g, want %.9g (row %lld)",
+                       slot.name.c_str(), static_cast<long long>(k), shard[pos], want,
+                       static_cast<long long>(e / row));
+          }
+        }
+        for (size_t i = static_cast<size_t>(pos); i < shard.size(); ++i)
+          RANK_CHECK(shard[i] == 0.0, "group %d: padding element %zu is %.9g", g, i, shard[i]);
+      }
+    }
+    // ZeRO-3 (and the other ZeRO stages) keep the contiguous layout.
+    RunSpec z = s;
+    z.strategy = "zero3";
+    Trainee zt = make_trainee(z, w.pg, s.seed);
+    auto* zf = dynamic_cast<FlatDataParallel*>(zt.strategy.get());
+    RANK_CHECK(zf && zf->group(0).layout().mode == FlatLayout::Mode::Contiguous,
+               "ZeRO-3's layout is not contiguous");
+    return 0;
+  });
+  expect_all_ok(exits);
+}
+
+TEST(FsdpLayout, RankShardHoldsItsDim0RowsOfEveryParameter) {
+  dim0_shard_case(3);
+  dim0_shard_case(4);
+}
+
+// The "layout" of every group in a checkpoint's manifest: "dim0", "contiguous" or "mixed".
+std::string st_layout(const fs::path& ck_dir) {
+  std::ifstream in(ck_dir / "trainer_state.json");
+  nlohmann::json j;
+  in >> j;
+  std::set<std::string> kinds;
+  for (const auto& g : j.at("extra").at("groups")) kinds.insert(g.value("layout", "contiguous"));
+  return kinds.size() == 1 ? *kinds.begin() : "mixed";
+}
+
 // Checkpoint at step 5 through the trainer's checkpoint code, resume into a differently
-// initialized model: steps 6-10 identical. SHARDED_STATE_DICT writes shards only (no
+// initialized model: steps 6-10 identical. SHARDED_STATE_DICT writes dim-0 shards only (no
 // model.safetensors); FULL_STATE_DICT writes rank 0's gathered fp32 weights as Hugging Face
 // model.safetensors, which load_hf_weights reads into a plain model.
 void checkpoint_case(const std::string& type, int world) {
@@ -272,6 +345,22 @@ void checkpoint_case(const std::string& type, int world) {
                has_model ? "written" : "missing");
     RANK_CHECK(fs::exists(ck_dir / ("optimizer.rank" + std::to_string(rank) + ".safetensors")),
                "no shard file for rank %d", rank);
+    if (!has_model && rank == 0) {
+      // accel-checkpoint consolidate rebuilds the full weights from the dim-0 shards through the
+      // manifest's layout ("layout": "dim0"), bit for bit.
+      RANK_CHECK(st_layout(ck_dir) == "dim0", "the manifest's groups are not dim-0 laid out");
+      const fs::path out = dir / "consolidated";
+      const std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-checkpoint consolidate " +
+                              ck_dir.string() + " " + out.string() + " >/dev/null 2>&1";
+      RANK_CHECK(std::system(cmd.c_str()) == 0, "%s failed (is accel-checkpoint built?)",
+                 cmd.c_str());
+      LlamaForCausalLM plain(tiny_llama(s.layers), DType::F32, Device::cpu(), 98);
+      load_hf_weights(plain, out.string());
+      Weights loaded;
+      for (Parameter* p : plain.parameters()) loaded.push_back({p->name, p->value});
+      std::string diff = compare_weights(loaded, at5, 0.0);
+      RANK_CHECK(diff.empty(), "consolidated weights differ: %s", diff.c_str());
+    }
     if (has_model) {
       LlamaForCausalLM plain(tiny_llama(s.layers), DType::F32, Device::cpu(), 99);
       load_hf_weights(plain, ck_dir.string());
@@ -314,15 +403,18 @@ void fp8_gather_case(int world) {
         if (p->value.dim() == 2) units.back().push_back(p);
     }
     RANK_CHECK(units.size() == 2 && units[0].size() == 7, "unexpected units");
-    Fp8AllGather ag(units, world);
-    // This rank's bf16 chunk of each unit (as FSDP keeps it), and the bf16 full buffers.
+    Fp8AllGather ag(units, world);  // FSDP's dim-0 layout
+    // This rank's bf16 dim-0 shard of each unit (as FSDP keeps it), and the bf16 full buffers.
     std::vector<Tensor> shards, fulls;
     for (int u = 0; u < 2; ++u) {
       const FlatLayout& l = ag.layout(u);
-      Tensor full = Tensor::zeros({l.padded_numel}, DType::BF16);
+      RANK_CHECK(l.mode == FlatLayout::Mode::Dim0, "unit %d is not dim-0 sharded", u);
+      Tensor full = Tensor::zeros({l.flat_numel}, DType::BF16);
       for (const FlatSlot& s : l.slots) flat_view(full, s.offset, s.shape).copy_(s.param->value);
       fulls.push_back(full);
-      shards.push_back(flat_view(full, rank * l.shard_numel, {l.shard_numel}).clone());
+      Tensor shard = Tensor::empty({l.shard_numel}, DType::BF16);
+      l.extract_shard(full, rank, shard);
+      shards.push_back(shard);
     }
     w.pg->reset_stats();
     ag.precompute_scales(shards, comm);
@@ -336,13 +428,17 @@ void fp8_gather_case(int world) {
       w.pg->reset_stats();
       std::vector<Fp8Tensor> got = ag.gather(u, shards[u], comm);
       const CommCounter fp8 = w.pg->stats()[CommKind::AllGather];
-      // Reference: all-gather the bf16 weights, then cast each with its own (dynamic) scale.
-      Tensor hp = Tensor::zeros({l.padded_numel}, DType::BF16);
-      Tensor chunk = flat_view(hp, rank * l.shard_numel, {l.shard_numel});
+      // Reference: all-gather the bf16 weights (rank-major, then the copy-out), then cast each
+      // with its own (dynamic) scale. Every rank owns as many elements here (a multiple of 16),
+      // so the fp8 gather moves exactly one byte per padded element.
+      Tensor wire = Tensor::zeros({l.padded_numel}, DType::BF16);
+      Tensor chunk = flat_view(wire, rank * l.shard_numel, {l.shard_numel});
       chunk.copy_(shards[u]);
       w.pg->reset_stats();
-      comm.all_gather(hp, chunk)->wait();
+      comm.all_gather(wire, chunk)->wait();
       const CommCounter bf16 = w.pg->stats()[CommKind::AllGather];
+      Tensor hp = Tensor::zeros({l.flat_numel}, DType::BF16);
+      l.unpack(wire, hp);
       RANK_CHECK(fp8.calls == 1 && fp8.bytes == l.padded_numel && 2 * fp8.bytes == bf16.bytes &&
                      2 * fp8.wire_bytes == bf16.wire_bytes,
                  "unit %d: fp8 all-gather %lld calls %lld bytes (%lld on the wire), bf16 %lld "
@@ -430,15 +526,18 @@ double eval_loss(Fp8Trainee& f, const RunSpec& s, int rank, ProcessGroup* pg) {
 
 // Bytes of one all-gather of `layout` when the elements of the named weights travel as e4m3 and
 // the others as bf16 (2 bytes): every rank sends max over ranks of (2 * other + fp8 elements) of
-// its chunk, rounded up to 16 bytes (counted here element by element, independently of the
-// strategy's own packing code).
+// the rows it owns (dim 0: rows [r*c, min((r+1)*c, d0)) of every parameter, computed here from
+// the shapes, independently of the layout code), rounded up to 16 bytes.
 int64_t expected_gather_bytes(const FlatLayout& l, const std::set<std::string>& fp8_weights) {
   int64_t most = 0;
   for (int r = 0; r < l.world; ++r) {
     int64_t b = 0;
-    for (int64_t e = r * l.shard_numel; e < (r + 1) * l.shard_numel; ++e)
-      for (const FlatSlot& s : l.slots)
-        if (e >= s.offset && e < s.offset + s.numel) b += fp8_weights.count(s.name) ? 1 : 2;
+    for (const FlatSlot& s : l.slots) {
+      const int64_t d0 = s.shape.empty() ? 1 : s.shape[0], row = s.numel / d0;
+      const int64_t c = (d0 + l.world - 1) / l.world;
+      const int64_t rows = std::max<int64_t>(0, std::min(d0, (r + 1) * c) - r * c);
+      b += rows * row * (fp8_weights.count(s.name) ? 1 : 2);
+    }
     most = std::max(most, b);
   }
   return l.world * ((most + 15) / 16 * 16);
@@ -525,18 +624,19 @@ void fp8_training_case(const Fp8Case& fc) {
                  static_cast<long long>(st_off[CommKind::AllGather].bytes));
       if (step == 0 && rank == 0) std::fprintf(stderr, "%s", fs->describe_unit_comm().c_str());
       if (step == 0 && world == 2 && fc.reshard) {
-        // Hand-checked numbers, world 2 (chunks of 4640 elements). A decoder layer holds q 1024,
-        // k 512, v 512, o 1024, gate 2048, up 2048, down 2048, then the two norms (32 each).
-        // Layer 1 (all 7 weights fp8): rank 0 sends 4640 e4m3 bytes, rank 1 4576 e4m3 bytes +
-        // 64 bf16 norm elements = 4704 bytes; every rank sends the largest (a multiple of 16):
-        // 2 * 4704 = 9408 per gather (bf16: 18560). Layer 0 keeps q_proj in bf16 (AO's first
-        // linear layer): rank 0 sends 2 * 1024 + 3616 = 5664 bytes: 2 * 5664 = 11328 per gather,
-        // gathered twice (forward and backward). The root unit (embedding, norm, head: 4128
-        // elements) in bf16, once: 2 * 4128 = 8256.
+        // Hand-checked numbers, world 2, dim-0 shards (every parameter's first half of rows on
+        // rank 0, the second on rank 1: 4640 elements each). A decoder layer holds q 1024, k 512,
+        // v 512, o 1024, gate 2048, up 2048, down 2048, then the two norms (32 each).
+        // Layer 1 (all 7 weights fp8): each rank sends 4608 e4m3 bytes + 32 bf16 norm elements
+        // = 4672 bytes (a multiple of 16): 2 * 4672 = 9344 per gather (bf16: 18560). (With the
+        // contiguous ZeRO layout rank 1 held all 64 norm elements: 9408.) Layer 0 keeps q_proj in
+        // bf16 (AO's first linear layer): each rank sends 2 * 512 + 4096 + 2 * 32 = 5184 bytes:
+        // 2 * 5184 = 10368 per gather (contiguous: 11328), gathered twice (forward and backward).
+        // The root unit (embedding, norm, head: 4128 elements) in bf16, once: 2 * 4128 = 8256.
         RANK_CHECK(units.size() == 3 && units[0].name == "model.layers.0" &&
                        units[1].name == "model.layers.1" && units[2].name == "root",
                    "units %s", units.empty() ? "" : units[0].name.c_str());
-        const int64_t want_bytes[3] = {2 * 11328, 9408, 8256};
+        const int64_t want_bytes[3] = {2 * 10368, 9344, 8256};
         const int64_t want_fp8[3] = {8192, 9216, 0};
         for (int k = 0; k < 3; ++k)
           RANK_CHECK(
