@@ -149,6 +149,22 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
   return c;
 }
 
+void check_same_shard_layout(const std::string& dir, const nlohmann::json& saved,
+                             const nlohmann::json& now) {
+  if (!saved.is_object() || !saved.contains("groups") || !now.is_object()) return;
+  if (saved["groups"] == now.value("groups", nlohmann::json())) return;
+  throw std::runtime_error(
+      dir +
+      ": its shards are laid out differently from this run's (trainer_state.json \"extra\" "
+      "groups: strategy " +
+      saved.value("strategy", std::string("?")) + " then, " +
+      now.value("strategy", std::string("?")) +
+      " now; the units, buckets, parameter offsets or "
+      "the shard layout differ, e.g. an FSDP checkpoint from before FSDP sharded on dim 0). "
+      "Resume with the configuration and accel-train it was saved with, or run `accel-checkpoint "
+      "consolidate` on it and start a new run with model.init_from pointing at the result");
+}
+
 std::string restore_fp8_state(Fp8Training* fp8, const LoadedCheckpoint& ck) {
   if (!fp8_has_checkpoint_state(fp8)) {
     if (ck.fp8_state_file.empty()) return "";

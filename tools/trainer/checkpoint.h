@@ -68,6 +68,10 @@ struct LoadedCheckpoint {
 // otherwise `spec` is a checkpoint folder. Errors name the folder and what is missing.
 std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec);
 LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size);
+// Refuses to resume a sharded checkpoint whose shard layout (the strategy manifest's "groups")
+// differs from the one this run's strategy built: the shards would load into the wrong places.
+void check_same_shard_layout(const std::string& dir, const nlohmann::json& saved,
+                             const nlohmann::json& now);
 
 // Restores the fp8 delayed-scaling state of a loaded checkpoint into `fp8` (every rank). Throws
 // when this run uses delayed scaling and the checkpoint has no state or a state that does not fit

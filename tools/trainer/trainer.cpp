@@ -308,6 +308,7 @@ int train(const TrainOptions& opt) {
     auto found = find_checkpoint(out_dir, opt.resume);
     if (found) {
       LoadedCheckpoint ck = load_checkpoint(*found, rank, world);
+      check_same_shard_layout(*found, ck.state.extra, strategy->checkpoint_manifest());
       strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
       const std::string fp8_note = restore_fp8_state(fp8.get(), ck);  // TE: amax histories, scales
       if (main_rank && !fp8_note.empty()) std::fprintf(stderr, "note: %s\n", fp8_note.c_str());
