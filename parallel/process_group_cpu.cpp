@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "parallel/process_group.h"
+#include "runtime/format.h"
 
 namespace accel {
 namespace {
@@ -30,20 +31,6 @@ namespace {
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
-
-std::string describe_bytes(int64_t n) {
-  std::ostringstream os;
-  os.precision(3);
-  if (n < 1024) return std::to_string(n) + " B";
-  if (n < (1 << 20)) {
-    os << n / 1024.0 << " KiB";
-  } else if (n < (1ll << 30)) {
-    os << n / 1048576.0 << " MiB";
-  } else {
-    os << n / 1073741824.0 << " GiB";
-  }
-  return os.str();
-}
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
@@ -203,8 +190,7 @@ static_assert(sizeof(MsgHeader) == 32, "MsgHeader must have no padding");
 std::string describe_header(const MsgHeader& h) {
   std::string k = h.kind < kNumCommKinds ? comm_kind_name(static_cast<CommKind>(h.kind)) : "?";
   return k + " #" + std::to_string(h.seq) + " step " + std::to_string(h.step) + " (" +
-         describe_bytes(static_cast<int64_t>(h.nbytes)) + ", group " + std::to_string(h.group) +
-         ")";
+         format_bytes(static_cast<int64_t>(h.nbytes)) + ", group " + std::to_string(h.group) + ")";
 }
 
 // ---- operations in flight ----------------------------------------------------------------------
@@ -1000,7 +986,7 @@ WorkPtr CpuProcessGroup::all_reduce(const Tensor& t, ReduceOp rop) {
       : ring ? static_cast<int64_t>(2 * S - ch.bytes(mod(r + 1, n)) - ch.bytes(mod(r + 2, n)))
              : static_cast<int64_t>((n - 1) * S);
   std::string detail = std::string(dtype_name(t.dtype())) + " " + reduce_op_name(rop) + ", " +
-                       describe_bytes(static_cast<int64_t>(S));
+                       format_bytes(static_cast<int64_t>(S));
   return issue(CommKind::AllReduce, S, wire, detail, [t, rop, ring, ch](OpState& op, const Ctx& c) {
     const int n = c.n, r = c.r;
     if (n == 1 || t.numel() == 0) return;
@@ -1061,7 +1047,7 @@ WorkPtr CpuProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, Red
   const size_t cb = out.nbytes();
   const bool ring = in.nbytes() >= options_.ring_threshold_bytes && n > 1;
   std::string detail = std::string(dtype_name(in.dtype())) + " " + reduce_op_name(rop) + ", " +
-                       describe_bytes(static_cast<int64_t>(in.nbytes()));
+                       format_bytes(static_cast<int64_t>(in.nbytes()));
   return issue(CommKind::ReduceScatter, static_cast<int64_t>(in.nbytes()),
                static_cast<int64_t>((n - 1) * cb), detail,
                [out, in, rop, ring](OpState& op, const Ctx& c) {
@@ -1129,8 +1115,8 @@ WorkPtr CpuProcessGroup::all_gather(const Tensor& out, const Tensor& in) {
   const int n = size_;
   const size_t cb = in.nbytes();
   const bool ring = out.nbytes() >= options_.ring_threshold_bytes && n > 1;
-  std::string detail = std::string(dtype_name(in.dtype())) + ", " +
-                       describe_bytes(static_cast<int64_t>(out.nbytes()));
+  std::string detail =
+      std::string(dtype_name(in.dtype())) + ", " + format_bytes(static_cast<int64_t>(out.nbytes()));
   return issue(CommKind::AllGather, static_cast<int64_t>(out.nbytes()),
                static_cast<int64_t>((n - 1) * cb), detail,
                [out, in, ring](OpState& op, const Ctx& c) {
@@ -1175,7 +1161,7 @@ WorkPtr CpuProcessGroup::broadcast(const Tensor& t, int root) {
       wire = mod(r - root, n) < n - 1 ? static_cast<int64_t>(S) : 0;
   }
   std::string detail = "root " + std::to_string(root) + ", " + dtype_name(t.dtype()) + ", " +
-                       describe_bytes(static_cast<int64_t>(S));
+                       format_bytes(static_cast<int64_t>(S));
   return issue(CommKind::Broadcast, S, wire, detail, [t, root, chain](OpState& op, const Ctx& c) {
     const int n = c.n, r = c.r;
     const size_t S = t.nbytes();
@@ -1231,7 +1217,7 @@ WorkPtr CpuProcessGroup::send(const Tensor& t, int dst) {
   check_peer(dst, "send");
   const size_t S = t.nbytes();
   std::string detail = "to rank " + std::to_string(world_ranks_[dst]) + ", " +
-                       dtype_name(t.dtype()) + ", " + describe_bytes(static_cast<int64_t>(S));
+                       dtype_name(t.dtype()) + ", " + format_bytes(static_cast<int64_t>(S));
   return issue(
       CommKind::Send, S, S, detail,
       [t, dst](OpState& op, const Ctx& c) {
@@ -1245,7 +1231,7 @@ WorkPtr CpuProcessGroup::recv(const Tensor& t, int src) {
   check_peer(src, "recv");
   const size_t S = t.nbytes();
   std::string detail = "from rank " + std::to_string(world_ranks_[src]) + ", " +
-                       dtype_name(t.dtype()) + ", " + describe_bytes(static_cast<int64_t>(S));
+                       dtype_name(t.dtype()) + ", " + format_bytes(static_cast<int64_t>(S));
   return issue(
       CommKind::Recv, S, 0, detail,
       [t, src](OpState& op, const Ctx& c) {

@@ -161,7 +161,10 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
   const DType cdt = options_.compute_dtype;
   std::vector<Parameter*> all = model.parameters();
   if (all.empty()) throw std::invalid_argument(name() + ": the model has no parameters");
-  for (size_t i = 0; i < all.size(); ++i) model_order_[all[i]->name] = static_cast<int64_t>(i);
+  for (size_t i = 0; i < all.size(); ++i) {
+    model_order_[all[i]->name] = static_cast<int64_t>(i);
+    model_names_.push_back(all[i]->name);
+  }
   device_ = all[0]->value.device();
   for (Parameter* p : all) {
     if (p->value.dtype() != DType::F32)
@@ -423,9 +426,7 @@ std::string FlatDataParallel::first_non_finite_param(const std::vector<Tensor>& 
   comm_.all_reduce(best, ReduceOp::Max)->wait();
   first = count - static_cast<int64_t>(best.item());
   if (first >= count) return "";  // finite everywhere: the norm overflowed
-  for (const auto& [name, index] : model_order_)
-    if (index == first) return name;
-  return "";
+  return model_names_.at(static_cast<size_t>(first));
 }
 
 StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_scale) {

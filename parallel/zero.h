@@ -165,6 +165,7 @@ class FlatDataParallel : public Strategy {
   std::deque<Pending> pending_;
   std::vector<GroupComm> group_comm_;
   std::unordered_map<std::string, int64_t> model_order_;  // parameter name -> model index
+  std::vector<std::string> model_names_;                  // model index -> parameter name
 };
 
 // distributed_type DEEPSPEED.

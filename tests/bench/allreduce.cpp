@@ -19,21 +19,13 @@
 
 #include "parallel/process_group.h"
 #include "parallel/store.h"
+#include "runtime/format.h"
 #include "tests/parallel/harness.h"
 
 using namespace accel;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-std::string human(int64_t b) {
-  char buf[32];
-  if (b >= (1 << 20))
-    std::snprintf(buf, sizeof buf, "%lld MiB", static_cast<long long>(b >> 20));
-  else
-    std::snprintf(buf, sizeof buf, "%lld KiB", static_cast<long long>(b >> 10));
-  return buf;
-}
 
 int run_rank(int rank, int n, int port, int64_t min_bytes, int64_t max_bytes, DType dtype) {
   StoreOptions so;
@@ -65,8 +57,8 @@ int run_rank(int rank, int n, int port, int64_t min_bytes, int64_t max_bytes, DT
     if (rank == 0) {
       double algbw = static_cast<double>(bytes) / (us * 1e3);
       double busbw = algbw * 2.0 * (n - 1) / n;
-      std::printf("%10s %8d %12.1f %12.3f %12.3f %14.2f\n", human(bytes).c_str(), iters, us, algbw,
-                  busbw, static_cast<double>(wire) / (1 << 20));
+      std::printf("%10s %8d %12.1f %12.3f %12.3f %14.2f\n", format_bytes(bytes).c_str(), iters, us,
+                  algbw, busbw, static_cast<double>(wire) / (1 << 20));
       std::fflush(stdout);
     }
   }
