@@ -19,6 +19,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "parallel/process_group.h"
 #include "parallel/store.h"
 
@@ -65,6 +69,12 @@ inline std::vector<RankExit> run_ranks(int n, const std::function<int(int)>& bod
   for (int r = 0; r < n; ++r) {
     pid_t pid = fork();
     if (pid == 0) {
+#ifdef _OPENMP
+      // A forked child inherits no OpenMP worker threads; if the parent already ran a parallel
+      // region (a whole test binary run without ctest's OMP_NUM_THREADS=1), the child's next
+      // one would wait for them forever. One thread per rank.
+      omp_set_num_threads(1);
+#endif
       int code = 100;
       try {
         code = body(r);
