@@ -145,8 +145,8 @@ void check_numel(const Tensor& t, int64_t n, const char* what) {
 }  // namespace
 
 // Dim0 copy-in/copy-out move each rank's rows of each slot as one contiguous run (the GPU's
-// vectorized copy; a 2-d strided view would take the generic strided path, measured several
-// times slower on an H200). Only the padding of the wire is zeroed.
+// vectorized copy). With one 2-d strided view per slot instead (the generic strided copy path),
+// FSDP llama-1b on two H200s ran 27% slower end to end. Only the padding of the wire is zeroed.
 void FlatLayout::pack(const Tensor& flat, const Tensor& wire) const {
   check_numel(flat, flat_numel, "the flat buffer");
   check_numel(wire, padded_numel, "the wire buffer");
