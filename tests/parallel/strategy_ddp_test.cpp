@@ -181,5 +181,24 @@ TEST(StrategyDdp, WorldSizeOneWithoutProcessGroupMatchesSingleProcess) {
   }
 }
 
+// bf16 compute with two micro-batches at world size 1: the paths only world size 1 takes (the
+// reduce-scatter skipped, ZeRO-3's shards kept as the flat buffers, the first micro-batch's
+// gradient adopted as the shard, the optimizer writing the bf16 compute copies) against the
+// single process, which adds the micro-batches' bf16 gradients in the same order.
+TEST(StrategyDdp, WorldSizeOneBf16WithAccumulationMatchesSingleProcess) {
+  RunSpec single;
+  single.compute = DType::BF16;
+  single.accum = 2;
+  single.steps = 6;
+  RunResult a = run_training(single, nullptr, 0, single.seed);
+  for (const char* z : {"ddp", "zero1", "zero2", "zero3"}) {
+    RunSpec zs = single;
+    zs.strategy = z;
+    RunResult c = run_training(zs, nullptr, 0, zs.seed);
+    EXPECT_EQ(compare_losses(c.losses, a.losses, 1e-6), "") << z;
+    EXPECT_EQ(compare_weights(c.final_weights, a.final_weights, 1e-6), "") << z;
+  }
+}
+
 }  // namespace
 }  // namespace accel
