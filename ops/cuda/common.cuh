@@ -31,6 +31,20 @@ void dispatch_float(DType t, const char* op, F&& f) {
   }
 }
 
+// Multi-tensor kernels: tensor t of a launch owns blocks [first_chunk[t], first_chunk[t + 1]);
+// the tensor of block `chunk` (binary search: the last t with first_chunk[t] <= chunk).
+__device__ __forceinline__ int chunk_owner(const int32_t* first_chunk, int count, int chunk) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (first_chunk[mid] <= chunk)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 inline void require(bool ok, const char* op, const std::string& msg) {
   if (!ok) throw std::logic_error(std::string("[") + op + "] CUDA backend: " + msg);
 }

@@ -178,6 +178,18 @@ Plan& add_plan(int device, const Key& key, std::unique_ptr<Plan> plan) {
   return *slot;
 }
 
+Operands row_major_operands(const Tensor& a, const Tensor& b, const Tensor& out) {
+  Operands ops;
+  ops.a = b.data_ptr();
+  ops.a_bytes = b.nbytes();
+  ops.b = a.data_ptr();
+  ops.b_bytes = a.nbytes();
+  ops.c = out.data_ptr();
+  ops.d = out.data_ptr();
+  ops.d_bytes = out.nbytes();
+  return ops;
+}
+
 void matmul(int device, Plan& plan, const Operands& ops) {
   DeviceState& st = state(device);
   cudaStream_t stream = current_stream();

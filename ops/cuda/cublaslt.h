@@ -24,6 +24,8 @@
 #include <mutex>
 #include <string>
 
+#include "runtime/tensor.h"
+
 namespace accel::cuda::lt {
 
 // Throws std::runtime_error("<call> failed at <file>:<line>: <cuBLAS status>") unless s is success.
@@ -73,6 +75,16 @@ std::unique_lock<std::mutex> lock();
 using Key = std::array<int64_t, 16>;
 Plan* find_plan(int device, const Key& key);
 Plan& add_plan(int device, const Key& key, std::unique_ptr<Plan> plan);
+// The cached plan for `key`, made by make() (-> std::unique_ptr<Plan>) on the first call.
+template <class Make>
+Plan& plan_for(int device, const Key& key, Make&& make) {
+  Plan* plan = find_plan(device, key);
+  return plan ? *plan : add_plan(device, key, make());
+}
+
+// The matrices of our row-major out = a . b (either operand possibly transposed): cuBLASLt is
+// column-major, so its A is our b, its B our a, and C and D are `out`. Scalars are the caller's.
+Operands row_major_operands(const Tensor& a, const Tensor& b, const Tensor& out);
 
 // Runs the GEMM once on the current stream (of the current device, which must be `device`),
 // choosing and caching plan.algo first when it has none. Hold lock() around this and any change

@@ -123,28 +123,19 @@ void gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const T
                   N,           K,
                   fast_accum,  lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr()})};
   const float alpha = 1.0f, beta = 0.0f;
-  lt::Operands ops;
+  lt::Operands ops = lt::row_major_operands(a, b, out);
   ops.alpha = &alpha;
   ops.beta = &beta;
   ops.beta_nonzero = false;
-  ops.a = b.data_ptr();  // library A is our b, library B our a
-  ops.a_bytes = b.nbytes();
-  ops.b = a.data_ptr();
-  ops.b_bytes = a.nbytes();
-  ops.c = out.data_ptr();
-  ops.d = out.data_ptr();
-  ops.d_bytes = out.nbytes();
   auto lock = lt::lock();
-  const lt::Key key = p.to_key();
-  lt::Plan* plan = lt::find_plan(device, key);
-  if (!plan) plan = &lt::add_plan(device, key, make_plan(p));
-  const void* sa = b_scale_inv.data_ptr();
+  lt::Plan& plan = lt::plan_for(device, p.to_key(), [&] { return make_plan(p); });
+  const void* sa = b_scale_inv.data_ptr();  // library A is our b, library B our a
   const void* sb = a_scale_inv.data_ptr();
-  ACCEL_LT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+  ACCEL_LT_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                 &sa, sizeof(sa)));
-  ACCEL_LT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+  ACCEL_LT_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                                 &sb, sizeof(sb)));
-  lt::matmul(device, *plan, ops);
+  lt::matmul(device, plan, ops);
 }
 
 }  // namespace accel::fp8_kernels::cuda

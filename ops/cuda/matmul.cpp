@@ -174,22 +174,12 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
   double al64 = alpha, be64 = beta;
   float al32 = static_cast<float>(alpha), be32 = static_cast<float>(beta);
   const bool f64 = a.dtype() == DType::F64;
-  lt::Operands ops;
+  lt::Operands ops = lt::row_major_operands(a, b, out);
   ops.alpha = f64 ? static_cast<const void*>(&al64) : &al32;
   ops.beta = f64 ? static_cast<const void*>(&be64) : &be32;
   ops.beta_nonzero = p.beta_nonzero;
-  ops.a = b.data_ptr();  // library A = our b
-  ops.a_bytes = b.nbytes();
-  ops.b = a.data_ptr();
-  ops.b_bytes = a.nbytes();
-  ops.c = out.data_ptr();
-  ops.d = out.data_ptr();
-  ops.d_bytes = out.nbytes();
   auto lock = lt::lock();
-  const lt::Key key = p.to_key();
-  lt::Plan* plan = lt::find_plan(device, key);
-  if (!plan) plan = &lt::add_plan(device, key, make_plan(p));
-  lt::matmul(device, *plan, ops);
+  lt::matmul(device, lt::plan_for(device, p.to_key(), [&] { return make_plan(p); }), ops);
 }
 
 }  // namespace accel

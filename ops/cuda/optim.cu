@@ -28,8 +28,8 @@ __device__ __forceinline__ void adamw_update(float gr, float& pi, float& mi, flo
 }
 
 // Multi-tensor AdamW: every tensor of a launch is cut into chunks of kChunk elements and each
-// block updates one chunk (the work list is the prefix sum of chunk counts; a block finds its
-// tensor by binary search). Aligned tensors go kVec elements per load; the rest, and each
+// block updates one chunk (the work list is the prefix sum of chunk counts; chunk_owner finds a
+// block's tensor). Aligned tensors go kVec elements per load; the rest, and each
 // chunk's tail, one element at a time. The tensor table travels as a __grid_constant__ kernel
 // parameter (up to 32 KB since CUDA 12.1 on sm_70+), so a launch needs no device-side upload.
 constexpr int kMultiThreads = 256;
@@ -72,15 +72,7 @@ __global__ void __launch_bounds__(kMultiThreads)
     adamw_multi_kernel(const __grid_constant__ AdamMulti<TP, TG, TC> a, const AdamScalars s) {
   constexpr bool kCopy = !std::is_same_v<TC, NoCopy>;
   const int chunk = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = a.count - 1;  // the last tensor whose first chunk is <= this one
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.first_chunk[mid] <= chunk)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int t = lo;
+  const int t = chunk_owner(a.first_chunk, a.count, chunk);
   TP* __restrict__ p = a.p[t];
   const TG* __restrict__ g = a.g[t];
   TP* __restrict__ m = a.m[t];

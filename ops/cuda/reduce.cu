@@ -347,8 +347,8 @@ void CudaBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& grad_l
 namespace {
 
 // Sum of squares over many contiguous tensors of one dtype in one launch: each tensor is cut
-// into chunks of kSqChunk elements, one block per chunk (the block finds its tensor by binary
-// search over the chunk prefix sums), one fp64 atomic per block. A llama-1b step's 147
+// into chunks of kSqChunk elements, one block per chunk (chunk_owner finds its tensor), one fp64
+// atomic per block. A llama-1b step's 147
 // gradients take one launch instead of 147.
 constexpr int kSqMax = 128;          // tensors per launch; the table stays under 4 KB
 constexpr int64_t kSqChunk = 65536;  // elements per block (a multiple of every vector width)
@@ -366,17 +366,10 @@ __global__ void __launch_bounds__(256)
     sumsq_multi_kernel(double* acc, const __grid_constant__ SqMulti<T> a) {
   __shared__ double sm[32];
   const int chunk = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = a.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.first_chunk[mid] <= chunk)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const T* __restrict__ x = a.x[lo];
-  const int64_t begin = static_cast<int64_t>(chunk - a.first_chunk[lo]) * kSqChunk;
-  const int64_t end = min(a.n[lo], begin + kSqChunk);
+  const int t = chunk_owner(a.first_chunk, a.count, chunk);
+  const T* __restrict__ x = a.x[t];
+  const int64_t begin = static_cast<int64_t>(chunk - a.first_chunk[t]) * kSqChunk;
+  const int64_t end = min(a.n[t], begin + kSqChunk);
   constexpr int N = 16 / sizeof(T);
   double s = 0;
   int64_t rest = begin;
