@@ -308,7 +308,7 @@ void FlatDataParallel::launch_reduction(int gi) {
   } else {
     const DType rdt = stage >= 2 && options_.reduce_in_fp32 ? DType::F32 : f.dtype();
     // Stages 2-3: the first micro-batch's output becomes the gradient shard itself.
-    const bool adopt = stage >= 2 && !g.shard_grad_fresh;
+    const bool adopt = stage >= 2 && !g.shard_grad.defined();
     Tensor in = f.grad();
     if (!f.layout().wire_is_flat()) {
       // Dim-0 layout: copy-in into rank-major order (widening to the reduce dtype on the way).
@@ -339,12 +339,10 @@ void FlatDataParallel::launch_reduction(int gi) {
       f.free_grad();  // `in` stays alive until the reduction is done
       p.done = [this, gi, out, in] {
         Group& owner = groups_[gi];
-        if (owner.shard_grad_fresh) {
+        if (owner.shard_grad.defined())
           kernels::accumulate(owner.shard_grad, out);
-        } else {
+        else
           owner.shard_grad = out;
-          owner.shard_grad_fresh = true;
-        }
       };
     }
   }
@@ -369,7 +367,7 @@ std::vector<Tensor> FlatDataParallel::owned_grads() const {
       out.push_back(g.flat->grad());
     else if (stage == 1)
       out.push_back(g.flat->grad_chunk(comm_.rank()));
-    else if (g.shard_grad_fresh)
+    else if (g.shard_grad.defined())
       out.push_back(g.shard_grad);
     else
       throw std::logic_error(name() + ": " + g.flat->name() +
@@ -450,7 +448,7 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
     if (stage <= 1)
       g.flat->grad().zero_();
     else
-      g.shard_grad = Tensor(), g.shard_grad_fresh = false;  // the next reduction makes a new one
+      g.shard_grad = Tensor();  // the next reduction makes a new one
   }
   return r;
 }

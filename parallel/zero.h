@@ -129,10 +129,10 @@ class FlatDataParallel : public Strategy {
     bool master_is_compute = false;  // master aliases the compute buffer (fp32, not offloaded)
     Tensor shard;                    // stage 3: the compute-dtype chunk this rank keeps
     Tensor wire;                     // stage 3, dim-0 layout: a gather in flight (rank-major)
-    Tensor shard_grad;               // stages 2-3: reduced gradient of this rank's chunk
-    // Stages 2-3: shard_grad holds this step's sum. The first micro-batch's reduction output
-    // becomes shard_grad (no zeroing, no accumulate); later ones are added to it.
-    bool shard_grad_fresh = false;
+    // Stages 2-3: this step's reduced gradient of this rank's chunk; undefined between steps. The
+    // first micro-batch's reduction output becomes it (no zeroing, no accumulate); later ones are
+    // added to it.
+    Tensor shard_grad;
   };
   struct Pending {
     WorkPtr work;
