@@ -67,6 +67,10 @@ void device_free(void* p, size_t nbytes, int device, MemCategory c);
 // Synchronous copies: kind is host->device, device->host or device->device by the two devices.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
 void synchronize(int device);
+// Seconds this process's host threads have spent blocked on the devices (stream/event/device
+// synchronization) since start: per step, close to 0 means the host is the bottleneck (the GPU
+// waits for launches), a large share means the GPU is.
+double host_wait_seconds();
 }  // namespace cuda
 
 }  // namespace accel

@@ -474,7 +474,7 @@ double CudaBackend::sum_of_squares(const std::vector<Tensor>& xs) {
   double host = 0;
   ACCEL_CUDA_CHECK(
       cudaMemcpyAsync(&host, acc.get(), sizeof(double), cudaMemcpyDeviceToHost, sc.stream));
-  ACCEL_CUDA_CHECK(cudaStreamSynchronize(sc.stream));
+  accel::cuda::wait_for_stream(sc.stream);
   return host;
 }
 
@@ -500,7 +500,7 @@ bool CudaBackend::has_non_finite(const Tensor& x) {
   int host = 0;
   ACCEL_CUDA_CHECK(
       cudaMemcpyAsync(&host, flag.get(), sizeof(int), cudaMemcpyDeviceToHost, sc.stream));
-  ACCEL_CUDA_CHECK(cudaStreamSynchronize(sc.stream));
+  accel::cuda::wait_for_stream(sc.stream);
   return host != 0;
 }
 

@@ -11,6 +11,8 @@
 #include "runtime/cuda/context.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <deque>
 #include <map>
 #include <memory>
@@ -108,7 +110,27 @@ void Event::record(cudaStream_t stream) { ACCEL_CUDA_CHECK(cudaEventRecord(event
 void Event::wait(cudaStream_t stream) const {
   ACCEL_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
 }
-void Event::synchronize() const { ACCEL_CUDA_CHECK(cudaEventSynchronize(event_)); }
+namespace {
+std::atomic<int64_t> g_host_wait_ns{0};
+
+// Runs a blocking CUDA call and adds the time it blocked to g_host_wait_ns.
+template <class F>
+void timed_wait(F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  g_host_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count();
+}
+}  // namespace
+
+double host_wait_seconds() { return static_cast<double>(g_host_wait_ns.load()) * 1e-9; }
+void wait_for_stream(cudaStream_t stream) {
+  timed_wait([&] { ACCEL_CUDA_CHECK(cudaStreamSynchronize(stream)); });
+}
+void Event::synchronize() const {
+  timed_wait([&] { ACCEL_CUDA_CHECK(cudaEventSynchronize(event_)); });
+}
 bool Event::query() const {
   cudaError_t e = cudaEventQuery(event_);
   if (e == cudaErrorNotReady) return false;
@@ -424,17 +446,17 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
                         : src_dev.is_cpu() ? cudaMemcpyHostToDevice
                                            : cudaMemcpyDeviceToDevice;
   if (kind == cudaMemcpyDeviceToDevice && dst_dev.index != src_dev.index) {
-    ACCEL_CUDA_CHECK(cudaStreamSynchronize(compute_stream(src_dev.index)));
+    wait_for_stream(compute_stream(src_dev.index));
     ACCEL_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, nbytes, s));
   } else {
     ACCEL_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, kind, s));
   }
-  ACCEL_CUDA_CHECK(cudaStreamSynchronize(s));
+  wait_for_stream(s);
 }
 
 void synchronize(int device) {
   DeviceGuard g(device);
-  ACCEL_CUDA_CHECK(cudaDeviceSynchronize());
+  timed_wait([] { ACCEL_CUDA_CHECK(cudaDeviceSynchronize()); });
 }
 
 }  // namespace accel::cuda

@@ -72,6 +72,9 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
+// cudaStreamSynchronize, with the time blocked counted in host_wait_seconds().
+void wait_for_stream(cudaStream_t stream);
+
 const cudaDeviceProp& device_properties(int device);
 int sm_count(int device = current_device());
 

@@ -20,6 +20,7 @@ void* device_malloc(size_t, int, MemCategory) { no_cuda("cuda::device_malloc"); 
 void device_free(void*, size_t, int, MemCategory) {}
 void copy_bytes(void*, Device, const void*, Device, size_t) { no_cuda("cuda::copy_bytes"); }
 void synchronize(int) { no_cuda("cuda::synchronize"); }
+double host_wait_seconds() { return 0.0; }
 }  // namespace cuda
 
 namespace kernels::cuda {

@@ -377,6 +377,7 @@ int train(const TrainOptions& opt) {
   double last_loss = NAN, last_eval = NAN;
   CommStats last_comm;
   if (dist.pg) last_comm = dist.pg->stats();
+  double last_host_wait = cuda::host_wait_seconds();
   reset_peak_memory_stats(device);
   while (step < cfg.training.max_steps) {
     double lr = sched.at(step);
@@ -389,11 +390,10 @@ int train(const TrainOptions& opt) {
       logits = Tensor();
       const bool inject = inject_here && step + 1 == inject_step && micro == accum - 1;
       if (inject && !inject_grad_only) loss = mul(loss, NAN);
-      double l = loss.item();
-      loss_sum += l;
       Tensor scaled = mul(loss, loss_scale / static_cast<double>(accum));
       if (inject && inject_grad_only) scaled = mul(scaled, NAN);
       scaled.backward();
+      loss_sum += loss.item();  // after backward is queued: reading it earlier drains the GPU
       strategy->end_micro_batch();
     }
     StepResult r = strategy->step(lr, cfg.optimizer.grad_clip, 1.0 / loss_scale);
@@ -456,6 +456,11 @@ int train(const TrainOptions& opt) {
       if (cdt == DType::F16) j["loss_scale"] = loss_scale;
       if (dist.pg)
         j["comm_wire_bytes_per_step"] = comm_delta(dist.pg->stats(), last_comm, steps_logged);
+      if (device.is_cuda()) {  // how long the host sat waiting for the GPU, per step
+        const double wait = cuda::host_wait_seconds();
+        j["host_wait_ms_per_step"] = (wait - last_host_wait) * 1e3 / steps_logged;
+        last_host_wait = wait;
+      }
       if (std::isfinite(last_eval)) j["eval_loss"] = last_eval;
       metrics.write(j);
     }
