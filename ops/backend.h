@@ -43,11 +43,16 @@ class Backend {
 
   // Softmax along the last dim of contiguous x; log=true gives log_softmax.
   virtual void softmax(const Tensor& out, const Tensor& x, bool log) = 0;
-  // logits [N, V] contiguous, targets [N]; loss_per_row [N] f32/f64 (0 where ignored);
-  // grad_logits (if defined) gets softmax - onehot, scaled by grad_scale, 0 on ignored rows.
-  virtual void cross_entropy(const Tensor& loss_per_row, const Tensor& grad_logits,
-                             const Tensor& logits, const Tensor& targets, int64_t ignore_index,
-                             double grad_scale) = 0;
+  // logits [N, V] contiguous, targets [N]; loss_per_row [N] f32/f64 (0 where ignored); lse (if
+  // defined, [N] of loss_per_row's dtype) gets each row's log-sum-exp for the backward.
+  virtual void cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
+                             const Tensor& targets, int64_t ignore_index) = 0;
+  // grad_logits = (softmax(logits) - onehot(targets)) * scale, 0 on ignored rows, with the
+  // softmax from the forward's lse (one read of the logits). scale: a one-element tensor of lse's
+  // dtype on the logits' device, read there (no host synchronization).
+  virtual void cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits,
+                                      const Tensor& lse, const Tensor& targets,
+                                      int64_t ignore_index, const Tensor& scale) = 0;
   virtual void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) = 0;
   // grad_weight (zeroed by the caller) += scatter of grad_out rows by ids.
   virtual void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,

@@ -49,27 +49,30 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
     op_error("cross_entropy", "targets must be i64 or i32, got " + targets.str());
   detail::check_same_device("cross_entropy", logits, targets);
   Backend& be = backend_for(logits.device());
-  Tensor lc = contiguous(logits);
+  Tensor lc = contiguous(logits), tc = contiguous(targets);
   DType acc = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
   const int64_t n = logits.size(0);
-  // The number of counted rows is read on the host: one sync per call, which the training loop
-  // pays anyway to log the loss.
-  Tensor ignored = equal(targets, Tensor::full({}, static_cast<double>(ignore_index),
-                                               targets.dtype(), targets.device()));
-  double count = static_cast<double>(n) - sum(cast(ignored, DType::F64)).item();
+  // The count of rows whose target is not ignore_index stays on the device: no host sync.
+  Tensor ignored =
+      equal(tc, Tensor::full({}, static_cast<double>(ignore_index), tc.dtype(), tc.device()));
+  Tensor counted = add(mul(sum(cast(ignored, acc)), -1.0), static_cast<double>(n));
+  const bool want_grad = grad_enabled() && logits.requires_grad();
   Tensor loss_rows = Tensor::empty({n}, acc, logits.device());
-  Tensor grad_logits;
-  if (grad_enabled() && logits.requires_grad())
-    grad_logits = Tensor::empty(logits.shape(), logits.dtype(), logits.device());
-  // The gradient is computed in the same pass as the loss (the logits are read once).
-  be.cross_entropy(loss_rows, grad_logits, lc, contiguous(targets), ignore_index,
-                   count > 0 ? 1.0 / count : 0.0);
-  Tensor loss = mul(sum(loss_rows), 1.0 / count);  // 0/0 = NaN when every target is ignored
-  if (!grad_logits.defined()) return loss;
-  return record("cross_entropy", loss.detach(), {lc}, [grad_logits](const Tensor& g) {
-    if (g.device().is_cpu() && g.item() == 1.0) return std::vector<Tensor>{grad_logits};
-    return std::vector<Tensor>{mul(grad_logits, cast(g, grad_logits.dtype()))};
-  });
+  Tensor lse = want_grad ? Tensor::empty({n}, acc, logits.device()) : Tensor();
+  be.cross_entropy(loss_rows, lse, lc, tc, ignore_index);
+  Tensor loss = div(sum(loss_rows), counted);  // 0/0 = NaN when every target is ignored
+  if (!want_grad) return loss;
+  // The gradient is made in backward from the saved lse: the logits are read once more and the
+  // upstream gradient folds into the same pass (no gradient held from forward, no extra scaling).
+  Tensor saved = lc.detach();
+  return record("cross_entropy", loss.detach(), {lc},
+                [saved, tc, lse, counted, ignore_index](const Tensor& g) {
+                  Tensor scale = div(cast(g, counted.dtype()), counted);
+                  Tensor grad = Tensor::empty(saved.shape(), saved.dtype(), saved.device());
+                  backend_for(saved.device())
+                      .cross_entropy_backward(grad, saved, lse, tc, ignore_index, scale);
+                  return std::vector<Tensor>{grad};
+                });
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& ids) {

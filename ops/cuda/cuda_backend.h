@@ -25,8 +25,11 @@ class CudaBackend final : public Backend {
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
               double alpha, double beta) override;
   void softmax(const Tensor& out, const Tensor& x, bool log) override;
-  void cross_entropy(const Tensor& loss_per_row, const Tensor& grad_logits, const Tensor& logits,
-                     const Tensor& targets, int64_t ignore_index, double grad_scale) override;
+  void cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
+                     const Tensor& targets, int64_t ignore_index) override;
+  void cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits, const Tensor& lse,
+                              const Tensor& targets, int64_t ignore_index,
+                              const Tensor& scale) override;
   void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) override;
   void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
                           const Tensor& ids) override;

@@ -118,9 +118,9 @@ template <class F>
 void timed_wait(F&& f) {
   const auto t0 = std::chrono::steady_clock::now();
   f();
-  g_host_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now() - t0)
-                        .count();
+  g_host_wait_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
 }
 }  // namespace
 

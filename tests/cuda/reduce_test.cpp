@@ -84,15 +84,22 @@ TEST_P(CudaReduce, CrossEntropyWithIgnoredRows) {
     for (DType target_t : {DType::I64, DType::I32}) {
       Tensor tg = Tensor::empty({n}, target_t);
       tg.copy_(targets);
-      Tensor wl = cpu_out({n}, DType::F32), wg = cpu_out({n, v}, t);
-      cpu_backend().cross_entropy(wl, wg, logits, tg, -100, 1.0 / 35);
-      Tensor gl = poisoned({n}, DType::F32), gg = poisoned({n, v}, t);
-      cuda_backend().cross_entropy(gl, gg, logits.to(gpu()), tg.to(gpu()), -100, 1.0 / 35);
+      Tensor wl = cpu_out({n}, DType::F32), wlse = cpu_out({n}, DType::F32);
+      Tensor wg = cpu_out({n, v}, t);
+      const Tensor scale = Tensor::full({1}, 0.75 / 35, DType::F32);
+      cpu_backend().cross_entropy(wl, wlse, logits, tg, -100);
+      cpu_backend().cross_entropy_backward(wg, logits, wlse, tg, -100, scale);
+      Tensor gl = poisoned({n}, DType::F32), glse = poisoned({n}, DType::F32);
+      Tensor gg = poisoned({n, v}, t);
+      cuda_backend().cross_entropy(gl, glse, logits.to(gpu()), tg.to(gpu()), -100);
       expect_close(gl, wl, t == DType::F32 ? 1e-5 : 1e-3, 1e-5, "cross_entropy loss");
+      expect_close(glse, wlse, 1e-5, 1e-5, "cross_entropy lse");
+      cuda_backend().cross_entropy_backward(gg, logits.to(gpu()), glse, tg.to(gpu()), -100,
+                                            scale.to(gpu()));
       expect_matches(gg, wg, t, "cross_entropy grad", 2.0);
-      // Loss only (no gradient buffer).
+      // Loss only (no lse buffer).
       Tensor gl2 = poisoned({n}, DType::F32);
-      cuda_backend().cross_entropy(gl2, Tensor(), logits.to(gpu()), tg.to(gpu()), -100, 1.0);
+      cuda_backend().cross_entropy(gl2, Tensor(), logits.to(gpu()), tg.to(gpu()), -100);
       expect_close(gl2, wl, t == DType::F32 ? 1e-5 : 1e-3, 1e-5, "cross_entropy loss only");
     }
   }

@@ -135,14 +135,23 @@ TEST(Forward, CrossEntropyMeanOverCountedRows) {
   EXPECT_EQ(bf.dtype(), DType::F32);  // 16-bit logits give an f32 loss
   EXPECT_NEAR(bf.item(), total / counted, 5e-2);
 
-  // Backend: per-row losses, 0 loss and 0 gradient on ignored rows, gradient softmax - onehot.
-  Tensor loss_rows = Tensor::empty({N}, DType::F64), grad = Tensor::empty({N, Vc}, DType::F64);
-  cpu_backend().cross_entropy(loss_rows, grad, logits, targets, -1, 0.5);
+  // Backend: per-row losses and log-sum-exps, 0 loss and 0 gradient on ignored rows, gradient
+  // (softmax - onehot) * scale from the saved lse.
+  Tensor loss_rows = Tensor::empty({N}, DType::F64), lse = Tensor::empty({N}, DType::F64);
+  Tensor grad = Tensor::empty({N, Vc}, DType::F64);
+  cpu_backend().cross_entropy(loss_rows, lse, logits, targets, -1);
+  cpu_backend().cross_entropy_backward(grad, logits, lse, targets, -1,
+                                       Tensor::full({1}, 0.5, DType::F64));
   auto sm = naive_softmax_rows(logits.to_vector(), N, Vc, false);
   auto lr = loss_rows.to_vector();
+  auto lv = lse.to_vector();
+  auto lx = logits.to_vector();
   auto gv = grad.to_vector();
   for (int64_t i = 0; i < N; ++i) {
     EXPECT_NEAR(lr[i], t[i] == -1 ? 0.0 : -lsm[i * Vc + t[i]], 1e-13);
+    if (t[i] != -1) {
+      EXPECT_NEAR(lv[i], lx[i * Vc] - lsm[i * Vc], 1e-13);  // lse = x - log_softmax(x)
+    }
     for (int64_t j = 0; j < Vc; ++j) {
       double expect = t[i] == -1 ? 0.0 : 0.5 * (sm[i * Vc + j] - (j == t[i] ? 1.0 : 0.0));
       EXPECT_NEAR(gv[i * Vc + j], expect, 1e-14);
