@@ -1,6 +1,7 @@
 // RMSNorm forward/backward and rotary embeddings. Statistics in fp32; where Hugging Face's Llama
 // rounds an intermediate to the activation dtype (x * rstd before the weight; rope's cos/sin and
 // products) these kernels round there too, as the CPU reference does.
+#include <cassert>
 #include <cmath>
 
 #include "ops/cuda/common.cuh"
@@ -39,6 +40,145 @@ __device__ __forceinline__ void storen(T* p, const float* f) {
 #pragma unroll
     for (int k = 0; k < N; ++k) p[k] = from_f<T>(f[k]);
   }
+}
+
+// The N = vec_n<T>() values of one 16-byte vector held in registers (4 registers whatever T).
+template <class T>
+__device__ __forceinline__ void unpack(const uint4& raw, float* f) {
+  const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < vec_n<T>(); ++k) f[k] = to_f(v[k]);
+}
+template <class T>
+__device__ __forceinline__ uint4 pack(const float* f) {
+  uint4 raw;
+  T* v = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < vec_n<T>(); ++k) v[k] = from_f<T>(f[k]);
+  return raw;
+}
+
+// Warp-per-row kernels: a row of d = 16-byte vectors * N stays in registers, lane l holding the
+// vectors l, l + 32, ... (VPL of them at most); the reductions are warp shuffles, so no
+// __syncthreads per row. kNormWarps warps per block work on different rows.
+constexpr int kNormWarps = 8;
+constexpr int kNormFwdMaxVpl = 16;  // bf16/f16 d <= 4096, f32 d <= 2048
+constexpr int kNormBwdMaxVpl = 8;   // bf16/f16 d <= 2048, f32 d <= 1024 (x, g and dw in registers)
+
+template <class T, int VPL>
+__global__ void __launch_bounds__(kNormWarps * 32)
+    rms_norm_warp_kernel(T* __restrict__ out, float* __restrict__ rstd, const T* __restrict__ x,
+                         const T* __restrict__ w, int64_t rows, int d, float eps) {
+  constexpr int N = vec_n<T>();
+  const int lane = threadIdx.x & 31, nvec = d / N;
+  const int64_t nwarps = int64_t(gridDim.x) * kNormWarps;
+  for (int64_t r = int64_t(blockIdx.x) * kNormWarps + (threadIdx.x >> 5); r < rows; r += nwarps) {
+    const T* xr = x + r * d;
+    uint4 xv[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if (lane + 32 * i < nvec) xv[i] = *reinterpret_cast<const uint4*>(xr + (lane + 32 * i) * N);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      if (lane + 32 * i >= nvec) continue;
+      float v[N];
+      unpack<T>(xv[i], v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) ss += v[k] * v[k];
+    }
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+    if (lane == 0) rstd[r] = inv;
+    T* orow = out + r * d;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int j = (lane + 32 * i) * N;
+      if (j >= d) continue;
+      float v[N], wv[N];
+      unpack<T>(xv[i], v);
+      unpack<T>(*reinterpret_cast<const uint4*>(w + j), wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = wv[k] * rnd<T>(v[k] * inv);
+      *reinterpret_cast<uint4*>(orow + j) = pack<T>(v);
+    }
+  }
+}
+
+// Each lane sums its columns' grad_weight over the rows of its warp in registers; the block's
+// warps then add theirs in warp order (deterministic) into one partial row per block.
+template <class T, int VPL>
+__global__ void __launch_bounds__(kNormWarps * 32)
+    rms_norm_backward_warp_kernel(T* __restrict__ gx, float* __restrict__ partial,
+                                  const T* __restrict__ g, const T* __restrict__ x,
+                                  const T* __restrict__ w, const float* __restrict__ rstd,
+                                  int64_t rows, int d) {
+  constexpr int N = vec_n<T>();
+  extern __shared__ float acc[];  // [d]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t nwarps = int64_t(gridDim.x) * kNormWarps;
+  float dw[VPL][N];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i)
+#pragma unroll
+    for (int k = 0; k < N; ++k) dw[i][k] = 0.f;
+  for (int64_t r = int64_t(blockIdx.x) * kNormWarps + warp; r < rows; r += nwarps) {
+    const T* xr = x + r * d;
+    const T* gr = g + r * d;
+    uint4 xv[VPL], gv[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int j = (lane + 32 * i) * N;
+      if (j >= d) continue;
+      xv[i] = *reinterpret_cast<const uint4*>(xr + j);
+      gv[i] = *reinterpret_cast<const uint4*>(gr + j);
+    }
+    const float inv = rstd[r];
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int j = (lane + 32 * i) * N;
+      if (j >= d) continue;
+      float xf[N], gf[N], wf[N];
+      unpack<T>(xv[i], xf);
+      unpack<T>(gv[i], gf);
+      unpack<T>(*reinterpret_cast<const uint4*>(w + j), wf);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        dot += xf[k] * wf[k] * gf[k];
+        dw[i][k] += gf[k] * xf[k] * inv;
+      }
+    }
+    dot = warp_sum(dot);
+    if (!gx) continue;
+    const float c2 = inv * inv * dot / static_cast<float>(d);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int j = (lane + 32 * i) * N;
+      if (j >= d) continue;
+      float xf[N], gf[N], wf[N], o[N];
+      unpack<T>(xv[i], xf);
+      unpack<T>(gv[i], gf);
+      unpack<T>(*reinterpret_cast<const uint4*>(w + j), wf);
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = inv * (wf[k] * gf[k] - xf[k] * c2);
+      *reinterpret_cast<uint4*>(gx + r * d + j) = pack<T>(o);
+    }
+  }
+  // Warp 0 writes every column (nvec <= 32 * VPL), the others add theirs in turn.
+  for (int wi = 0; wi < kNormWarps; ++wi) {
+    if (warp == wi) {
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) {
+        const int j = (lane + 32 * i) * N;
+        if (j >= d) continue;
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[j + k] = (wi ? acc[j + k] : 0.f) + dw[i][k];
+      }
+    }
+    __syncthreads();
+  }
+  for (int j = threadIdx.x; j < d; j += blockDim.x) partial[int64_t(blockIdx.x) * d + j] = acc[j];
 }
 
 // N = vec_n when D % vec_n == 0 and rows are 16-byte aligned (chosen on the host), else 1.
@@ -118,15 +258,27 @@ __global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__
   for (int j = threadIdx.x; j < d; j += blockDim.x) partial[int64_t(blockIdx.x) * d + j] = dw[j];
 }
 
+// gw[j] = sum over the partial rows of column j. A block takes kSumCols columns; its kSumGroups
+// row groups each sum every kSumGroups-th partial row, then thread row 0 adds the groups in order
+// (deterministic, and kSumGroups times shorter dependent chains than one thread per column).
+constexpr int kSumCols = 32, kSumGroups = 16, kSumThreads = kSumCols * kSumGroups;
 template <class T>
-__global__ void sum_partials_kernel(T* __restrict__ gw, const float* __restrict__ partial,
-                                    int blocks, int d) {
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= d) return;
+__global__ void __launch_bounds__(kSumThreads)
+    sum_partials_kernel(T* __restrict__ gw, const float* __restrict__ partial, int blocks, int d) {
+  __shared__ float sm[kSumGroups][kSumCols + 1];
+  const int j = blockIdx.x * kSumCols + threadIdx.x;
   float s = 0.f;
+  if (j < d) {
 #pragma unroll 8
-  for (int b = 0; b < blocks; ++b) s += partial[int64_t(b) * d + j];
-  gw[j] = from_f<T>(s);
+    for (int b = threadIdx.y; b < blocks; b += kSumGroups) s += partial[int64_t(b) * d + j];
+  }
+  sm[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || j >= d) return;
+  float t = 0.f;
+#pragma unroll
+  for (int y = 0; y < kSumGroups; ++y) t += sm[y][threadIdx.x];
+  gw[j] = from_f<T>(t);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -143,6 +295,20 @@ bool check_norm_layout(const char* op, int64_t d, DType t,
   return vec;
 }
 
+// Calls f(std::integral_constant<int, V>{}) for the smallest vectors-per-lane V of the warp-per-row
+// kernels with 32 * V >= nvec; the caller checks nvec <= 32 * MaxVpl.
+template <int MaxVpl, class F>
+void dispatch_vpl(int64_t nvec, F&& f) {
+  static_assert(MaxVpl == 8 || MaxVpl == 16, "instantiated widths");
+  assert(nvec >= 1 && nvec <= 32 * MaxVpl);
+  if (nvec <= 32) return f(std::integral_constant<int, 1>{});
+  if (nvec <= 64) return f(std::integral_constant<int, 2>{});
+  if (nvec <= 96) return f(std::integral_constant<int, 3>{});  // d = 768 in bf16
+  if (nvec <= 128) return f(std::integral_constant<int, 4>{});
+  if (MaxVpl == 8 || nvec <= 256) return f(std::integral_constant<int, 8>{});
+  if constexpr (MaxVpl >= 16) return f(std::integral_constant<int, 16>{});
+}
+
 }  // namespace
 
 void CudaBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
@@ -157,6 +323,22 @@ void CudaBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& 
   Tensor wc = weight.is_contiguous() ? weight : weight.clone();
   const bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&out, &x, &wc});
   OpScope sc(x);
+  const int64_t nvec = d / (16 / static_cast<int64_t>(dtype_size(x.dtype())));
+  if (vec && nvec <= 32 * kNormFwdMaxVpl) {
+    const int grid = static_cast<int>(
+        std::min<int64_t>((rows + kNormWarps - 1) / kNormWarps, int64_t(sm_count()) * 16));
+    dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
+      using T = decltype(t);
+      dispatch_vpl<kNormFwdMaxVpl>(nvec, [&](auto vpl) {
+        rms_norm_warp_kernel<T, decltype(vpl)::value><<<grid, kNormWarps * 32, 0, sc.stream>>>(
+            static_cast<T*>(out.data_ptr()), static_cast<float*>(rstd.data_ptr()),
+            static_cast<const T*>(x.data_ptr()), static_cast<const T*>(wc.data_ptr()), rows,
+            static_cast<int>(d), static_cast<float>(eps));
+      });
+    });
+    ACCEL_CUDA_CHECK_LAUNCH("rms_norm");
+    return;
+  }
   const int threads = d >= 4096 ? 256 : 128;
   const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
   dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
@@ -191,28 +373,50 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
       grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
   bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
   if (grad_x.defined()) vec = check_norm_layout("rms_norm", d, x.dtype(), {&grad_x}) && vec;
-  // 256 threads from d = 2048 (one 16-byte vector per thread and row for bf16) and 4 blocks per
-  // SM: the per-row block reductions are latency-bound, so more warps in flight pay.
-  const int threads = d >= 2048 ? 256 : 128;
-  const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 4));
-  DeviceBuffer partial(static_cast<size_t>(grid) * d * sizeof(float));
   const size_t smem = static_cast<size_t>(d) * sizeof(float);
+  const int64_t nvec = d / (16 / static_cast<int64_t>(dtype_size(x.dtype())));
+  const bool warp_rows = vec && nvec <= 32 * kNormBwdMaxVpl;
   dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
     using T = decltype(t);
-    auto kernel = vec ? rms_norm_backward_kernel<T, vec_n<T>()> : rms_norm_backward_kernel<T, 1>;
-    if (smem > 48 * 1024)
-      ACCEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
-    kernel<<<grid, threads, smem, sc.stream>>>(
-        grad_x.defined() ? static_cast<T*>(grad_x.data_ptr()) : nullptr, partial.as<float>(),
-        static_cast<const T*>(gc.data_ptr()), static_cast<const T*>(x.data_ptr()),
-        static_cast<const T*>(wc.data_ptr()), static_cast<const float*>(rstd.data_ptr()), rows,
-        static_cast<int>(d));
+    T* gx = grad_x.defined() ? static_cast<T*>(grad_x.data_ptr()) : nullptr;
+    const T* gp = static_cast<const T*>(gc.data_ptr());
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    const T* wp = static_cast<const T*>(wc.data_ptr());
+    const float* rp = static_cast<const float*>(rstd.data_ptr());
+    int grid = 0;  // = the number of partial grad_weight rows
+    DeviceBuffer partial;
+    if (warp_rows) {
+      // One resident wave: every warp in flight at once, and few partial rows to sum.
+      dispatch_vpl<kNormBwdMaxVpl>(nvec, [&](auto vpl) {
+        auto kernel = rms_norm_backward_warp_kernel<T, decltype(vpl)::value>;
+        int per_sm = 0;
+        ACCEL_CUDA_CHECK(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kNormWarps * 32, smem));
+        grid = static_cast<int>(std::min<int64_t>((rows + kNormWarps - 1) / kNormWarps,
+                                                  int64_t(sm_count()) * std::max(per_sm, 1)));
+        partial = DeviceBuffer(static_cast<size_t>(grid) * d * sizeof(float));
+        kernel<<<grid, kNormWarps * 32, smem, sc.stream>>>(gx, partial.as<float>(), gp, xp, wp, rp,
+                                                           rows, static_cast<int>(d));
+      });
+    } else {
+      // 256 threads from d = 2048 (one 16-byte vector per thread and row for bf16) and 4 blocks
+      // per SM: the per-row block reductions are latency-bound, so more warps in flight pay.
+      const int threads = d >= 2048 ? 256 : 128;
+      grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 4));
+      partial = DeviceBuffer(static_cast<size_t>(grid) * d * sizeof(float));
+      auto kernel = vec ? rms_norm_backward_kernel<T, vec_n<T>()> : rms_norm_backward_kernel<T, 1>;
+      if (smem > 48 * 1024)
+        ACCEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(smem)));
+      kernel<<<grid, threads, smem, sc.stream>>>(gx, partial.as<float>(), gp, xp, wp, rp, rows,
+                                                 static_cast<int>(d));
+    }
     ACCEL_CUDA_CHECK_LAUNCH("rms_norm_backward");
     if (grad_weight.defined()) {
       require(grad_weight.is_contiguous() && grad_weight.dtype() == x.dtype(), "rms_norm",
               "grad_weight must be contiguous of x's dtype");
-      sum_partials_kernel<T><<<static_cast<int>((d + 255) / 256), 256, 0, sc.stream>>>(
+      sum_partials_kernel<T><<<static_cast<int>((d + kSumCols - 1) / kSumCols),
+                               dim3(kSumCols, kSumGroups), 0, sc.stream>>>(
           static_cast<T*>(grad_weight.data_ptr()), partial.as<float>(), grid, static_cast<int>(d));
       ACCEL_CUDA_CHECK_LAUNCH("rms_norm_backward (weight)");
     }
@@ -227,9 +431,24 @@ struct InvFreq {
   float v[kMaxRopeHalf];
 };
 
-// One thread per (row, pair i): x[i] and x[i + half].
-// One block per token position (b, s): cos/sin of its D/2 angles go to shared memory once, then
-// the block rotates the pairs (i, i + D/2) of all H heads.
+// The rotation of the pair (x1, x2) = (x[i], x[i + half]) by the angle with cosine cs and sine sn,
+// before the final rounding to T. One function for both rope kernels, so that they round alike.
+template <class T>
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float cs, float sn, bool inverse,
+                                            float& o1, float& o2) {
+  if (!inverse) {
+    const float c = rnd<T>(cs), sv = rnd<T>(sn);
+    o1 = rnd<T>(x1 * c) + rnd<T>(-x2 * sv);
+    o2 = rnd<T>(x2 * c) + rnd<T>(x1 * sv);
+  } else {
+    o1 = x1 * cs + x2 * sn;
+    o2 = x2 * cs - x1 * sn;
+  }
+}
+
+// Element by element, for any even head dim (the path of shapes and pointers the vector kernel
+// does not take). One block per token position (b, s): cos/sin of its D/2 angles go to shared
+// memory once, then the block rotates the pairs (i, i + D/2) of all H heads.
 template <class T>
 __global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t positions,
                             int s_len, int h_len, int half, int64_t position_offset, bool inverse,
@@ -249,16 +468,55 @@ __global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_
       const int h = idx / half, i = idx - h * half;
       const T* xr = xp + h * 2 * half;
       T* orow = op + h * 2 * half;
-      const float cs = cos_s[i], sn = sin_s[i];
-      const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
-      if (!inverse) {
-        const float c = rnd<T>(cs), sv = rnd<T>(sn);
-        orow[i] = from_f<T>(rnd<T>(x1 * c) + rnd<T>(-x2 * sv));
-        orow[i + half] = from_f<T>(rnd<T>(x2 * c) + rnd<T>(x1 * sv));
-      } else {
-        orow[i] = from_f<T>(x1 * cs + x2 * sn);
-        orow[i + half] = from_f<T>(x2 * cs - x1 * sn);
-      }
+      float o1, o2;
+      rope_rotate<T>(to_f(xr[i]), to_f(xr[i + half]), cos_s[i], sin_s[i], inverse, o1, o2);
+      orow[i] = from_f<T>(o1);
+      orow[i + half] = from_f<T>(o2);
+    }
+  }
+}
+
+// 16-byte vectors, for half % vec_n<T>() == 0 and 16-byte aligned x and out. A thread takes one
+// chunk of N consecutive i of one position (and the matching N of the second half), computes its
+// N angles once and rotates them in up to kRopeHeads heads of that position; no shared memory and
+// no barriers. Same angles, sincosf and rounding as rope_kernel, so the results are bit-identical.
+constexpr int kRopeHeads = 4;
+template <class T>
+__global__ void __launch_bounds__(256)
+    rope_vec_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t positions, int s_len,
+                    int h_len, int half, int64_t position_offset, bool inverse, const InvFreq inv) {
+  constexpr int N = vec_n<T>();
+  const int chunks = half / N, groups = (h_len + kRopeHeads - 1) / kRopeHeads;
+  const int64_t items = positions * chunks * groups, d = 2 * half;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < items;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int i0 = static_cast<int>(t % chunks) * N;
+    const int64_t rest = t / chunks;
+    const int h0 = static_cast<int>(rest % groups) * kRopeHeads;
+    const int64_t pos = rest / groups;
+    const int nh = min(kRopeHeads, h_len - h0);
+    const int64_t base = (pos * h_len + h0) * d + i0;
+    uint4 a[kRopeHeads], b[kRopeHeads];
+#pragma unroll
+    for (int h = 0; h < kRopeHeads; ++h) {
+      if (h >= nh) continue;
+      a[h] = *reinterpret_cast<const uint4*>(x + base + h * d);
+      b[h] = *reinterpret_cast<const uint4*>(x + base + h * d + half);
+    }
+    const float p = static_cast<float>(position_offset + pos % s_len);
+    float cs[N], sn[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) sincosf(p * inv.v[i0 + k], &sn[k], &cs[k]);
+#pragma unroll
+    for (int h = 0; h < kRopeHeads; ++h) {
+      if (h >= nh) continue;
+      float x1[N], x2[N], o1[N], o2[N];
+      unpack<T>(a[h], x1);
+      unpack<T>(b[h], x2);
+#pragma unroll
+      for (int k = 0; k < N; ++k) rope_rotate<T>(x1[k], x2[k], cs[k], sn[k], inverse, o1[k], o2[k]);
+      *reinterpret_cast<uint4*>(out + base + h * d) = pack<T>(o1);
+      *reinterpret_cast<uint4*>(out + base + h * d + half) = pack<T>(o2);
     }
   }
 }
@@ -283,9 +541,23 @@ void CudaBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t
     inv.v[i] = 1.0f / std::pow(static_cast<float>(theta), expo);
   }
   OpScope sc(x);
+  const int64_t positions = x.shape()[0] * s_len;
+  const int64_t n = 16 / static_cast<int64_t>(dtype_size(x.dtype()));
+  if (half % n == 0 && aligned16(x.data_ptr()) && aligned16(out.data_ptr())) {
+    const int64_t items = positions * (half / n) * ((h_len + kRopeHeads - 1) / kRopeHeads);
+    const int grid = static_cast<int>(std::min<int64_t>((items + 255) / 256, sm_count() * 32));
+    dispatch_float(x.dtype(), "rope", [&](auto t) {
+      using T = decltype(t);
+      rope_vec_kernel<T><<<grid, 256, 0, sc.stream>>>(
+          static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), positions,
+          static_cast<int>(s_len), static_cast<int>(h_len), static_cast<int>(half), position_offset,
+          inverse, inv);
+    });
+    ACCEL_CUDA_CHECK_LAUNCH("rope");
+    return;
+  }
   dispatch_float(x.dtype(), "rope", [&](auto t) {
     using T = decltype(t);
-    const int64_t positions = x.shape()[0] * s_len;
     rope_kernel<T><<<static_cast<int>(std::min<int64_t>(positions, int64_t(sm_count()) * 16)), 256,
                      0, sc.stream>>>(static_cast<T*>(out.data_ptr()),
                                      static_cast<const T*>(x.data_ptr()), positions,

@@ -1,7 +1,8 @@
 // CUDA kernel benchmark: each fused kernel's time against its memory floor (bytes moved over the
 // copy bandwidth, 4.3 TB/s on an H200 unless --bw says otherwise), GEMM and attention TFLOP/s.
 // Shapes are Llama-3.2-1B's at 8192 tokens per step (hidden 2048, MLP 8192, 32 q / 8 kv heads of
-// 64, vocab 128256). Plain main: `bench_cuda_kernels [--bw TBps] [--iters N]`.
+// 64, vocab 128256), plus llama-125m's rms_norm and rope (16384 tokens, hidden 768, 12 heads of
+// 64). Plain main: `bench_cuda_kernels [--bw TBps] [--iters N]`.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -117,6 +118,26 @@ int main(int argc, char** argv) {
     Tensor q = randn({B, S, HQ, D}, bf), o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
     double ms = time_ms([&] { be.rope(o, q, 500000.0, 0, false); });
     row_mem("rope fwd (q)", ms, 2.0 * q.nbytes());
+    Tensor k = randn({B, S, HKV, D}, bf), ok = Tensor::empty(k.shape(), bf, Device::cuda(0));
+    ms = time_ms([&] { be.rope(ok, k, 500000.0, 0, false); });
+    row_mem("rope fwd (k)", ms, 2.0 * k.nbytes());
+  }
+  {  // llama-125m at 16384 tokens per step: hidden 768, 12 heads of 64.
+    const int64_t n125 = 16384, h125 = 768;
+    Tensor x = randn({n125, h125}, bf), w = randn({h125}, bf),
+           out = Tensor::empty({n125, h125}, bf, Device::cuda(0));
+    Tensor rstd = Tensor::empty({n125}, DType::F32, Device::cuda(0));
+    double ms = time_ms([&] { be.rms_norm(out, rstd, x, w, 1e-5); });
+    row_mem("rms_norm fwd (125m, d=768)", ms, 2.0 * x.nbytes() + rstd.nbytes());
+    Tensor g = randn({n125, h125}, bf), gx = Tensor::empty({n125, h125}, bf, Device::cuda(0));
+    Tensor gw = Tensor::empty({h125}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd); });
+    row_mem("rms_norm bwd (125m, d=768)", ms, 3.0 * x.nbytes() + rstd.nbytes());
+    Tensor q = randn({16, 1024, 12, D}, bf), o = Tensor::empty(q.shape(), bf, Device::cuda(0));
+    ms = time_ms([&] { be.rope(o, q, 10000.0, 0, false); });
+    row_mem("rope fwd (125m q)", ms, 2.0 * q.nbytes());
+    ms = time_ms([&] { be.rope(o, q, 10000.0, 0, true); });
+    row_mem("rope inverse (125m q)", ms, 2.0 * q.nbytes());
   }
   {
     Tensor logits = randn({VCHUNK, V}, bf, 2.0),

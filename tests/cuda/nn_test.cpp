@@ -12,51 +12,94 @@ using namespace cuda_test;
 
 class CudaNn : public ::testing::TestWithParam<DType> {};
 
+// A copy of the CPU tensor x on the GPU, contiguous but starting one element past a 16-byte
+// boundary: the CUDA kernels' element-by-element fallbacks take it.
+Tensor misaligned_gpu_copy(const Tensor& x) {
+  Tensor buf = Tensor::empty({x.numel() + 1}, x.dtype(), gpu());
+  Tensor v = buf.as_strided(x.shape(), contiguous_strides(x.shape()), 1);
+  v.copy_(x);
+  return v;
+}
+
+// Paths by (d, dtype), 16-byte vectors of 8 (bf16/f16) or 4 (f32) values:
+//   d = 33: element-by-element block kernels (fwd, bwd).
+//   one warp per row, forward up to 512 vectors (bf16 d <= 4096, f32 d <= 2048), backward up to 256
+//   (bf16 d <= 2048, f32 d <= 1024); beyond that the vectorized block kernels: bf16 d = 4096 and
+//   f32 d = 2048 backward, f32 d = 4096 and d = 8192 both ways.
+// Row counts are not multiples of the 8 warps per block; 6007 rows give the backward's warps
+// several rows each (its grid is one resident wave).
 TEST_P(CudaNn, RmsNormForwardBackward) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const DType t = GetParam();
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  for (int64_t d : {33, 64, 768, 2048}) {  // 33: the element-by-element path
-    const int64_t rows = 301;
+  const std::pair<int64_t, int64_t> cases[] = {{33, 301},   {64, 301},   {768, 301}, {768, 6007},
+                                               {2048, 301}, {4096, 301}, {8192, 45}};
+  for (auto [d, rows] : cases) {
+    const std::string what = " d=" + std::to_string(d) + " rows=" + std::to_string(rows);
     Tensor x = random_tensor({rows, d}, t, rng, -2, 2);
     Tensor w = random_tensor({d}, t, rng, 0.5, 1.5);
     Tensor want = cpu_out({rows, d}, t), wr = cpu_out({rows}, DType::F32);
     cpu_backend().rms_norm(want, wr, x, w, 1e-5);
     Tensor got = poisoned({rows, d}, t), gr = poisoned({rows}, DType::F32);
     cuda_backend().rms_norm(got, gr, x.to(gpu()), w.to(gpu()), 1e-5);
-    expect_matches(got, want, t, "rms_norm out d=" + std::to_string(d));
-    expect_close(gr, wr, 1e-5, 0, "rms_norm rstd");
+    expect_matches(got, want, t, "rms_norm out" + what);
+    expect_close(gr, wr, 1e-5, 0, "rms_norm rstd" + what);
     Tensor g = random_tensor({rows, d}, t, rng);
     Tensor wgx = cpu_out({rows, d}, t), wgw = cpu_out({d}, t);
     cpu_backend().rms_norm_backward(wgx, wgw, g, x, w, wr);
     Tensor ggx = poisoned({rows, d}, t), ggw = poisoned({d}, t);
     cuda_backend().rms_norm_backward(ggx, ggw, g.to(gpu()), x.to(gpu()), w.to(gpu()), gr);
-    expect_matches(ggx, wgx, t, "rms_norm grad_x", 2.0);
-    // grad_weight sums 301 rows: compare against its own scale.
+    expect_matches(ggx, wgx, t, "rms_norm grad_x" + what, 2.0);
+    // grad_weight sums the rows: compare against its own scale.
     expect_close(ggw, wgw, tol_for(t).rtol, tol_for(t).atol_scale * 4 * rms(wgw),
-                 "rms_norm grad_weight");
+                 "rms_norm grad_weight" + what);
+    // Without grad_x, and again: the same grad_weight bit for bit (no atomics in the sums).
+    Tensor ggw2 = poisoned({d}, t);
+    cuda_backend().rms_norm_backward(Tensor(), ggw2, g.to(gpu()), x.to(gpu()), w.to(gpu()), gr);
+    expect_close(ggw2, ggw, 0, 0, "rms_norm grad_weight without grad_x" + what);
   }
 }
 
+// Vector path (16-byte chunks, several heads per thread) unless noted; it must equal the
+// element-by-element kernel bit for bit (same angles, sincosf and roundings), which a misaligned
+// copy of x takes.
 TEST_P(CudaNn, RopeForwardAndInverse) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const DType t = GetParam();
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  for (int64_t d : {64, 128}) {
-    const Shape s{2, 40, 3, d};
+  struct Case {
+    Shape shape;
+    int64_t offset;
+  };
+  const Case cases[] = {
+      {{2, 40, 3, 64}, 7},      // odd head count: one group of 3 heads
+      {{2, 40, 3, 128}, 7},     //
+      {{2, 48, 12, 64}, 0},     // llama-125m's heads (12 of 64)
+      {{1, 64, 32, 64}, 1000},  // llama-1b's q heads, a late position offset
+      {{1, 64, 8, 64}, 1000},   // llama-1b's k heads
+      {{1, 16, 5, 64}, 3},      // 5 heads: groups of 4 and 1
+      {{1, 4, 3, 1024}, 5},     // the largest head dim
+      {{2, 10, 3, 36}, 7},      // D / 2 = 18, not a multiple of the vector: element by element
+  };
+  for (const Case& c : cases) {
+    const Shape& s = c.shape;
     Tensor x = random_tensor(s, t, rng, -2, 2);
     for (bool inverse : {false, true}) {
+      const std::string what = std::string("rope") + (inverse ? " inverse " : " ") + shape_str(s) +
+                               " offset " + std::to_string(c.offset);
       Tensor want = cpu_out(s, t);
-      cpu_backend().rope(want, x, 10000.0, 7, inverse);
+      cpu_backend().rope(want, x, 10000.0, c.offset, inverse);
       Tensor got = poisoned(s, t);
-      cuda_backend().rope(got, x.to(gpu()), 10000.0, 7, inverse);
-      // Angles up to ~50 rad: device sin/cos are within 2 ulp of libm's.
-      expect_close(got, want, t == DType::F32 ? 2e-5 : 1e-2, t == DType::F32 ? 1e-5 : 1e-2,
-                   std::string("rope") + (inverse ? " inverse" : ""));
+      cuda_backend().rope(got, x.to(gpu()), 10000.0, c.offset, inverse);
+      // Device sin/cos are within 2 ulp of libm's.
+      expect_close(got, want, t == DType::F32 ? 2e-5 : 1e-2, t == DType::F32 ? 1e-5 : 1e-2, what);
+      Tensor scalar = poisoned(s, t);
+      cuda_backend().rope(scalar, misaligned_gpu_copy(x), 10000.0, c.offset, inverse);
+      expect_close(got, scalar, 0, 0, what + ": vector vs element-by-element kernel");
     }
   }
 }
