@@ -1,5 +1,6 @@
 #include "tools/trainer/trainer.h"
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -378,6 +379,17 @@ int train(const TrainOptions& opt) {
   CommStats last_comm;
   if (dist.pg) last_comm = dist.pg->stats();
   double last_host_wait = cuda::host_wait_seconds();
+  // Host time per phase less the time blocked on the GPU inside it, summed until the next log
+  // line: a phase that takes about as long as the GPU's share of the step means the host (op
+  // dispatch, launches), not the GPU, sets the pace.
+  std::array<double, 3> host_busy{};  // forward, backward, optimizer (seconds)
+  auto host_timed = [](double& busy, auto&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double w0 = cuda::host_wait_seconds();
+    f();
+    busy += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
+            (cuda::host_wait_seconds() - w0);
+  };
   reset_peak_memory_stats(device);
   while (step < cfg.training.max_steps) {
     double lr = sched.at(step);
@@ -385,19 +397,24 @@ int train(const TrainOptions& opt) {
     for (int64_t micro = 0; micro < accum; ++micro) {
       strategy->begin_micro_batch(micro == accum - 1);
       Batch b = data.train->next();
-      Tensor logits = model.forward(b.input_ids.to(device));
-      Tensor loss = LlamaForCausalLM::loss(logits, b.labels.to(device));
-      logits = Tensor();
       const bool inject = inject_here && step + 1 == inject_step && micro == accum - 1;
-      if (inject && !inject_grad_only) loss = mul(loss, NAN);
-      Tensor scaled = mul(loss, loss_scale / static_cast<double>(accum));
-      if (inject && inject_grad_only) scaled = mul(scaled, NAN);
-      scaled.backward();
+      Tensor loss, scaled;
+      host_timed(host_busy[0], [&] {
+        Tensor logits = model.forward(b.input_ids.to(device));
+        loss = LlamaForCausalLM::loss(logits, b.labels.to(device));
+        if (inject && !inject_grad_only) loss = mul(loss, NAN);
+        scaled = mul(loss, loss_scale / static_cast<double>(accum));
+        if (inject && inject_grad_only) scaled = mul(scaled, NAN);
+      });
+      host_timed(host_busy[1], [&] { scaled.backward(); });
       loss_sum += loss.item();  // after backward is queued: reading it earlier drains the GPU
       strategy->end_micro_batch();
     }
-    StepResult r = strategy->step(lr, cfg.optimizer.grad_clip, 1.0 / loss_scale);
-    if (fp8) fp8->step_end(dist.pg.get());  // delayed scaling: amax all-reduce, new scales
+    StepResult r;
+    host_timed(host_busy[2], [&] {
+      r = strategy->step(lr, cfg.optimizer.grad_clip, 1.0 / loss_scale);
+      if (fp8) fp8->step_end(dist.pg.get());  // delayed scaling: amax all-reduce, new scales
+    });
     ++step;
     double loss = dist.mean_across_ranks(loss_sum / static_cast<double>(accum), device);
     if (cdt == DType::F16) {
@@ -460,6 +477,10 @@ int train(const TrainOptions& opt) {
         const double wait = cuda::host_wait_seconds();
         j["host_wait_ms_per_step"] = (wait - last_host_wait) * 1e3 / steps_logged;
         last_host_wait = wait;
+        j["host_busy_ms_per_step"] = {{"forward", host_busy[0] * 1e3 / steps_logged},
+                                      {"backward", host_busy[1] * 1e3 / steps_logged},
+                                      {"optimizer", host_busy[2] * 1e3 / steps_logged}};
+        host_busy = {};
       }
       if (std::isfinite(last_eval)) j["eval_loss"] = last_eval;
       metrics.write(j);
