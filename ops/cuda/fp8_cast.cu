@@ -118,20 +118,23 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float red[32];
   const float s = *scale_ptr;
   const int64_t tiles_x = (Cp + kTileCols - 1) / kTileCols;
-  const int64_t tiles = tiles_x * ((Rp + kTileRows - 1) / kTileRows);
+  const int64_t tiles_y = (Rp + kTileRows - 1) / kTileRows;
   const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
   Raw8<T> raw[4];
-  auto load_tile = [&](int64_t t) {
-    const int64_t r = (t / tiles_x) * kTileRows + 4 * ty, c = (t % tiles_x) * kTileCols + 8 * tx;
+  auto load_tile = [&](int64_t r0, int64_t c0) {
+    const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
 #pragma unroll
     for (int k = 0; k < 4; ++k)  // C % 8 == 0: all 8 columns or none are inside
       raw[k] = r + k < R && c < C ? load_raw8<T>(x + (r + k) * C + c) : Raw8<T>{};
   };
+  // This block's tiles are blockIdx.x + i * gridDim.x in row-major order, walked as (tile row,
+  // tile column) without a division per tile.
+  const int64_t step_y = gridDim.x / tiles_x, step_x = gridDim.x % tiles_x;
+  int64_t tile_y = blockIdx.x / tiles_x, tile_x = blockIdx.x % tiles_x;
+  if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);
   float m = 0.0f;
-  int64_t t = blockIdx.x;
-  if (t < tiles) load_tile(t);
-  for (; t < tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_x) * kTileRows, c0 = (t % tiles_x) * kTileCols;
+  while (tile_y < tiles_y) {
+    const int64_t r0 = tile_y * kTileRows, c0 = tile_x * kTileCols;
     const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
     uint32_t w[2][4];  // [column half][row]: bytes = columns 4h..4h+3 of row k
 #pragma unroll
@@ -163,7 +166,13 @@ __global__ void __launch_bounds__(kThreads)
           tile[8 * tx + 4 * h + j][4 * ((ty / 4) ^ tx) + ty % 4] = cols[j];
       }
     }
-    if (t + gridDim.x < tiles) load_tile(t + gridDim.x);  // in flight during the write below
+    tile_x += step_x;
+    tile_y += step_y;
+    if (tile_x >= tiles_x) {
+      tile_x -= tiles_x;
+      ++tile_y;
+    }
+    if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);  // in flight below
     if (data_t) {
       __syncthreads();
 #pragma unroll
