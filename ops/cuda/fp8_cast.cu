@@ -22,9 +22,12 @@ using accel::cuda::grid_for;
 using accel::cuda::OpScope;
 using accel::cuda::to_f;
 
-constexpr int kTile = 64;      // cast+transpose tile: 64 x 64 elements
-constexpr int kThreads = 256;  // per tile: 8 elements per thread per pass, 2 passes
-constexpr int kSmemStride = kTile + 8;
+// cast+transpose tile: 128 rows x 64 columns; thread (tx, ty) = (threadIdx.x % 8, threadIdx.x / 8)
+// holds columns 8tx..8tx+7 of rows 4ty..4ty+3, so that a 4 x 4 byte transpose in registers
+// gives it 4 consecutive bytes of each of its 8 columns in data_t.
+constexpr int kTileRows = 128;
+constexpr int kTileCols = 64;
+constexpr int kThreads = 256;
 
 template <bool kE5M2>
 __device__ __forceinline__ uint16_t cvt2(float lo, float hi) {
@@ -47,80 +50,138 @@ __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
   atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
 }
 
-// Loads 8 consecutive elements as floats (16-byte aligned for 16-bit types, 32 for f32).
+// 8 consecutive elements as loaded, unconverted (so that a load issued early does not stall at a
+// conversion placed right after it). Zero-initialized = eight +0.0.
 template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[8]);
+struct Raw8 {
+  uint4 u;
+};
 template <>
-__device__ __forceinline__ void load8<float>(const float* p, float (&v)[8]) {
-  float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+struct Raw8<float> {
+  float4 a, b;
+};
+// p is 16-byte aligned.
+template <class T>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
+  Raw8<T> r;
+  if constexpr (std::is_same_v<T, float>) {
+    r.a = reinterpret_cast<const float4*>(p)[0];
+    r.b = reinterpret_cast<const float4*>(p)[1];
+  } else {
+    r.u = *reinterpret_cast<const uint4*>(p);
+  }
+  return r;
 }
 template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
-  uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* h = reinterpret_cast<const T*>(&raw);
+__device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&v)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    v[0] = r.a.x, v[1] = r.a.y, v[2] = r.a.z, v[3] = r.a.w;
+    v[4] = r.b.x, v[5] = r.b.y, v[6] = r.b.z, v[7] = r.b.w;
+  } else {
+    const T* h = reinterpret_cast<const T*>(&r.u);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = to_f(h[i]);
+    for (int i = 0; i < 8; ++i) v[i] = to_f(h[i]);
+  }
 }
 
-// Fused cast + amax + transpose over 64 x 64 tiles, a grid-stride loop over the tiles (so that a
-// few hundred blocks, not one per tile, contend for the amax atomic). Requires C % 8 == 0,
+// in[k] holds row k of a 4 x 4 byte block (byte b = column b); out[j] gets column j (byte k =
+// row k).
+__device__ __forceinline__ void transpose4x4(const uint32_t (&in)[4], uint32_t (&out)[4]) {
+  const uint32_t ab_lo = __byte_perm(in[0], in[1], 0x5140);  // a0 b0 a1 b1
+  const uint32_t ab_hi = __byte_perm(in[0], in[1], 0x7362);  // a2 b2 a3 b3
+  const uint32_t cd_lo = __byte_perm(in[2], in[3], 0x5140);
+  const uint32_t cd_hi = __byte_perm(in[2], in[3], 0x7362);
+  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0
+  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+// Fused cast + amax + transpose over 128 x 64 tiles, a grid-stride loop over the tiles with a grid
+// of one wave (so that a few hundred blocks, not one per tile, contend for the amax atomic); the
+// next tile's loads are issued before the current tile's transposed write. Requires C % 8 == 0,
 // Cp % 8 == 0 and Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded
 // outputs get 0.
+//
+// data_t goes through shared memory as 32-bit words, one row of `tile` per column of the tile: the
+// word of rows 16q + 4k .. 16q + 4k + 3 of column col sits at tile[col][4 (q ^ (col / 8)) + k].
+// The swizzle of the 16-byte chunks makes both the 32-bit stores (a warp: 8 threads' columns x 4
+// row groups) and the 16-byte loads (8 lanes: the 8 chunks of one column) free of bank
+// conflicts. Each 8 lanes then write one 128-byte run of a data_t row.
 template <class T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
                           const float* __restrict__ scale_ptr, uint8_t* __restrict__ data,
                           uint8_t* __restrict__ data_t, float* __restrict__ amax,
                           float* __restrict__ scale_inv) {
-  __shared__ __align__(16) uint8_t tile[kTile][kSmemStride];
+  __shared__ __align__(16) uint32_t tile[kTileCols][kTileRows / 4];
   __shared__ float red[32];
   const float s = *scale_ptr;
-  const int64_t tiles_x = (Cp + kTile - 1) / kTile, tiles = tiles_x * ((Rp + kTile - 1) / kTile);
-  const int tc = (threadIdx.x % 8) * 8;  // column of this thread's 8 elements in the tile
+  const int64_t tiles_x = (Cp + kTileCols - 1) / kTileCols;
+  const int64_t tiles_y = (Rp + kTileRows - 1) / kTileRows;
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  Raw8<T> raw[4];
+  auto load_tile = [&](int64_t r0, int64_t c0) {
+    const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // C % 8 == 0: all 8 columns or none are inside
+      raw[k] = r + k < R && c < C ? load_raw8<T>(x + (r + k) * C + c) : Raw8<T>{};
+  };
+  // This block's tiles are blockIdx.x + i * gridDim.x in row-major order, walked as (tile row,
+  // tile column) without a division per tile.
+  const int64_t step_y = gridDim.x / tiles_x, step_x = gridDim.x % tiles_x;
+  int64_t tile_y = blockIdx.x / tiles_x, tile_x = blockIdx.x % tiles_x;
+  if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);
   float m = 0.0f;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_x) * kTile, c0 = (t % tiles_x) * kTile;
-    float v[2][8];
+  while (tile_y < tiles_y) {
+    const int64_t r0 = tile_y * kTileRows, c0 = tile_x * kTileCols;
+    const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
+    uint32_t w[2][4];  // [column half][row]: bytes = columns 4h..4h+3 of row k
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {  // both loads in flight before any conversion
-      const int64_t r = r0 + threadIdx.x / 8 + pass * 32, c = c0 + tc;
-      if (r < R && c < C) {  // C % 8 == 0: all 8 or none are inside
-        load8<T>(x + r * C + c, v[pass]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[pass][i] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      const int tr = threadIdx.x / 8 + pass * 32;
-      const int64_t r = r0 + tr, c = c0 + tc;
-      uint32_t w[2] = {0, 0};
+    for (int k = 0; k < 4; ++k) {
+      float v[8];
+      unpack8<T>(raw[k], v);
+      uint32_t pair[4];
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
-        m = fmaxf(m, fmaxf(fabsf(v[pass][i]), fabsf(v[pass][i + 1])));
-        w[i / 4] |= static_cast<uint32_t>(cvt2<kE5M2>(v[pass][i] * s, v[pass][i + 1] * s))
-                    << (8 * (i % 4));
+        m = fmaxf(m, fmaxf(fabsf(v[i]), fabsf(v[i + 1])));
+        pair[i / 2] = cvt2<kE5M2>(v[i] * s, v[i + 1] * s);
       }
-      if (data && r < Rp && c < Cp)
-        *reinterpret_cast<uint2*>(data + r * Cp + c) = make_uint2(w[0], w[1]);
-      if (data_t) *reinterpret_cast<uint2*>(&tile[tr][tc]) = make_uint2(w[0], w[1]);
+      w[0][k] = pair[0] | (pair[1] << 16);
+      w[1][k] = pair[2] | (pair[3] << 16);
+    }
+    if (data && c < Cp) {  // Cp % 8 == 0: all 8 columns or none are inside
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (r + k < Rp)
+          *reinterpret_cast<uint2*>(data + (r + k) * Cp + c) = make_uint2(w[0][k], w[1][k]);
     }
     if (data_t) {
-      __syncthreads();
-      // Thread -> (column cc of the tile, 16 consecutive rows): 4 threads write one 64-byte run.
-      const int cc = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16;
-      const int64_t c = c0 + cc, r = r0 + rs;
-      if (c < Cp && r < Rp) {  // Rp % 16 == 0: the 16 rows are all inside
-        uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          w[k] = static_cast<uint32_t>(tile[rs + 4 * k][cc]) |
-                 (static_cast<uint32_t>(tile[rs + 4 * k + 1][cc]) << 8) |
-                 (static_cast<uint32_t>(tile[rs + 4 * k + 2][cc]) << 16) |
-                 (static_cast<uint32_t>(tile[rs + 4 * k + 3][cc]) << 24);
-        *reinterpret_cast<uint4*>(data_t + c * Rp + r) = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int h = 0; h < 2; ++h) {
+        uint32_t cols[4];
+        transpose4x4(w[h], cols);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          tile[8 * tx + 4 * h + j][4 * ((ty / 4) ^ tx) + ty % 4] = cols[j];
+      }
+    }
+    tile_x += step_x;
+    tile_y += step_y;
+    if (tile_x >= tiles_x) {
+      tile_x -= tiles_x;
+      ++tile_y;
+    }
+    if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);  // in flight below
+    if (data_t) {
+      __syncthreads();
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int i = threadIdx.x + p * kThreads, col = i / 8, q = i % 8;
+        const int64_t tc = c0 + col, tr = r0 + 16 * q;
+        if (tc < Cp && tr < Rp)  // Rp % 16 == 0: the 16 rows are all inside
+          *reinterpret_cast<uint4*>(data_t + tc * Rp + tr) =
+              *reinterpret_cast<const uint4*>(&tile[col][4 * (q ^ (col / 8))]);
       }
       __syncthreads();  // the tile is rewritten by the next iteration
     }
@@ -164,24 +225,41 @@ __global__ void cast_generic_kernel(const T* __restrict__ x, int64_t R, int64_t 
   if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
 }
 
+// max |x| (NaN ignored) into *out. With 16-byte aligned x: each thread keeps 4 loads of 16 bytes
+// in flight per iteration. Walks from the end of x towards its start, so that the cast that
+// follows the amax pass of dynamic scaling (and starts at the beginning) finds the part read
+// last still in L2.
 template <class T>
-__global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ out) {
+__global__ void __launch_bounds__(256)
+    amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ out) {
   __shared__ float red[32];
   float m = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const bool vec = (reinterpret_cast<uintptr_t>(x) % 32) == 0;
-  if (vec) {
-    const int64_t n8 = n / 8;
-    for (int64_t j = i; j < n8; j += stride) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    const int64_t n8 = n / 8;  // vector j covers elements [8 (n8 - 1 - j), +8)
+    int64_t j = i;
+    for (; j + 3 * stride < n8; j += 4 * stride) {
+      Raw8<T> raw[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) raw[u] = load_raw8<T>(x + 8 * (n8 - 1 - (j + u * stride)));
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        float v[8];
+        unpack8<T>(raw[u], v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+      }
+    }
+    for (; j < n8; j += stride) {
       float v[8];
-      load8<T>(x + j * 8, v);
+      unpack8<T>(load_raw8<T>(x + 8 * (n8 - 1 - j)), v);
 #pragma unroll
       for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
     }
-    for (int64_t j = n8 * 8 + i; j < n; j += stride) m = fmaxf(m, fabsf(to_f(x[j])));
+    for (int64_t k = n8 * 8 + i; k < n; k += stride) m = fmaxf(m, fabsf(to_f(x[k])));
   } else {
-    for (int64_t j = i; j < n; j += stride) m = fmaxf(m, fabsf(to_f(x[j])));
+    for (int64_t k = i; k < n; k += stride) m = fmaxf(m, fabsf(to_f(x[k])));
   }
   m = block_max(m, red);
   if (threadIdx.x == 0 && m > __ldcg(out)) atomic_max_nonneg(out, m);
@@ -281,6 +359,14 @@ uint8_t* bptr(const Tensor& t) {
 }
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
+// Blocks of `threads` that fit on one SM at once (for grids of exactly one wave).
+template <class K>
+int resident_blocks(K kernel, int threads) {
+  int n = 0;
+  ACCEL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  return std::max(1, n);
+}
+
 }  // namespace
 
 void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
@@ -301,9 +387,11 @@ void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor
       constexpr bool kE5M2 = decltype(e5m2)::value;
       const T* xp = static_cast<const T*>(x.data_ptr());
       if (fast) {
-        const int64_t tiles = ((Cp + kTile - 1) / kTile) * ((Rp + kTile - 1) / kTile);
-        const int grid = grid_for(tiles * kThreads, kThreads, 8);
-        cast_transpose_kernel<T, kE5M2><<<grid, kThreads, 0, scope.stream>>>(
+        auto kernel = cast_transpose_kernel<T, kE5M2>;
+        static const int per_sm = resident_blocks(kernel, kThreads);
+        const int64_t tiles =
+            ((Cp + kTileCols - 1) / kTileCols) * ((Rp + kTileRows - 1) / kTileRows);
+        kernel<<<grid_for(tiles * kThreads, kThreads, per_sm), kThreads, 0, scope.stream>>>(
             xp, R, C, Rp, Cp, fptr(scale), bptr(data), bptr(data_t), fptr(amax), fptr(scale_inv));
       } else {
         // (Also for empty tensors: one block still records amax 0 and scale_inv.)
@@ -322,7 +410,7 @@ void amax(const Tensor& x, const Tensor& out) {
   if (n == 0) return;
   accel::cuda::dispatch_float(x.dtype(), "fp8_amax", [&](auto tag) {
     using T = decltype(tag);
-    amax_kernel<T><<<grid_for((n + 7) / 8, 256, 4), 256, 0, scope.stream>>>(
+    amax_kernel<T><<<grid_for((n + 31) / 32, 256, 8), 256, 0, scope.stream>>>(
         static_cast<const T*>(x.data_ptr()), n, fptr(out));
   });
   ACCEL_CUDA_CHECK_LAUNCH("fp8_amax");

@@ -68,24 +68,25 @@ void gemm_row(const char* what, int64_t M, int64_t N, int64_t K) {
       tflops(bf16, M, N, K), bf16 / fast);
 }
 
-void cast_row(const char* what, int64_t R, int64_t C, bool rowwise, bool columnwise) {
+void cast_row(const char* what, int64_t R, int64_t C, bool rowwise, bool columnwise,
+              DType fmt = DType::E4M3, double std = 1.0) {
   const Device gpu = Device::cuda(0);
-  Tensor x = randn({R, C}, DType::BF16);
+  Tensor x = randn({R, C}, DType::BF16, std);
   Tensor y = Tensor::empty({R, C}, DType::BF16, gpu);
   const double copy_ms = time_ms([&] { y.copy_(x); });
   const double copy_bw = 2.0 * x.nbytes() / (copy_ms * 1e-3);
   Tensor scale = Tensor::ones({1}, DType::F32, gpu), amax = Tensor::zeros({1}, DType::F32, gpu);
   Fp8CastOptions o{rowwise, columnwise, 16};
-  const double ms = time_ms([&] { fp8_cast(x, DType::E4M3, scale, amax, o); });
+  const double ms = time_ms([&] { fp8_cast(x, fmt, scale, amax, o); });
   const double bytes = x.nbytes() + (rowwise ? x.numel() : 0) + (columnwise ? x.numel() : 0);
   const double bw = bytes / (ms * 1e-3);
-  const double dyn_ms = time_ms([&] { fp8_cast_dynamic(x, DType::E4M3, o); });
+  const double dyn_ms = time_ms([&] { fp8_cast_dynamic(x, fmt, o); });
   const double dyn_bytes = bytes + x.nbytes();  // the amax pass reads x once more
   std::printf(
-      "%-34s [%lld, %lld] %8.3f ms %7.1f GB/s = %5.1f%% of copy (%7.1f GB/s) | dynamic %8.3f ms "
-      "%5.1f%% of copy\n",
-      what, (long long)R, (long long)C, ms, bw / 1e9, 100.0 * bw / copy_bw, copy_bw / 1e9, dyn_ms,
-      100.0 * dyn_bytes / (dyn_ms * 1e-3) / copy_bw);
+      "%-38s %s [%lld, %lld] %8.3f ms %7.1f GB/s = %5.1f%% of copy (%7.1f GB/s) | dynamic %8.3f "
+      "ms %5.1f%% of copy\n",
+      what, dtype_name(fmt), (long long)R, (long long)C, ms, bw / 1e9, 100.0 * bw / copy_bw,
+      copy_bw / 1e9, dyn_ms, 100.0 * dyn_bytes / (dyn_ms * 1e-3) / copy_bw);
 }
 
 }  // namespace
@@ -108,11 +109,14 @@ int main(int argc, char** argv) {
   gemm_row("llama-1b mlp down (8192 tok)", 8192, 2048, 8192);
   gemm_row("llama-1b wgrad up (K=tok)", 8192, 2048, 8192);
   std::printf(
-      "\n-- casts bf16 -> e4m3 with amax (delayed: given scale; dynamic: amax pass first) --\n");
+      "\n-- casts bf16 -> fp8 with amax (delayed: given scale; dynamic: amax pass first) --\n");
   cast_row("cast rowwise", 8192, 8192, true, false);
   cast_row("cast + transpose", 8192, 8192, true, true);
   cast_row("transpose only", 8192, 8192, false, true);
   cast_row("cast + transpose (llama-1b act)", 8192, 2048, true, true);
+  cast_row("cast + transpose (llama-1b mlp act)", 8192, 8192, true, true);
+  cast_row("grad cast + transpose (llama-1b)", 8192, 2048, true, true, DType::E5M2, 1e-3);
+  cast_row("grad cast + transpose (llama-1b mlp)", 8192, 8192, true, true, DType::E5M2, 1e-3);
   return 0;
 }
 #else

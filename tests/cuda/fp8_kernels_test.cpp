@@ -1,10 +1,13 @@
 // CUDA fp8 kernels against the CPU emulation: casts (fast tiled and generic paths, bit for bit),
 // dynamic scaling, transposes, the delayed-scaling update, MX fake quantization, the cuBLASLt fp8
 // GEMM, and the fp8 linear op. Skipped without a GPU.
+#include "ops/fp8_kernels.h"
+
 #include <gtest/gtest.h>
 
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -58,10 +61,12 @@ TEST(CudaFp8, CastMatchesCpuBitForBit) {
     int64_t R, C, pad;
     DType in;
   };
-  // Tiled fast path (C % 8 == 0, padded to 16), partial tiles, and the generic path.
+  // Tiled fast path (C % 8 == 0, padded to 16; tiles of 128 rows x 64 columns), partial tiles
+  // (304 = 2 x 128 + 48 rows, 264 = 4 x 64 + 8 columns padded to 272), and the generic path.
   for (Case c : {Case{256, 512, 16, DType::BF16}, Case{100, 200, 16, DType::BF16},
                  Case{64, 64, 16, DType::F32}, Case{37, 53, 1, DType::BF16},
-                 Case{37, 53, 16, DType::F16}, Case{5, 8, 16, DType::F32}}) {
+                 Case{37, 53, 16, DType::F16}, Case{5, 8, 16, DType::F32},
+                 Case{304, 264, 16, DType::BF16}, Case{130, 72, 16, DType::F32}}) {
     for (DType fmt : {DType::E4M3, DType::E5M2}) {
       for (int mode = 0; mode < 3; ++mode) {
         const bool row = mode != 2, col = mode != 0;
@@ -80,6 +85,78 @@ TEST(CudaFp8, CastMatchesCpuBitForBit) {
         EXPECT_EQ(amax_gpu.item(), amax_cpu.item());
         EXPECT_EQ(got.scale_inv.item(), want.scale_inv.item());
       }
+    }
+  }
+}
+
+// The tiled cast on more tiles than one wave of blocks holds (4144 x 2064 padded: 33 x 33 tiles of
+// 128 x 64; at most 8 blocks of 256 threads per SM, so blocks loop over several tiles and
+// prefetch), rows not a multiple of the tile (4144 = 32 x 128 + 48), columns padded (2056 -> 2064),
+// written into outputs poisoned with a nonzero code so that unwritten padding shows; amax and
+// scale_inv too. Then the tensor without its specials through dynamic scaling (the amax pass
+// over many blocks).
+TEST(CudaFp8, CastManyTilesIntoPoisonedOutputsMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(7);
+  const int64_t R = 4096 + 48, C = 2048 + 8;
+  Tensor x0 = random_tensor({R, C}, DType::BF16, rng, -300.0, 300.0);
+  Tensor x = with_specials(x0), xg = x.to(gpu());
+  auto poisoned_fp8 = [](const Shape& shape, DType fmt) {
+    Tensor t = Tensor::empty(shape, fmt);
+    std::memset(t.data_ptr(), 0x5a, static_cast<size_t>(t.numel()));
+    return t.to(gpu());
+  };
+  const int64_t Rp = R, Cp = C + 8;
+  for (DType fmt : {DType::E4M3, DType::E5M2}) {
+    const float s = fmt == DType::E4M3 ? 1.37f : 91.0f;
+    Tensor s_cpu = Tensor::full({1}, s), amax_cpu = Tensor::full({1}, 0.25);
+    Fp8Tensor want = fp8_cast(x, fmt, s_cpu, amax_cpu, Fp8CastOptions{true, true, 16});
+    for (int mode = 0; mode < 3; ++mode) {  // e4m3: both, rowwise only; e5m2: columnwise only
+      const bool row = mode != 2, col = mode != 0;
+      if ((fmt == DType::E4M3) == (mode == 2)) continue;
+      SCOPED_TRACE(std::string(dtype_name(fmt)) + " row " + std::to_string(row) + " col " +
+                   std::to_string(col));
+      Tensor data = row ? poisoned_fp8({Rp, Cp}, fmt) : Tensor();
+      Tensor data_t = col ? poisoned_fp8({Cp, Rp}, fmt) : Tensor();
+      Tensor amax_gpu = Tensor::full({1}, 0.25, DType::F32, gpu());
+      Tensor scale_inv = Tensor::full({1}, NAN, DType::F32, gpu());
+      fp8_kernels::cuda::cast(xg, s_cpu.to(gpu()), data, data_t, amax_gpu, scale_inv);
+      if (row) expect_same_codes(data, want.data, "data");
+      if (col) expect_same_codes(data_t, want.data_t, "data_t");
+      EXPECT_EQ(amax_gpu.item(), amax_cpu.item());
+      EXPECT_EQ(scale_inv.item(), want.scale_inv.item());
+    }
+  }
+  Fp8Tensor want = fp8_cast_dynamic(x0, DType::E5M2, {true, true, 16});
+  Fp8Tensor got = fp8_cast_dynamic(x0.to(gpu()), DType::E5M2, {true, true, 16});
+  EXPECT_EQ(got.scale.item(), want.scale.item());
+  expect_same_codes(got.data, want.data, "dynamic data");
+  expect_same_codes(got.data_t, want.data_t, "dynamic data_t");
+}
+
+// The amax pass finds a single large element wherever it sits: in the 4-vector unrolled part, the
+// one-vector remainder, the scalar tail (numel % 8 != 0), in a tensor larger than one wave of
+// blocks covers in one iteration, and through the scalar path of an unaligned view. NaN ignored.
+TEST(CudaFp8, AmaxFindsTheMaximumAnywhere) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  for (DType dt : {DType::BF16, DType::F32}) {
+    for (int64_t n : {int64_t{1003}, int64_t{8 * 4096 + 5}, int64_t{12 * 1024 * 1024 + 3}}) {
+      Tensor x = Tensor::full({n}, 0.5, dt, gpu());
+      auto put = [&](int64_t i, double v) {
+        narrow(x, 0, i, 1).copy_(Tensor::full({1}, v, dt).to(gpu()));
+      };
+      put(n / 3, NAN);
+      for (int64_t p : {int64_t{0}, int64_t{1}, n / 2, n - 9, n - 8, n - 4, n - 1}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " n " + std::to_string(n) + " at " +
+                     std::to_string(p));
+        put(p, -96.0);
+        EXPECT_EQ(fp8_amax(x).item(), 96.0);
+        if (p > 0) {
+          EXPECT_EQ(fp8_amax(narrow(x, 0, 1, n - 1)).item(), 96.0);  // unaligned
+        }
+        put(p, 0.5);
+      }
+      EXPECT_EQ(fp8_amax(x).item(), 0.5);
     }
   }
 }
