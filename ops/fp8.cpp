@@ -485,16 +485,13 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
             dw = matmul(transpose(g2, 0, 1), x_hp);
             if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
           } else {
-            // The wgrad GEMM writes fp32 (TE's and the contract: bf16 out for fprop and
-            // dgrad, fp32 for the weight gradient). Autograd and every strategy accumulate a
-            // parameter's gradient in that parameter's dtype (a 16-bit compute copy's gradient
-            // lands in its bucket, the fp32 master is updated from it), so a 16-bit weight gets
-            // the fp32 product rounded once (RNE) here, and an fp32 weight the product itself.
-            // A strategy with fp32 main-grad buffers could take the fp32 result as is (or let the
-            // GEMM accumulate into them); none has them yet.
-            Tensor dw32 =
-                unpad(fp8_gemm(qg.data_t, qg.scale_inv, x_t, x_si, DType::F32, false), s.N, s.K);
-            dw = s.w_dtype == DType::F32 ? dw32 : cast(dw32, s.w_dtype);
+            // The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight
+            // receives the fp32 product itself, a 16-bit weight that product rounded once by the
+            // GEMM's epilogue (as TE writes wgrad in the activation dtype when it does not fuse
+            // the accumulation into fp32 main_grad). Autograd and every strategy keep a
+            // parameter's gradient in the parameter's dtype, so an fp32 output for a bf16 weight
+            // would only be rounded by a separate pass over an fp32 [N, K] buffer.
+            dw = unpad(fp8_gemm(qg.data_t, qg.scale_inv, x_t, x_si, s.w_dtype, false), s.N, s.K);
           }
         }
         return std::vector<Tensor>{dx, dw};

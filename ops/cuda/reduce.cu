@@ -525,9 +525,7 @@ double CudaBackend::sum_of_squares(const std::vector<Tensor>& xs) {
   sumsq_multi<__nv_bfloat16>(acc.as<double>(), by_dtype[1], sc.stream);
   sumsq_multi<__half>(acc.as<double>(), by_dtype[2], sc.stream);
   double host = 0;
-  ACCEL_CUDA_CHECK(
-      cudaMemcpyAsync(&host, acc.get(), sizeof(double), cudaMemcpyDeviceToHost, sc.stream));
-  accel::cuda::wait_for_stream(sc.stream);
+  accel::cuda::copy_to_host(&host, acc.get(), sizeof(double), sc.stream);
   return host;
 }
 
@@ -551,9 +549,7 @@ bool CudaBackend::has_non_finite(const Tensor& x) {
   }
   ACCEL_CUDA_CHECK_LAUNCH("has_non_finite");
   int host = 0;
-  ACCEL_CUDA_CHECK(
-      cudaMemcpyAsync(&host, flag.get(), sizeof(int), cudaMemcpyDeviceToHost, sc.stream));
-  accel::cuda::wait_for_stream(sc.stream);
+  accel::cuda::copy_to_host(&host, flag.get(), sizeof(int), sc.stream);
   return host != 0;
 }
 

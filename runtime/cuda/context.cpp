@@ -128,6 +128,12 @@ double host_wait_seconds() { return static_cast<double>(g_host_wait_ns.load()) *
 void wait_for_stream(cudaStream_t stream) {
   timed_wait([&] { ACCEL_CUDA_CHECK(cudaStreamSynchronize(stream)); });
 }
+void copy_to_host(void* dst, const void* src, size_t nbytes, cudaStream_t stream) {
+  timed_wait([&] {
+    ACCEL_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost, stream));
+    ACCEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  });
+}
 void Event::synchronize() const {
   timed_wait([&] { ACCEL_CUDA_CHECK(cudaEventSynchronize(event_)); });
 }
@@ -445,13 +451,18 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
   cudaMemcpyKind kind = dst_dev.is_cpu()   ? cudaMemcpyDeviceToHost
                         : src_dev.is_cpu() ? cudaMemcpyHostToDevice
                                            : cudaMemcpyDeviceToDevice;
+  if (kind == cudaMemcpyDeviceToHost) return copy_to_host(dst, src, nbytes, s);
   if (kind == cudaMemcpyDeviceToDevice && dst_dev.index != src_dev.index) {
     wait_for_stream(compute_stream(src_dev.index));
     ACCEL_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, nbytes, s));
-  } else {
-    ACCEL_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, kind, s));
+    wait_for_stream(s);
+    return;
   }
-  wait_for_stream(s);
+  // From pageable memory the copy call itself may wait for the stream: count it as waiting.
+  timed_wait([&] {
+    ACCEL_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, kind, s));
+    ACCEL_CUDA_CHECK(cudaStreamSynchronize(s));
+  });
 }
 
 void synchronize(int device) {

@@ -74,6 +74,9 @@ class Event {
 
 // cudaStreamSynchronize, with the time blocked counted in host_wait_seconds().
 void wait_for_stream(cudaStream_t stream);
+// Copies nbytes from the device to pageable host memory after the work queued on `stream` and
+// waits for it (the copy itself blocks until the stream reaches it: counted as waiting too).
+void copy_to_host(void* dst, const void* src, size_t nbytes, cudaStream_t stream);
 
 const cudaDeviceProp& device_properties(int device);
 int sm_count(int device = current_device());

@@ -376,10 +376,11 @@ TEST(CudaFp8, LinearMatchesCpuEmulation) {
   }
 }
 
-// The wgrad GEMM writes fp32 on the GPU too: an fp32 weight's gradient is the cuBLASLt product
-// with fp32 output bit for bit (same kernels, same operands), a bf16 weight's is that product
-// rounded once; both match the CPU twin (fp32 at the GEMM test's fp32 allowance). Odd shapes
-// (M=60, K=40, N=24) exercise the padding.
+// The wgrad GEMM writes the weight's dtype on the GPU: an fp32 weight's gradient is the cuBLASLt
+// product with fp32 output bit for bit (same kernels, same operands), a bf16 weight's is the
+// product with bf16 output, within one bf16 rounding of the fp32 product (the two outputs may
+// come from different cuBLASLt kernels); both match the CPU twin (fp32 at the GEMM test's fp32
+// allowance). Odd shapes (M=60, K=40, N=24) exercise the padding.
 TEST(CudaFp8, WeightGradientIsFp32GemmOutputAndMatchesCpu) {
   ACCEL_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(8);
@@ -391,10 +392,12 @@ TEST(CudaFp8, WeightGradientIsFp32GemmOutputAndMatchesCpu) {
   Tensor x2 = reshape(x, {-1, K}).to(gpu()), g2 = reshape(g, {-1, N}).to(gpu());
   Fp8Tensor qx = fp8_cast_dynamic(x2, DType::E4M3, Fp8CastOptions{false, true, 16});
   Fp8Tensor qg = fp8_cast_dynamic(g2, DType::E5M2, Fp8CastOptions{false, true, 16});
-  Tensor ref32 = contiguous(
-      narrow(narrow(fp8_gemm(qg.data_t, qg.scale_inv, qx.data_t, qx.scale_inv, DType::F32, false),
-                    0, 0, N),
-             1, 0, K));
+  auto product = [&](DType out) {
+    return contiguous(narrow(
+        narrow(fp8_gemm(qg.data_t, qg.scale_inv, qx.data_t, qx.scale_inv, out, false), 0, 0, N), 1,
+        0, K));
+  };
+  Tensor ref32 = product(DType::F32);
   for (DType wt : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_name(wt));
     Tensor dws[2];
@@ -408,8 +411,11 @@ TEST(CudaFp8, WeightGradientIsFp32GemmOutputAndMatchesCpu) {
       ASSERT_EQ(wd.grad().dtype(), wt);
       dws[d] = wd.grad().to(Device::cpu());
     }
-    Tensor want = wt == DType::F32 ? ref32 : cast(ref32, wt);
-    EXPECT_EQ(dws[1].to_vector(), want.to(Device::cpu()).to_vector());
+    EXPECT_EQ(dws[1].to_vector(), product(wt).to(Device::cpu()).to_vector());
+    if (wt !=
+        DType::F32)  // one rounding of the fp32 product: within half a bf16 ulp (+ fp32 noise)
+      cuda_test::expect_matches(dws[1], cast(ref32, wt).to(Device::cpu()), wt,
+                                "bf16 wgrad vs the fp32 product rounded", 1.0);
     cuda_test::expect_matches(dws[1], dws[0], wt, "fp8 linear weight grad vs cpu emulation",
                               wt == DType::F32 ? 100.0 : 2.0);
   }

@@ -237,9 +237,10 @@ TEST(Fp8Linear, GradientOnlyWhereNeeded) {
   EXPECT_THROW(fp8_linear(p.x, p.w, Tensor(), broken), std::logic_error);
 }
 
-// The wgrad GEMM writes fp32: an fp32 weight receives that product unrounded, a 16-bit weight
-// the product rounded once to its dtype. The reference is built from the same casts and the GEMM
-// with fp32 output; odd shapes exercise the padding (M=60, K=40, N=24).
+// The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight receives the
+// fp32 product unrounded, a 16-bit weight the product rounded once to its dtype. The reference is
+// built from the same casts and the GEMM with fp32 output; odd shapes exercise the padding
+// (M=60, K=40, N=24).
 TEST(Fp8Linear, WeightGradientIsTheFp32GemmRoundedOnceToTheWeightDtype) {
   Problem p = make_problem({3, 20, 40}, 24, 31);
   const int64_t K = 40, N = 24;
