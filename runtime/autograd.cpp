@@ -118,8 +118,7 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
       } else if (owned_sums.count(slot->second.get())) {
         kernels::accumulate(Tensor(slot->second), gi);
       } else {
-        Tensor sum = Tensor(slot->second).clone();
-        kernels::accumulate(sum, gi);
+        Tensor sum = kernels::sum_of(Tensor(slot->second), gi);
         slot->second = sum.impl_ptr();
         owned_sums.insert(sum.impl());
       }

@@ -104,6 +104,17 @@ void accumulate(const Tensor& dst, const Tensor& src) {
   });
 }
 
+void add(const Tensor& out, const Tensor& a, const Tensor& b) {
+  dispatch_dtype(out.dtype(), [&](auto elem) {
+    using E = decltype(elem);
+    auto* o = static_cast<typename E::S*>(out.data_ptr());
+    const auto* pa = static_cast<const typename E::S*>(a.data_ptr());
+    const auto* pb = static_cast<const typename E::S*>(b.data_ptr());
+    const int64_t n = out.numel();
+    for (int64_t i = 0; i < n; ++i) store<E>(o + i, load<E>(pa + i) + load<E>(pb + i));
+  });
+}
+
 }  // namespace cpu
 
 void copy(const Tensor& dst, const Tensor& src) {
@@ -135,6 +146,21 @@ void accumulate(const Tensor& dst, const Tensor& src) {
     cpu::accumulate(dst, src);
   else
     cuda::accumulate(dst, src);
+}
+
+Tensor sum_of(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype() || a.device() != b.device())
+    throw std::invalid_argument("[sum_of] " + a.str() + " and " + b.str() + " must match");
+  Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
+  if (!a.is_contiguous() || !b.is_contiguous()) {
+    copy(out, a);
+    accumulate(out, b);
+  } else if (a.device().is_cpu()) {
+    cpu::add(out, a, b);
+  } else {
+    cuda::add(out, a, b);
+  }
+  return out;
 }
 
 }  // namespace accel::kernels

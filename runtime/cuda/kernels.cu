@@ -1,6 +1,7 @@
 // kernels::cuda: the runtime's own device kernels (strided copy with dtype conversion, fill,
 // gradient accumulation) and the host helpers of device_common.cuh.
 #include <algorithm>
+#include <type_traits>
 
 #include "runtime/cuda/device_common.cuh"
 #include "runtime/kernels.h"
@@ -106,22 +107,23 @@ __global__ void accumulate_kernel(void* dst, DType t, const void* src, StridedLa
     store_from_double(dst, t, i, load_as_double(dst, t, i) + load_as_double(src, t, sl.offset(i)));
 }
 
+// dst = base + src (base == dst: accumulate in place).
 template <class T>
-__global__ void accumulate_contiguous_kernel(T* __restrict__ dst, const T* __restrict__ src,
+__global__ void accumulate_contiguous_kernel(T* dst, const T* base, const T* __restrict__ src,
                                              int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] = from_f<T>(to_f<T>(dst[i]) + to_f<T>(src[i]));
+    dst[i] = from_f<T>(to_f<T>(base[i]) + to_f<T>(src[i]));
 }
 
-// Same with 16-byte accesses (both pointers 16-byte aligned); the tail element by element.
+// Same with 16-byte accesses (all pointers 16-byte aligned); the tail element by element.
 template <class T>
-__global__ void accumulate_vec_kernel(T* __restrict__ dst, const T* __restrict__ src, int64_t n) {
+__global__ void accumulate_vec_kernel(T* dst, const T* base, const T* __restrict__ src, int64_t n) {
   constexpr int N = 16 / sizeof(T);
   const int64_t nv = n / N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
        i += int64_t(gridDim.x) * blockDim.x) {
-    uint4 a = reinterpret_cast<const uint4*>(dst)[i];
+    uint4 a = reinterpret_cast<const uint4*>(base)[i];
     const uint4 b = reinterpret_cast<const uint4*>(src)[i];
     T* av = reinterpret_cast<T*>(&a);
     const T* bv = reinterpret_cast<const T*>(&b);
@@ -131,7 +133,7 @@ __global__ void accumulate_vec_kernel(T* __restrict__ dst, const T* __restrict__
   }
   for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] = from_f<T>(to_f<T>(dst[i]) + to_f<T>(src[i]));
+    dst[i] = from_f<T>(to_f<T>(base[i]) + to_f<T>(src[i]));
 }
 
 constexpr int kThreads = 256;
@@ -194,34 +196,58 @@ void fill(const Tensor& dst, double value) {
   ACCEL_CUDA_CHECK_LAUNCH("fill");
 }
 
+namespace {
+// dst = base + src for contiguous f32/bf16 (base may be dst); false when no fast kernel applies.
+bool add_contiguous(const Tensor& dst, const Tensor& base, const Tensor& src, cudaStream_t s) {
+  if (!src.is_contiguous() || !base.is_contiguous() ||
+      (dst.dtype() != DType::F32 && dst.dtype() != DType::BF16))
+    return false;
+  const int64_t n = dst.numel();
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(dst.data_ptr()) | reinterpret_cast<uintptr_t>(base.data_ptr()) |
+        reinterpret_cast<uintptr_t>(src.data_ptr())) &
+       15) == 0;
+  auto launch = [&](auto* d) {
+    using T = std::remove_pointer_t<decltype(d)>;
+    const T* b = static_cast<const T*>(base.data_ptr());
+    const T* x = static_cast<const T*>(src.data_ptr());
+    if (aligned)
+      accumulate_vec_kernel<<<grid_for(n / (16 / sizeof(T)) + 1, kThreads), kThreads, 0, s>>>(d, b,
+                                                                                              x, n);
+    else
+      accumulate_contiguous_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(d, b, x, n);
+  };
+  if (dst.dtype() == DType::F32)
+    launch(static_cast<float*>(dst.data_ptr()));
+  else
+    launch(static_cast<__nv_bfloat16*>(dst.data_ptr()));
+  return true;
+}
+}  // namespace
+
 void accumulate(const Tensor& dst, const Tensor& src) {
   const int64_t n = dst.numel();
   if (n == 0) return;
   DeviceGuard g(dst.device().index);
   cudaStream_t s = current_stream();
-  int grid = grid_for(n, kThreads);
-  const bool aligned = (reinterpret_cast<uintptr_t>(dst.data_ptr()) & 15) == 0 &&
-                       (reinterpret_cast<uintptr_t>(src.data_ptr()) & 15) == 0;
-  if (src.is_contiguous() && aligned && dst.dtype() == DType::F32) {
-    accumulate_vec_kernel<<<grid_for(n / 4 + 1, kThreads), kThreads, 0, s>>>(
-        static_cast<float*>(dst.data_ptr()), static_cast<const float*>(src.data_ptr()), n);
-  } else if (src.is_contiguous() && aligned && dst.dtype() == DType::BF16) {
-    accumulate_vec_kernel<<<grid_for(n / 8 + 1, kThreads), kThreads, 0, s>>>(
-        static_cast<__nv_bfloat16*>(dst.data_ptr()),
-        static_cast<const __nv_bfloat16*>(src.data_ptr()), n);
-  } else if (src.is_contiguous() && dst.dtype() == DType::F32) {
-    accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(
-        static_cast<float*>(dst.data_ptr()), static_cast<const float*>(src.data_ptr()), n);
-  } else if (src.is_contiguous() && dst.dtype() == DType::BF16) {
-    accumulate_contiguous_kernel<<<grid, kThreads, 0, s>>>(
-        static_cast<__nv_bfloat16*>(dst.data_ptr()),
-        static_cast<const __nv_bfloat16*>(src.data_ptr()), n);
-  } else {
+  if (!add_contiguous(dst, dst, src, s)) {
     auto l = make_layouts(dst.shape(), {src.strides()}, "accumulate");
-    accumulate_kernel<<<grid, kThreads, 0, s>>>(dst.data_ptr(), dst.dtype(), src.data_ptr(), l[0],
-                                                n);
+    accumulate_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(dst.data_ptr(), dst.dtype(),
+                                                                 src.data_ptr(), l[0], n);
   }
   ACCEL_CUDA_CHECK_LAUNCH("accumulate");
+}
+
+void add(const Tensor& out, const Tensor& a, const Tensor& b) {
+  if (out.numel() == 0) return;
+  DeviceGuard g(out.device().index);
+  cudaStream_t s = current_stream();
+  if (!add_contiguous(out, a, b, s)) {  // other dtypes: copy, then accumulate
+    copy(out, a);
+    accumulate(out, b);
+    return;
+  }
+  ACCEL_CUDA_CHECK_LAUNCH("add");
 }
 
 }  // namespace accel::kernels::cuda

@@ -27,5 +27,6 @@ namespace kernels::cuda {
 void copy(const Tensor&, const Tensor&) { no_cuda("copy"); }
 void fill(const Tensor&, double) { no_cuda("fill"); }
 void accumulate(const Tensor&, const Tensor&) { no_cuda("accumulate"); }
+void add(const Tensor&, const Tensor&, const Tensor&) { no_cuda("add"); }
 }  // namespace kernels::cuda
 }  // namespace accel

@@ -170,6 +170,18 @@ TEST(CudaRuntime, FillAndAccumulate) {
     kernels::accumulate(a1, b1);
     kernels::accumulate(ag1, bg1);
     expect_close(ag, a, 0, 0, std::string("accumulate misaligned ") + dtype_name(t));
+    // sum_of: a new tensor, both inputs unchanged (vector path, misaligned views, strided b).
+    for (int64_t off : {0, 1}) {
+      Tensor x = a.as_strided({3000}, {1}, off), y = b.as_strided({3000}, {1}, 2);
+      Tensor xg = ag.as_strided({3000}, {1}, off), yg = bg.as_strided({3000}, {1}, 2);
+      Tensor want = kernels::sum_of(x, y), got = kernels::sum_of(xg, yg);
+      ASSERT_TRUE(got.is_contiguous());
+      expect_close(got, want, 0, 0, std::string("sum_of ") + dtype_name(t));
+      expect_close(xg, x, 0, 0, "sum_of leaves a unchanged");
+      expect_close(yg, y, 0, 0, "sum_of leaves b unchanged");
+    }
+    Tensor st = kernels::sum_of(src_t_gpu, g);  // a strided operand
+    expect_close(st, kernels::sum_of(src_t_cpu, c), 0, 0, "sum_of strided");
   }
 }
 
