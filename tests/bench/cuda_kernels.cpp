@@ -241,6 +241,22 @@ int main(int argc, char** argv) {
       setenv("ACCEL_ATTN_BWD", bwd_saved.c_str(), 1);
     else
       unsetenv("ACCEL_ATTN_BWD");
+    {  // the llama-125m shape: B=16 S=1024 H=12 (no grouping) D=64
+      const int64_t b5 = 16, s5 = 1024, h5 = 12;
+      Tensor q5 = randn({b5, s5, h5, D}, bf), k5 = randn({b5, s5, h5, D}, bf),
+             v5 = randn({b5, s5, h5, D}, bf), do5 = randn({b5, s5, h5, D}, bf);
+      Tensor o5 = Tensor::empty(q5.shape(), bf, Device::cuda(0));
+      Tensor lse5 = Tensor::empty({b5, h5, s5}, DType::F32, Device::cuda(0));
+      Tensor dq5 = Tensor::empty(q5.shape(), bf, Device::cuda(0)),
+             dk5 = Tensor::empty(q5.shape(), bf, Device::cuda(0)),
+             dv5 = Tensor::empty(q5.shape(), bf, Device::cuda(0));
+      const double flops5 = 4.0 * b5 * h5 * s5 * s5 * D / 2;
+      ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, true, 0.125); });
+      row_flops("attention fwd (125m: B=16 S=1024 H=12)", ms, flops5);
+      ms = time_ms(
+          [&] { be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, true, 0.125); });
+      row_flops("attention bwd (125m: B=16 S=1024 H=12)", ms, 2.5 * flops5);
+    }
     if (attn_only) return 0;
     cuda::set_attention_impl("generic");
     ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
