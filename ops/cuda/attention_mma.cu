@@ -505,6 +505,19 @@ __global__ void __launch_bounds__(kWarps * 32)
   store_rows<T, D, MT>(dq + q_off, wfirst, p.sq, q_stride, acc, p.scale, g, tq);
 }
 
+// The query tiles (BQ rows each) that can see key block j0b: under a causal mask the tiles from
+// the one holding the block's diagonal on, else all of them. Shared by both backward paths.
+struct QueryTiles {
+  int64_t start;  // first query row, a multiple of BQ
+  int count;
+};
+template <int BQ>
+__device__ __forceinline__ QueryTiles query_tiles_seeing(const AttnParams& p, int64_t j0b) {
+  int64_t start = p.causal ? j0b - (p.sk - p.sq) : 0;
+  start = start < 0 ? 0 : start / BQ * BQ;
+  return {start, start < p.sq ? static_cast<int>((p.sq - start + BQ - 1) / BQ) : 0};
+}
+
 // dK/dV for BK = 16 * kWarps * MT keys per block, over query tiles of BQ rows.
 template <class T, int D, int MT, int BQ>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -527,9 +540,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t diag = p.sk - p.sq;
   load_tile<T, D, BK>(ks, k + kv_off, j0b, p.sk, kv_stride);
   load_tile<T, D, BK>(vs, v + kv_off, j0b, p.sk, kv_stride);
-  int64_t i_start = p.causal ? j0b - diag : 0;
-  i_start = i_start < 0 ? 0 : i_start / BQ * BQ;
-  const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + BQ - 1) / BQ) : 0;
+  const QueryTiles qt = query_tiles_seeing<BQ>(p, j0b);
+  const int64_t i_start = qt.start;
+  const int n_qt = qt.count;
   const int n_it = n_qt * static_cast<int>(p.group);
   auto issue = [&](int it) {
     const int64_t h = hk * p.group + it / n_qt;
@@ -699,9 +712,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t diag = p.sk - p.sq;
   load_tile<T, D, BK>(ks, k + kv_off, j0b, p.sk, kv_stride);
   load_tile<T, D, BK>(vs, v + kv_off, j0b, p.sk, kv_stride);
-  int64_t i_start = p.causal ? j0b - diag : 0;
-  i_start = i_start < 0 ? 0 : i_start / BQ * BQ;
-  const int n_qt = i_start < p.sq ? static_cast<int>((p.sq - i_start + BQ - 1) / BQ) : 0;
+  const QueryTiles qt = query_tiles_seeing<BQ>(p, j0b);
+  const int64_t i_start = qt.start;
+  const int n_qt = qt.count;
   const int n_it = n_qt * hpc;
   // Starts the copies of Q/dO tile `it` and returns this thread's statistic of it (thread t < BQ:
   // lse of row t, BQ <= t < 2 BQ: delta of row t - BQ), kept in a register until put_stat stores
