@@ -149,6 +149,9 @@ RMSNorm::RMSNorm(int64_t dim, double eps, DType dtype, Device device)
 Tensor RMSNorm::forward(const Tensor& x) {
   return with_forward_hooks(*this, [&] { return rms_norm(x, weight.value, eps); });
 }
+std::pair<Tensor, Tensor> RMSNorm::add_forward(const Tensor& x, const Tensor& r) {
+  return with_forward_hooks(*this, [&] { return add_rms_norm(x, r, weight.value, eps); });
+}
 
 LlamaAttention::LlamaAttention(const LlamaConfig& c, DType dtype, Device device)
     : q_proj(register_module(
@@ -204,8 +207,10 @@ LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device d
 
 Tensor LlamaDecoderLayer::forward(const Tensor& x) {
   return with_forward_hooks(*this, [&] {
-    Tensor h = add(x, self_attn.forward(input_layernorm.forward(x)));
-    return add(h, mlp.forward(post_attention_layernorm.forward(h)));
+    // h = x + attn(norm(x)); the residual add is fused into the post-attention norm.
+    auto [h, normed] =
+        post_attention_layernorm.add_forward(x, self_attn.forward(input_layernorm.forward(x)));
+    return add(h, mlp.forward(normed));
   });
 }
 

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ops/ops.h"
@@ -64,6 +65,8 @@ class RMSNorm : public Module {
   RMSNorm(int64_t dim, double eps, DType dtype, Device device);
   std::string type_name() const override { return "LlamaRMSNorm"; }
   Tensor forward(const Tensor& x);
+  // {x + r, forward(x + r)} in one fused op (add_rms_norm), with this module's hooks around it.
+  std::pair<Tensor, Tensor> add_forward(const Tensor& x, const Tensor& r);
   Parameter& weight;
   double eps;
 };

@@ -60,9 +60,17 @@ class Backend {
   // x [rows, D] contiguous; rstd [rows] f32 saved for backward.
   virtual void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
                         const Tensor& weight, double eps) = 0;
+  // The residual add fused into the norm: sum = x + r rounded to the dtype exactly as binary Add,
+  // then out/rstd = rms_norm(sum) exactly as rms_norm (x and r read once). x, r, sum, out
+  // contiguous of one shape and dtype.
+  virtual void add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd,
+                            const Tensor& x, const Tensor& r, const Tensor& weight, double eps) = 0;
+  // grad_x, grad_weight: either may be undefined (not computed). grad_x_add (undefined = none;
+  // x's shape and dtype, any layout; never overlapping grad_x; needs grad_x) is added to grad_x in
+  // the accumulation type before its single rounding to x's dtype.
   virtual void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
                                  const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                 const Tensor& rstd) = 0;
+                                 const Tensor& rstd, const Tensor& grad_x_add) = 0;
   // x [B, S, H, D] contiguous; inverse=true applies the transpose rotation (for backward).
   virtual void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
                     bool inverse) = 0;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "runtime/autograd.h"
@@ -85,6 +86,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x [..., D] * rsqrt(mean(x^2) + eps) * weight[D]; statistics in fp32.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+// The residual add fused into the norm: returns {x + r, rms_norm(x + r, weight, eps)}, bit for bit
+// add's and rms_norm's values (x and r of one shape), recorded as those two ops (same gradients).
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& weight,
+                                       double eps);
 // Rotary embedding, Hugging Face Llama's rotate-half convention, on x [B, S, H, D] (D even) at
 // positions position_offset .. position_offset + S - 1.
 Tensor rope(const Tensor& x, double theta, int64_t position_offset = 0);

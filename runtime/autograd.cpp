@@ -1,5 +1,7 @@
 #include "runtime/autograd.h"
 
+#include <algorithm>
+#include <numeric>
 #include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
@@ -27,18 +29,44 @@ bool grad_enabled() { return g_grad_enabled; }
 NoGradGuard::NoGradGuard() : prev_(g_grad_enabled) { g_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { g_grad_enabled = prev_; }
 
-Tensor record(const char* name, Tensor out, std::vector<Tensor> inputs, BackwardFn backward) {
-  if (!g_grad_enabled) return out;
+namespace {
+// The node for `out`, or null when nothing is recorded (recording off, no input needs a gradient).
+std::shared_ptr<Node> new_node(const char* name, std::vector<Tensor>& inputs) {
+  if (!g_grad_enabled) return nullptr;
   bool any = false;
   for (const Tensor& t : inputs) any = any || (t.defined() && t.requires_grad());
-  if (!any) return out;
+  if (!any) return nullptr;
   auto node = std::make_shared<Node>();
   node->name = name;
   node->inputs = std::move(inputs);
-  node->backward = std::move(backward);
+  return node;
+}
+
+Tensor attach(Tensor out, std::shared_ptr<Node> node) {
   out.impl()->grad_fn = std::move(node);
   out.impl()->requires_grad = true;
   return out;
+}
+}  // namespace
+
+Tensor record(const char* name, Tensor out, std::vector<Tensor> inputs, BackwardFn backward) {
+  auto node = new_node(name, inputs);
+  if (!node) return out;
+  node->backward = std::move(backward);
+  return attach(std::move(out), std::move(node));
+}
+
+Tensor record_folding(const char* name, Tensor out, std::vector<Tensor> inputs, int fold_input,
+                      FoldingBackwardFn backward) {
+  if (fold_input < 0 || fold_input >= static_cast<int>(inputs.size()))
+    throw std::logic_error(std::string("[record_folding] op '") + name + "': fold input " +
+                           std::to_string(fold_input) + " out of " + std::to_string(inputs.size()) +
+                           " inputs");
+  auto node = new_node(name, inputs);
+  if (!node) return out;
+  node->fold_backward = std::move(backward);
+  node->fold_input = fold_input;
+  return attach(std::move(out), std::move(node));
 }
 
 void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_graph) {
@@ -92,19 +120,34 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
       continue;
     }
     Node* node = impl->grad_fn.get();
-    if (!node->backward)
+    if (!node->backward && !node->fold_backward)
       throw std::runtime_error(std::string("[backward] the graph through '") + node->name +
                                "' was already freed; pass retain_graph=true to backward twice");
+    // A folding node gets the gradient its fold input has accumulated so far in this pass.
+    const int fold = node->fold_input;
+    Tensor pending;
+    if (fold >= 0) {
+      const Tensor& in = node->inputs[fold];
+      if (in.defined() && in.requires_grad()) {
+        auto slot = grads.find(in.impl());
+        if (slot != grads.end()) pending = Tensor(slot->second);
+      }
+    }
     std::vector<Tensor> in_grads;
     {
       NoGradGuard no_grad;  // backward functions compute values, not new graphs
-      in_grads = node->backward(g);
+      in_grads = node->fold_backward ? node->fold_backward(g, pending) : node->backward(g);
     }
     if (in_grads.size() != node->inputs.size())
       throw std::logic_error(std::string("[backward] op '") + node->name + "' returned " +
                              std::to_string(in_grads.size()) + " gradients for " +
                              std::to_string(node->inputs.size()) + " inputs");
-    for (size_t i = 0; i < in_grads.size(); ++i) {
+    // The fold input goes first: its gradient replaces the slot, so the same tensor passed again
+    // as another input of this node then adds to the replaced value.
+    std::vector<size_t> visit(in_grads.size());
+    std::iota(visit.begin(), visit.end(), size_t{0});
+    if (fold > 0) std::rotate(visit.begin(), visit.begin() + fold, visit.begin() + fold + 1);
+    for (size_t i : visit) {
       const Tensor& in = node->inputs[i];
       const Tensor& gi = in_grads[i];
       if (!in.defined() || !in.requires_grad() || !gi.defined()) continue;
@@ -113,7 +156,12 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
                                gi.str() + " as the gradient of input " + std::to_string(i) +
                                " which is " + in.str());
       auto slot = grads.find(in.impl());
-      if (slot == grads.end()) {
+      if (static_cast<int>(i) == fold && pending.defined()) {
+        // gi includes pending: it replaces the slot. It is not a sum this pass owns (it may alias
+        // what the backward returned elsewhere), so a later contribution makes a new sum.
+        owned_sums.erase(slot->second.get());
+        slot->second = gi.impl_ptr();
+      } else if (slot == grads.end()) {
         grads.emplace(in.impl(), gi.impl_ptr());
       } else if (owned_sums.count(slot->second.get())) {
         kernels::accumulate(Tensor(slot->second), gi);
@@ -125,6 +173,7 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
     }
     if (!retain_graph) {
       node->backward = nullptr;  // frees the saved tensors
+      node->fold_backward = nullptr;
     }
   }
 }

@@ -15,11 +15,17 @@
 namespace accel {
 
 using BackwardFn = std::function<std::vector<Tensor>(const Tensor& grad_output)>;
+// A backward function that folds a pending gradient into its result for one input (the node's
+// fold_input); see record_folding.
+using FoldingBackwardFn =
+    std::function<std::vector<Tensor>(const Tensor& grad_output, const Tensor& pending)>;
 
 struct Node {
   const char* name = "";
   std::vector<Tensor> inputs;
-  BackwardFn backward;
+  BackwardFn backward;              // set by record
+  FoldingBackwardFn fold_backward;  // set by record_folding (then `backward` is empty)
+  int fold_input = -1;              // the input fold_backward folds into, or -1
 };
 
 bool grad_enabled();
@@ -39,6 +45,23 @@ class NoGradGuard {
 // Attaches a node to `out` when recording is on and any input requires a gradient; returns `out`.
 // `backward` must return one gradient per input, shaped like that input (or undefined).
 Tensor record(const char* name, Tensor out, std::vector<Tensor> inputs, BackwardFn backward);
+
+// Like record, for a backward that adds an already accumulated gradient of one input into its own
+// result for that input in the same pass (rms_norm: its input gradient plus the residual stream's
+// in one kernel, instead of a separate sum).
+//
+// When the node runs, the engine passes as `pending` the gradient that inputs[fold_input] has
+// accumulated so far in this backward pass (the sum of what its consumers that ran earlier gave
+// it), or an undefined tensor if none has arrived yet (or that input needs no gradient). A defined
+// result for fold_input must then include `pending`: it REPLACES the engine's slot for that input
+// instead of being added to it (an undefined result leaves the slot as it was). Gradients that
+// arrive later for that input (consumers after this node in the topological order) accumulate as
+// usual, so the result equals the unfolded one for any graph and order. `pending` is this pass's
+// value only (never a leaf's .grad) and may be shared with other inputs' gradients: read it, never
+// write into it. The engine never accumulates in place into the returned gradient (a later
+// contribution makes a new sum), so it may alias `pending` or another returned gradient.
+Tensor record_folding(const char* name, Tensor out, std::vector<Tensor> inputs, int fold_input,
+                      FoldingBackwardFn backward);
 
 // The engine behind Tensor::backward.
 void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_graph);

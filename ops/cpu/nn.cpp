@@ -275,20 +275,48 @@ void CpuBackend::embedding_backward(const Tensor& grad_weight, const Tensor& gra
   });
 }
 
-void CpuBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
-                          const Tensor& weight, double eps) {
+namespace {
+// One row of rms_norm: orow = weight * round(xr * rstd); returns rstd. Shared by rms_norm and
+// add_rms_norm so that both round alike.
+template <class Tr, class A = AccOf<Tr>>
+A rms_norm_row(const typename Tr::S* xr, const typename Tr::S* wp, typename Tr::S* orow, int64_t d,
+               double eps) {
+  double ss = 0;
+  for (int64_t j = 0; j < d; ++j) {
+    const double v = Tr::load(xr[j]);
+    ss += v * v;
+  }
+  const A ms = static_cast<A>(ss / static_cast<double>(d));
+  const A inv = A(1) / std::sqrt(ms + static_cast<A>(eps));
+  for (int64_t j = 0; j < d; ++j) {
+    // HF: weight * (x * rstd).to(input_dtype)
+    const A normed = round_to<Tr>(static_cast<typename Tr::C>(Tr::load(xr[j]) * inv));
+    orow[j] = Tr::store(static_cast<typename Tr::C>(Tr::load(wp[j]) * normed));
+  }
+  return inv;
+}
+
+// Checks shared by rms_norm and add_rms_norm; returns {d, rows}.
+std::pair<int64_t, int64_t> check_norm_args(const char* op, const Tensor& out, const Tensor& rstd,
+                                            const Tensor& x, const Tensor& weight) {
   require(x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
               out.dtype() == x.dtype() && x.dim() >= 1,
-          "rms_norm", "needs contiguous x and out of one shape and dtype");
+          op, "needs contiguous x and out of one shape and dtype");
   const int64_t d = x.shape().back();
   const int64_t rows = d ? x.numel() / d : 0;
-  require(weight.numel() == d && weight.dtype() == x.dtype(), "rms_norm",
+  require(weight.numel() == d && weight.dtype() == x.dtype(), op,
           "weight " + weight.str() + " must be [D] of x's dtype");
-  require(rstd.numel() == rows && rstd.is_contiguous(), "rms_norm", "rstd must be [rows]");
+  require(rstd.numel() == rows && rstd.is_contiguous(), op, "rstd must be [rows]");
+  return {d, rows};
+}
+}  // namespace
+
+void CpuBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
+                          const Tensor& weight, double eps) {
+  const auto [d, rows] = check_norm_args("rms_norm", out, rstd, x, weight);
   const Tensor w = contiguous_copy(weight);
   dispatch_float(x.dtype(), "rms_norm", [&](auto tr) {
     using Tr = decltype(tr);
-    using A = AccOf<Tr>;
     dispatch_float(rstd.dtype(), "rms_norm", [&](auto tr_r) {
       using TrR = decltype(tr_r);
       const auto* xp = ptr<Tr>(x);
@@ -297,21 +325,40 @@ void CpuBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x
       auto* rp = ptr<TrR>(rstd);
       parallel_for(rows, row_grain(d), [&](int64_t rb, int64_t re) {
         for (int64_t r = rb; r < re; ++r) {
-          const auto* xr = xp + r * d;
-          double ss = 0;
-          for (int64_t j = 0; j < d; ++j) {
-            const double v = Tr::load(xr[j]);
-            ss += v * v;
-          }
-          const A ms = static_cast<A>(ss / static_cast<double>(d));
-          const A inv = A(1) / std::sqrt(ms + static_cast<A>(eps));
+          const auto inv = rms_norm_row<Tr>(xp + r * d, wp, o + r * d, d, eps);
           rp[r] = TrR::store(static_cast<typename TrR::C>(inv));
-          auto* orow = o + r * d;
-          for (int64_t j = 0; j < d; ++j) {
-            // HF: weight * (x * rstd).to(input_dtype)
-            const A normed = round_to<Tr>(static_cast<typename Tr::C>(Tr::load(xr[j]) * inv));
-            orow[j] = Tr::store(static_cast<typename Tr::C>(Tr::load(wp[j]) * normed));
-          }
+        }
+      });
+    });
+  });
+}
+
+void CpuBackend::add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd,
+                              const Tensor& x, const Tensor& r, const Tensor& weight, double eps) {
+  const auto [d, rows] = check_norm_args("add_rms_norm", out, rstd, x, weight);
+  require(r.is_contiguous() && r.shape() == x.shape() && r.dtype() == x.dtype() &&
+              sum.is_contiguous() && sum.shape() == x.shape() && sum.dtype() == x.dtype(),
+          "add_rms_norm", "needs contiguous x, r and sum of one shape and dtype");
+  const Tensor w = contiguous_copy(weight);
+  dispatch_float(x.dtype(), "add_rms_norm", [&](auto tr) {
+    using Tr = decltype(tr);
+    using C = typename Tr::C;
+    dispatch_float(rstd.dtype(), "add_rms_norm", [&](auto tr_r) {
+      using TrR = decltype(tr_r);
+      const auto* xp = ptr<Tr>(x);
+      const auto* rp_in = ptr<Tr>(r);
+      const auto* wp = ptr<Tr>(w);
+      auto* sp = ptr<Tr>(sum);
+      auto* o = ptr<Tr>(out);
+      auto* rp = ptr<TrR>(rstd);
+      parallel_for(rows, row_grain(d), [&](int64_t rb, int64_t re) {
+        for (int64_t row = rb; row < re; ++row) {
+          const int64_t base = row * d;
+          // Exactly binary Add: the sum in the compute type, stored (rounded) once.
+          for (int64_t j = 0; j < d; ++j)
+            sp[base + j] = Tr::store(C(Tr::load(xp[base + j]) + Tr::load(rp_in[base + j])));
+          const auto inv = rms_norm_row<Tr>(sp + base, wp, o + base, d, eps);
+          rp[row] = TrR::store(static_cast<typename TrR::C>(inv));
         }
       });
     });
@@ -320,7 +367,7 @@ void CpuBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x
 
 void CpuBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
                                    const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                   const Tensor& rstd) {
+                                   const Tensor& rstd, const Tensor& grad_x_add) {
   require(x.is_contiguous() && x.dim() >= 1, "rms_norm", "x must be contiguous");
   const int64_t d = x.shape().back();
   const int64_t rows = d ? x.numel() / d : 0;
@@ -332,6 +379,11 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weig
   if (grad_x.defined())
     require(grad_x.is_contiguous() && grad_x.shape() == x.shape() && grad_x.dtype() == x.dtype(),
             "rms_norm", "grad_x must be contiguous and match x");
+  // The pending gradient to fold in (contiguous: a strided one is copied first).
+  const Tensor gadd = grad_x_add.defined() ? contiguous_copy(grad_x_add) : Tensor();
+  if (gadd.defined())
+    require(grad_x.defined() && gadd.shape() == x.shape() && gadd.dtype() == x.dtype(), "rms_norm",
+            "grad_x_add must match x and needs grad_x");
   if (grad_weight.defined())
     require(
         grad_weight.is_contiguous() && grad_weight.numel() == d && grad_weight.dtype() == w.dtype(),
@@ -346,6 +398,7 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weig
       const auto* gp = ptr<Tr>(g);
       const auto* rp = ptr<TrR>(rstd);
       auto* gx = grad_x.defined() ? ptr<Tr>(grad_x) : nullptr;
+      const auto* ga = gadd.defined() ? ptr<Tr>(gadd) : nullptr;
       std::vector<std::vector<double>> partial(static_cast<size_t>(max_threads()));
       const int64_t chunks = chunked(rows, row_grain(d), [&](int64_t c, int64_t rb, int64_t re) {
         std::vector<double>& dw = partial[c];
@@ -364,7 +417,9 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weig
           const A c2 = inv * inv * dot / static_cast<A>(d);
           for (int64_t j = 0; j < d; ++j) {
             const A xv = Tr::load(xr[j]), gv = Tr::load(gr[j]);
-            gx[r * d + j] = Tr::store(inv * (static_cast<A>(Tr::load(wp[j])) * gv - xv * c2));
+            A v = inv * (static_cast<A>(Tr::load(wp[j])) * gv - xv * c2);
+            if (ga) v += static_cast<A>(Tr::load(ga[r * d + j]));
+            gx[r * d + j] = Tr::store(static_cast<typename Tr::C>(v));
           }
         }
       });

@@ -35,8 +35,11 @@ class CudaBackend final : public Backend {
                           const Tensor& ids) override;
   void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& weight,
                 double eps) override;
+  void add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd, const Tensor& x,
+                    const Tensor& r, const Tensor& weight, double eps) override;
   void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
-                         const Tensor& x, const Tensor& weight, const Tensor& rstd) override;
+                         const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                         const Tensor& grad_x_add) override;
   void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
             bool inverse) override;
   void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;

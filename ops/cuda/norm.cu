@@ -58,6 +58,17 @@ __device__ __forceinline__ uint4 pack(const float* f) {
   return raw;
 }
 
+// o += the N pending gradient values at p (grad_x_add), in fp32 before the one rounding to T.
+// __fadd_rn is never contracted into an FMA with the product that made o, so an fp32 result equals
+// the unfused backward-then-add bit for bit.
+template <class T, int N>
+__device__ __forceinline__ void add_pending(float* o, const T* p) {
+  float a[N];
+  loadn<T, N>(p, a);
+#pragma unroll
+  for (int k = 0; k < N; ++k) o[k] = __fadd_rn(o[k], a[k]);
+}
+
 // Warp-per-row kernels: a row of d = 16-byte vectors * N stays in registers, lane l holding the
 // vectors l, l + 32, ... (VPL of them at most); the reductions are warp shuffles, so no
 // __syncthreads per row. kNormWarps warps per block work on different rows.
@@ -65,9 +76,12 @@ constexpr int kNormWarps = 8;
 constexpr int kNormFwdMaxVpl = 16;  // bf16/f16 d <= 4096, f32 d <= 2048
 constexpr int kNormBwdMaxVpl = 8;   // bf16/f16 d <= 2048, f32 d <= 1024 (x, g and dw in registers)
 
-template <class T, int VPL>
+// With Add (add_rms_norm) the row is first sum = x + res, rounded to T exactly as the add kernel
+// does, stored, and normalized from registers; the norm itself is the same code either way.
+template <class T, int VPL, bool Add>
 __global__ void __launch_bounds__(kNormWarps * 32)
-    rms_norm_warp_kernel(T* __restrict__ out, float* __restrict__ rstd, const T* __restrict__ x,
+    rms_norm_warp_kernel(T* __restrict__ out, float* __restrict__ rstd, T* __restrict__ sum,
+                         const T* __restrict__ x, const T* __restrict__ res,
                          const T* __restrict__ w, int64_t rows, int d, float eps) {
   constexpr int N = vec_n<T>();
   const int lane = threadIdx.x & 31, nvec = d / N;
@@ -78,6 +92,20 @@ __global__ void __launch_bounds__(kNormWarps * 32)
 #pragma unroll
     for (int i = 0; i < VPL; ++i)
       if (lane + 32 * i < nvec) xv[i] = *reinterpret_cast<const uint4*>(xr + (lane + 32 * i) * N);
+    if constexpr (Add) {
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) {
+        const int j = (lane + 32 * i) * N;
+        if (j >= d) continue;
+        float a[N], b[N];
+        unpack<T>(xv[i], a);
+        unpack<T>(*reinterpret_cast<const uint4*>(res + r * d + j), b);
+#pragma unroll
+        for (int k = 0; k < N; ++k) a[k] = a[k] + b[k];
+        xv[i] = pack<T>(a);
+        *reinterpret_cast<uint4*>(sum + r * d + j) = xv[i];
+      }
+    }
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
@@ -112,7 +140,7 @@ __global__ void __launch_bounds__(kNormWarps * 32)
     rms_norm_backward_warp_kernel(T* __restrict__ gx, float* __restrict__ partial,
                                   const T* __restrict__ g, const T* __restrict__ x,
                                   const T* __restrict__ w, const float* __restrict__ rstd,
-                                  int64_t rows, int d) {
+                                  const T* __restrict__ gadd, int64_t rows, int d) {
   constexpr int N = vec_n<T>();
   extern __shared__ float acc[];  // [d]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -162,6 +190,7 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       unpack<T>(*reinterpret_cast<const uint4*>(w + j), wf);
 #pragma unroll
       for (int k = 0; k < N; ++k) o[k] = inv * (wf[k] * gf[k] - xf[k] * c2);
+      if (gadd) add_pending<T, N>(o, gadd + r * d + j);
       *reinterpret_cast<uint4*>(gx + r * d + j) = pack<T>(o);
     }
   }
@@ -182,11 +211,12 @@ __global__ void __launch_bounds__(kNormWarps * 32)
 }
 
 // N = vec_n when D % vec_n == 0 and rows are 16-byte aligned (chosen on the host), else 1.
-// One block per row.
-template <class T, int N>
-__global__ void rms_norm_kernel(T* __restrict__ out, float* __restrict__ rstd,
-                                const T* __restrict__ x, const T* __restrict__ w, int64_t rows,
-                                int d, float eps) {
+// One block per row. With Add, the first pass writes sum = x + res (rounded as the add kernel)
+// and the second reads the row back from sum (each thread its own elements).
+template <class T, int N, bool Add>
+__global__ void rms_norm_kernel(T* __restrict__ out, float* __restrict__ rstd, T* __restrict__ sum,
+                                const T* __restrict__ x, const T* __restrict__ res,
+                                const T* __restrict__ w, int64_t rows, int d, float eps) {
   __shared__ float sm[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * d;
@@ -194,16 +224,24 @@ __global__ void rms_norm_kernel(T* __restrict__ out, float* __restrict__ rstd,
     for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
       float v[N];
       loadn<T, N>(xr + j, v);
+      if constexpr (Add) {
+        float b[N];
+        loadn<T, N>(res + r * d + j, b);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = rnd<T>(v[k] + b[k]);
+        storen<T, N>(sum + r * d + j, v);
+      }
 #pragma unroll
       for (int k = 0; k < N; ++k) ss += v[k] * v[k];
     }
     ss = block_sum(ss, sm);
     const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
     if (threadIdx.x == 0) rstd[r] = inv;
+    const T* nr = Add ? sum + r * d : xr;
     T* orow = out + r * d;
     for (int j = threadIdx.x * N; j < d; j += blockDim.x * N) {
       float v[N], wv[N];
-      loadn<T, N>(xr + j, v);
+      loadn<T, N>(nr + j, v);
       loadn<T, N>(w + j, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) v[k] = wv[k] * rnd<T>(v[k] * inv);
@@ -218,7 +256,7 @@ template <class T, int N>
 __global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__ partial,
                                          const T* __restrict__ g, const T* __restrict__ x,
                                          const T* __restrict__ w, const float* __restrict__ rstd,
-                                         int64_t rows, int d) {
+                                         const T* __restrict__ gadd, int64_t rows, int d) {
   extern __shared__ float dw[];  // [d]
   __shared__ float sm[32];
   for (int j = threadIdx.x; j < d; j += blockDim.x) dw[j] = 0.f;
@@ -251,6 +289,7 @@ __global__ void rms_norm_backward_kernel(T* __restrict__ gx, float* __restrict__
       loadn<T, N>(w + j, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) o[k] = inv * (wv[k] * gv[k] - xv[k] * c2);
+      if (gadd) add_pending<T, N>(o, gadd + r * d + j);
       storen<T, N>(gx + r * d + j, o);
     }
   }
@@ -311,50 +350,78 @@ void dispatch_vpl(int64_t nvec, F&& f) {
 
 }  // namespace
 
+namespace {
+// rms_norm (sum and res undefined) or add_rms_norm; arguments checked by the callers.
+void launch_norm_forward(const char* op, const Tensor& out, const Tensor& rstd, const Tensor& sum,
+                         const Tensor& x, const Tensor& res, const Tensor& weight, double eps) {
+  const int64_t d = x.shape().back();
+  const int64_t rows = d ? x.numel() / d : 0;
+  if (rows == 0 || d == 0) return;
+  const bool add = res.defined();
+  Tensor wc = weight.is_contiguous() ? weight : weight.clone();
+  bool vec = check_norm_layout(op, d, x.dtype(), {&out, &x, &wc});
+  if (add) vec = check_norm_layout(op, d, x.dtype(), {&sum, &res}) && vec;
+  OpScope sc(x);
+  const int64_t nvec = d / (16 / static_cast<int64_t>(dtype_size(x.dtype())));
+  dispatch_float(x.dtype(), op, [&](auto t) {
+    using T = decltype(t);
+    T* outp = static_cast<T*>(out.data_ptr());
+    float* rp = static_cast<float*>(rstd.data_ptr());
+    T* sp = add ? static_cast<T*>(sum.data_ptr()) : nullptr;
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    const T* resp = add ? static_cast<const T*>(res.data_ptr()) : nullptr;
+    const T* wp = static_cast<const T*>(wc.data_ptr());
+    if (vec && nvec <= 32 * kNormFwdMaxVpl) {
+      const int grid = static_cast<int>(
+          std::min<int64_t>((rows + kNormWarps - 1) / kNormWarps, int64_t(sm_count()) * 16));
+      dispatch_vpl<kNormFwdMaxVpl>(nvec, [&](auto vpl) {
+        constexpr int V = decltype(vpl)::value;
+        auto kernel = add ? rms_norm_warp_kernel<T, V, true> : rms_norm_warp_kernel<T, V, false>;
+        kernel<<<grid, kNormWarps * 32, 0, sc.stream>>>(
+            outp, rp, sp, xp, resp, wp, rows, static_cast<int>(d), static_cast<float>(eps));
+      });
+      return;
+    }
+    const int threads = d >= 4096 ? 256 : 128;
+    const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
+    auto kernel =
+        vec ? (add ? rms_norm_kernel<T, vec_n<T>(), true> : rms_norm_kernel<T, vec_n<T>(), false>)
+            : (add ? rms_norm_kernel<T, 1, true> : rms_norm_kernel<T, 1, false>);
+    kernel<<<grid, threads, 0, sc.stream>>>(outp, rp, sp, xp, resp, wp, rows, static_cast<int>(d),
+                                            static_cast<float>(eps));
+  });
+  if (add)
+    ACCEL_CUDA_CHECK_LAUNCH("add_rms_norm");
+  else
+    ACCEL_CUDA_CHECK_LAUNCH("rms_norm");
+}
+}  // namespace
+
 void CudaBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
                            const Tensor& weight, double eps) {
   require_cuda(x, "rms_norm", "x");
   require(out.shape() == x.shape() && out.dtype() == x.dtype() && weight.dtype() == x.dtype() &&
               x.dim() >= 1 && weight.numel() == x.shape().back() && rstd.dtype() == DType::F32,
           "rms_norm", "x " + x.str() + ", weight " + weight.str() + ", rstd " + rstd.str());
-  const int64_t d = x.shape().back();
-  const int64_t rows = d ? x.numel() / d : 0;
-  if (rows == 0 || d == 0) return;
-  Tensor wc = weight.is_contiguous() ? weight : weight.clone();
-  const bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&out, &x, &wc});
-  OpScope sc(x);
-  const int64_t nvec = d / (16 / static_cast<int64_t>(dtype_size(x.dtype())));
-  if (vec && nvec <= 32 * kNormFwdMaxVpl) {
-    const int grid = static_cast<int>(
-        std::min<int64_t>((rows + kNormWarps - 1) / kNormWarps, int64_t(sm_count()) * 16));
-    dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
-      using T = decltype(t);
-      dispatch_vpl<kNormFwdMaxVpl>(nvec, [&](auto vpl) {
-        rms_norm_warp_kernel<T, decltype(vpl)::value><<<grid, kNormWarps * 32, 0, sc.stream>>>(
-            static_cast<T*>(out.data_ptr()), static_cast<float*>(rstd.data_ptr()),
-            static_cast<const T*>(x.data_ptr()), static_cast<const T*>(wc.data_ptr()), rows,
-            static_cast<int>(d), static_cast<float>(eps));
-      });
-    });
-    ACCEL_CUDA_CHECK_LAUNCH("rms_norm");
-    return;
-  }
-  const int threads = d >= 4096 ? 256 : 128;
-  const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
-  dispatch_float(x.dtype(), "rms_norm", [&](auto t) {
-    using T = decltype(t);
-    auto kernel = vec ? rms_norm_kernel<T, vec_n<T>()> : rms_norm_kernel<T, 1>;
-    kernel<<<grid, threads, 0, sc.stream>>>(
-        static_cast<T*>(out.data_ptr()), static_cast<float*>(rstd.data_ptr()),
-        static_cast<const T*>(x.data_ptr()), static_cast<const T*>(wc.data_ptr()), rows,
-        static_cast<int>(d), static_cast<float>(eps));
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("rms_norm");
+  launch_norm_forward("rms_norm", out, rstd, Tensor(), x, Tensor(), weight, eps);
+}
+
+void CudaBackend::add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd,
+                               const Tensor& x, const Tensor& r, const Tensor& weight, double eps) {
+  require_cuda(x, "add_rms_norm", "x");
+  require(out.shape() == x.shape() && out.dtype() == x.dtype() && weight.dtype() == x.dtype() &&
+              x.dim() >= 1 && weight.numel() == x.shape().back() && rstd.dtype() == DType::F32 &&
+              r.shape() == x.shape() && r.dtype() == x.dtype() && sum.shape() == x.shape() &&
+              sum.dtype() == x.dtype(),
+          "add_rms_norm",
+          "x " + x.str() + ", r " + r.str() + ", sum " + sum.str() + ", weight " + weight.str() +
+              ", rstd " + rstd.str());
+  launch_norm_forward("add_rms_norm", out, rstd, sum, x, r, weight, eps);
 }
 
 void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
                                     const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                    const Tensor& rstd) {
+                                    const Tensor& rstd, const Tensor& grad_x_add) {
   require_cuda(x, "rms_norm", "x");
   const int64_t d = x.shape().back();
   const int64_t rows = d ? x.numel() / d : 0;
@@ -371,8 +438,20 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
   Tensor wc = weight.is_contiguous() ? weight : weight.clone();
   Tensor gc =
       grad_out.is_contiguous() && aligned16(grad_out.data_ptr()) ? grad_out : grad_out.clone();
+  // The pending gradient to fold into grad_x: any layout (a strided or misaligned one is copied).
+  Tensor ga;
+  if (grad_x_add.defined()) {
+    require(grad_x.defined() && grad_x_add.shape() == x.shape() && grad_x_add.dtype() == x.dtype(),
+            "rms_norm",
+            "backward: grad_x_add " + grad_x_add.str() + " must match x " + x.str() +
+                " and needs grad_x");
+    require_cuda(grad_x_add, "rms_norm", "grad_x_add");
+    ga = grad_x_add.is_contiguous() && aligned16(grad_x_add.data_ptr()) ? grad_x_add
+                                                                        : grad_x_add.clone();
+  }
   bool vec = check_norm_layout("rms_norm", d, x.dtype(), {&x, &wc, &gc});
   if (grad_x.defined()) vec = check_norm_layout("rms_norm", d, x.dtype(), {&grad_x}) && vec;
+  if (ga.defined()) vec = check_norm_layout("rms_norm", d, x.dtype(), {&ga}) && vec;
   const size_t smem = static_cast<size_t>(d) * sizeof(float);
   const int64_t nvec = d / (16 / static_cast<int64_t>(dtype_size(x.dtype())));
   const bool warp_rows = vec && nvec <= 32 * kNormBwdMaxVpl;
@@ -383,6 +462,7 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
     const T* xp = static_cast<const T*>(x.data_ptr());
     const T* wp = static_cast<const T*>(wc.data_ptr());
     const float* rp = static_cast<const float*>(rstd.data_ptr());
+    const T* ap = ga.defined() ? static_cast<const T*>(ga.data_ptr()) : nullptr;
     int grid = 0;  // = the number of partial grad_weight rows
     DeviceBuffer partial;
     if (warp_rows) {
@@ -396,7 +476,7 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
                                                   int64_t(sm_count()) * std::max(per_sm, 1)));
         partial = DeviceBuffer(static_cast<size_t>(grid) * d * sizeof(float));
         kernel<<<grid, kNormWarps * 32, smem, sc.stream>>>(gx, partial.as<float>(), gp, xp, wp, rp,
-                                                           rows, static_cast<int>(d));
+                                                           ap, rows, static_cast<int>(d));
       });
     } else {
       // 256 threads from d = 2048 (one 16-byte vector per thread and row for bf16) and 4 blocks
@@ -408,7 +488,7 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
       if (smem > 48 * 1024)
         ACCEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(smem)));
-      kernel<<<grid, threads, smem, sc.stream>>>(gx, partial.as<float>(), gp, xp, wp, rp, rows,
+      kernel<<<grid, threads, smem, sc.stream>>>(gx, partial.as<float>(), gp, xp, wp, rp, ap, rows,
                                                  static_cast<int>(d));
     }
     ACCEL_CUDA_CHECK_LAUNCH("rms_norm_backward");

@@ -99,8 +99,15 @@ int main(int argc, char** argv) {
     row_mem("rms_norm fwd", ms, 2.0 * x.nbytes() + rstd.nbytes());
     Tensor g = randn({N, H}, bf), gx = Tensor::empty({N, H}, bf, Device::cuda(0));
     Tensor gw = Tensor::empty({H}, bf, Device::cuda(0));
-    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd); });
+    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd, Tensor()); });
     row_mem("rms_norm bwd", ms, 3.0 * x.nbytes() + rstd.nbytes());
+    // The residual add fused in: sum = x + r and its norm (reads x, r; writes sum, out); the
+    // backward folding the residual stream's gradient into grad_x (reads g, x, pending).
+    Tensor res = randn({N, H}, bf), sum = Tensor::empty({N, H}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.add_rms_norm(sum, out, rstd, x, res, w, 1e-5); });
+    row_mem("add_rms_norm fwd", ms, 4.0 * x.nbytes() + rstd.nbytes());
+    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd, res); });
+    row_mem("rms_norm bwd + grad add", ms, 4.0 * x.nbytes() + rstd.nbytes());
     Tensor ids = Tensor::empty({N}, DType::I64, Device::cuda(0));
     {
       std::vector<int64_t> host(N);
@@ -131,8 +138,13 @@ int main(int argc, char** argv) {
     row_mem("rms_norm fwd (125m, d=768)", ms, 2.0 * x.nbytes() + rstd.nbytes());
     Tensor g = randn({n125, h125}, bf), gx = Tensor::empty({n125, h125}, bf, Device::cuda(0));
     Tensor gw = Tensor::empty({h125}, bf, Device::cuda(0));
-    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd); });
+    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd, Tensor()); });
     row_mem("rms_norm bwd (125m, d=768)", ms, 3.0 * x.nbytes() + rstd.nbytes());
+    Tensor res = randn({n125, h125}, bf), sum = Tensor::empty({n125, h125}, bf, Device::cuda(0));
+    ms = time_ms([&] { be.add_rms_norm(sum, out, rstd, x, res, w, 1e-5); });
+    row_mem("add_rms_norm fwd (125m, d=768)", ms, 4.0 * x.nbytes() + rstd.nbytes());
+    ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd, res); });
+    row_mem("rms_norm bwd + add (125m, d=768)", ms, 4.0 * x.nbytes() + rstd.nbytes());
     Tensor q = randn({16, 1024, 12, D}, bf), o = Tensor::empty(q.shape(), bf, Device::cuda(0));
     ms = time_ms([&] { be.rope(o, q, 10000.0, 0, false); });
     row_mem("rope fwd (125m q)", ms, 2.0 * q.nbytes());

@@ -48,17 +48,91 @@ TEST_P(CudaNn, RmsNormForwardBackward) {
     expect_close(gr, wr, 1e-5, 0, "rms_norm rstd" + what);
     Tensor g = random_tensor({rows, d}, t, rng);
     Tensor wgx = cpu_out({rows, d}, t), wgw = cpu_out({d}, t);
-    cpu_backend().rms_norm_backward(wgx, wgw, g, x, w, wr);
+    cpu_backend().rms_norm_backward(wgx, wgw, g, x, w, wr, Tensor());
     Tensor ggx = poisoned({rows, d}, t), ggw = poisoned({d}, t);
-    cuda_backend().rms_norm_backward(ggx, ggw, g.to(gpu()), x.to(gpu()), w.to(gpu()), gr);
+    cuda_backend().rms_norm_backward(ggx, ggw, g.to(gpu()), x.to(gpu()), w.to(gpu()), gr, Tensor());
     expect_matches(ggx, wgx, t, "rms_norm grad_x" + what, 2.0);
     // grad_weight sums the rows: compare against its own scale.
     expect_close(ggw, wgw, tol_for(t).rtol, tol_for(t).atol_scale * 4 * rms(wgw),
                  "rms_norm grad_weight" + what);
     // Without grad_x, and again: the same grad_weight bit for bit (no atomics in the sums).
     Tensor ggw2 = poisoned({d}, t);
-    cuda_backend().rms_norm_backward(Tensor(), ggw2, g.to(gpu()), x.to(gpu()), w.to(gpu()), gr);
+    cuda_backend().rms_norm_backward(Tensor(), ggw2, g.to(gpu()), x.to(gpu()), w.to(gpu()), gr,
+                                     Tensor());
     expect_close(ggw2, ggw, 0, 0, "rms_norm grad_weight without grad_x" + what);
+  }
+}
+
+// add_rms_norm (sum = x + r, then its norm) and the backward folding a pending gradient into
+// grad_x, on the paths of RmsNormForwardBackward (same shapes), against the CPU twin. Also: sum is
+// exactly the add kernel's, out exactly the GPU rms_norm of that sum (one code path), and an fp32
+// folded grad_x exactly the GPU backward followed by the GPU add (the fold's add is not
+// contracted).
+TEST_P(CudaNn, AddRmsNormAndBackwardWithGradAdd) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  const std::pair<int64_t, int64_t> cases[] = {{33, 301},   {64, 301},   {768, 301}, {768, 6007},
+                                               {2048, 301}, {4096, 301}, {8192, 45}};
+  for (auto [d, rows] : cases) {
+    const std::string what = " d=" + std::to_string(d) + " rows=" + std::to_string(rows);
+    const Shape s{rows, d};
+    Tensor x = random_tensor(s, t, rng, -2, 2), r = random_tensor(s, t, rng, -2, 2);
+    Tensor w = random_tensor({d}, t, rng, 0.5, 1.5);
+    Tensor xg = x.to(gpu()), rg = r.to(gpu()), wg = w.to(gpu());
+
+    Tensor wsum = cpu_out(s, t), want = cpu_out(s, t), wr = cpu_out({rows}, DType::F32);
+    cpu_backend().add_rms_norm(wsum, want, wr, x, r, w, 1e-5);
+    Tensor gsum = poisoned(s, t), got = poisoned(s, t), gr = poisoned({rows}, DType::F32);
+    cuda_backend().add_rms_norm(gsum, got, gr, xg, rg, wg, 1e-5);
+    expect_close(gsum, wsum, 0, 0, "add_rms_norm sum" + what);
+    expect_matches(got, want, t, "add_rms_norm out" + what);
+    expect_close(gr, wr, 1e-5, 0, "add_rms_norm rstd" + what);
+    Tensor added = poisoned(s, t);
+    cuda_backend().binary(BinaryOp::Add, added, xg, rg);
+    expect_close(gsum, added, 0, 0, "add_rms_norm sum vs the add kernel" + what);
+    Tensor plain = poisoned(s, t), plain_r = poisoned({rows}, DType::F32);
+    cuda_backend().rms_norm(plain, plain_r, added, wg, 1e-5);
+    expect_close(got, plain, 0, 0, "add_rms_norm out vs rms_norm of the sum" + what);
+    expect_close(gr, plain_r, 0, 0, "add_rms_norm rstd vs rms_norm of the sum" + what);
+    // Misaligned operands: the element-by-element block kernel.
+    Tensor msum = poisoned(s, t), mout = poisoned(s, t), mr = poisoned({rows}, DType::F32);
+    cuda_backend().add_rms_norm(msum, mout, mr, misaligned_gpu_copy(x), misaligned_gpu_copy(r), wg,
+                                1e-5);
+    expect_close(msum, wsum, 0, 0, "add_rms_norm sum, misaligned" + what);
+    expect_matches(mout, want, t, "add_rms_norm out, misaligned" + what);
+
+    // Backward with a pending gradient folded into grad_x.
+    Tensor g = random_tensor(s, t, rng), pend = random_tensor(s, t, rng);
+    Tensor pg = pend.to(gpu()), gg = g.to(gpu());
+    Tensor wgx = cpu_out(s, t), wgw = cpu_out({d}, t);
+    cpu_backend().rms_norm_backward(wgx, wgw, g, wsum, w, wr, pend);
+    Tensor ggx = poisoned(s, t), ggw = poisoned({d}, t);
+    cuda_backend().rms_norm_backward(ggx, ggw, gg, gsum, wg, gr, pg);
+    expect_matches(ggx, wgx, t, "rms_norm grad_x + grad_x_add" + what, 2.0);
+    Tensor ugx = poisoned(s, t), ugw = poisoned({d}, t);
+    cuda_backend().rms_norm_backward(ugx, ugw, gg, gsum, wg, gr, Tensor());
+    expect_close(ggw, ugw, 0, 0, "rms_norm grad_weight with and without grad_x_add" + what);
+    if (t == DType::F32) {
+      Tensor sum2 = poisoned(s, t);
+      cuda_backend().binary(BinaryOp::Add, sum2, ugx, pg);
+      expect_close(ggx, sum2, 0, 0, "fp32 folded grad_x vs backward then add" + what);
+    } else {
+      // One rounding instead of two: within a 16-bit ulp of backward-then-add.
+      Tensor sum2 = poisoned(s, t);
+      cuda_backend().binary(BinaryOp::Add, sum2, ugx, pg);
+      expect_matches(ggx, sum2, t, "16-bit folded grad_x vs backward then add" + what);
+    }
+    // A misaligned pending gradient (copied to an aligned one first): the same bits.
+    Tensor mgx = poisoned(s, t);
+    cuda_backend().rms_norm_backward(mgx, Tensor(), gg, gsum, wg, gr, misaligned_gpu_copy(pend));
+    expect_close(mgx, ggx, 0, 0, "rms_norm grad_x_add misaligned" + what);
+    // Misaligned x: the element-by-element block backward, folding too.
+    Tensor bgx = poisoned(s, t);
+    cuda_backend().rms_norm_backward(bgx, Tensor(), gg, misaligned_gpu_copy(wsum), wg, gr, pg);
+    expect_matches(bgx, wgx, t, "rms_norm grad_x + grad_x_add, misaligned x" + what, 2.0);
   }
 }
 

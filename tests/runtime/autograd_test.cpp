@@ -37,6 +37,128 @@ TEST(Autograd, ManyUsesSumWithoutWritingIntoSharedGradients) {
   EXPECT_EQ(g, (std::vector<double>{15, 23, 31}));
 }
 
+// A folding test op: out = 2a + b, recorded with record_folding on input `fold` (0 or 1). Its
+// backward returns {2g, g} plus the pending gradient on the fold input, and logs what it got.
+struct FoldLog {
+  std::vector<std::vector<double>> pending;  // one entry per call; empty when none was pending
+};
+Tensor fold_op(const Tensor& a, const Tensor& b, int fold, FoldLog* log) {
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = add(mul(a, 2.0), b);
+  }
+  return record_folding(
+      "fold_op", out, {a, b}, fold, [fold, log](const Tensor& g, const Tensor& pending) {
+        log->pending.push_back(pending.defined() ? pending.to_vector() : std::vector<double>{});
+        std::vector<Tensor> r{mul(g, 2.0), g};
+        if (pending.defined()) r[fold] = add(r[fold], pending);
+        return r;
+      });
+}
+
+// The fold input's consumers that run before the folding node give it `pending`; later ones
+// (here t_after, which runs after the node in topological order) still add.
+TEST(Autograd, FoldingNodeGetsEarlierGradientsAndLaterOnesAdd) {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor a = mul(x, 1.0);
+  Tensor t_after = mul(a, 5.0);
+  Tensor c = Tensor::from_vector(std::vector<double>{0, 0, 0}, {3}, DType::F64);
+  FoldLog log;
+  // add(t_after, rest): t_after's node runs after fold_op's; rest's add gives `a` 1 before.
+  Tensor rest = add(fold_op(a, c, 0, &log), a);
+  sum(add(t_after, rest)).backward();
+  ASSERT_EQ(log.pending.size(), 1u);
+  EXPECT_EQ(log.pending[0], (std::vector<double>{1, 1, 1}));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{8, 8, 8}));  // 2 + 1 + 5
+
+  // No earlier consumer: nothing pending; the later one adds.
+  Tensor y = leaf({1, 2}, {2});
+  Tensor b = mul(y, 1.0);
+  FoldLog log2;
+  Tensor cz = Tensor::from_vector(std::vector<double>{0, 0}, {2}, DType::F64);
+  sum(add(mul(b, 3.0), fold_op(b, cz, 0, &log2))).backward();
+  ASSERT_EQ(log2.pending.size(), 1u);
+  EXPECT_TRUE(log2.pending[0].empty());
+  EXPECT_EQ(y.grad().to_vector(), (std::vector<double>{5, 5}));
+}
+
+// The same tensor as both inputs (fold on either): the other input's gradient adds to the folded
+// result, never replaced by it.
+TEST(Autograd, FoldingNodeWithItsFoldInputTwice) {
+  for (int fold : {0, 1}) {
+    Tensor x = leaf({1, 2}, {2});
+    Tensor a = mul(x, 1.0);
+    FoldLog log;
+    sum(add(fold_op(a, a, fold, &log), mul(a, 4.0))).backward();
+    ASSERT_EQ(log.pending.size(), 1u);
+    EXPECT_EQ(log.pending[0], (std::vector<double>{4, 4})) << "fold " << fold;
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{7, 7})) << "fold " << fold;  // 2+1+4
+  }
+}
+
+// (i) add hands one tensor to both of its inputs; the folding node reads it as `pending` for one
+// of them while the other still holds it (its node runs later): that one must stay as it was.
+// (ii) A folded result returned for a second input too (aliased): a later contribution to the
+// first input must not be accumulated into it in place.
+TEST(Autograd, FoldingNeverWritesIntoSharedGradients) {
+  {
+    Tensor x = leaf({1, 2}, {2}), y = leaf({10, 20}, {2});
+    Tensor a = mul(x, 1.0), b = mul(y, 1.0);
+    Tensor cz = Tensor::from_vector(std::vector<double>{0, 0}, {2}, DType::F64);
+    FoldLog log;
+    // Nodes run: add(f, s), s (a and b get one tensor), fold_op, a, mul(b, 7), b.
+    Tensor inner = add(fold_op(a, cz, 0, &log), add(a, b));
+    sum(add(mul(b, 7.0), inner)).backward();
+    ASSERT_EQ(log.pending.size(), 1u);
+    EXPECT_EQ(log.pending[0], (std::vector<double>{1, 1}));
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 3}));  // 2 + 1
+    EXPECT_EQ(y.grad().to_vector(), (std::vector<double>{8, 8}));  // 1 + 7
+  }
+  {
+    Tensor x = leaf({1, 2}, {2}), y = leaf({10, 20}, {2});
+    Tensor a = mul(x, 1.0), b = mul(y, 1.0);
+    Tensor t_after = mul(a, 3.0);
+    FoldLog log;
+    Tensor out;
+    {
+      NoGradGuard no_grad;
+      out = add(a, b);
+    }
+    Tensor f = record_folding("aliasing_fold", out, {a, b}, 0,
+                              [&log](const Tensor& g, const Tensor& pending) {
+                                log.pending.push_back(pending.to_vector());
+                                Tensor r = add(g, pending);
+                                return std::vector<Tensor>{r, r};
+                              });
+    // Nodes run: add(f, mul(a, 1)), mul(a, 1) (a's pending), f (a and b get r), add(m7,
+    // t_after), t_after (adds 3 to a), a, mul(b, 7) (adds 7 to b), b.
+    Tensor add1 = add(mul(b, 7.0), t_after);
+    sum(add(add1, add(f, mul(a, 1.0)))).backward();
+    ASSERT_EQ(log.pending.size(), 1u);
+    EXPECT_EQ(log.pending[0], (std::vector<double>{1, 1}));
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{5, 5}));  // (1 + 1) + 3
+    EXPECT_EQ(y.grad().to_vector(), (std::vector<double>{9, 9}));  // (1 + 1) + 7
+  }
+}
+
+// Pending is this pass's gradient only: leaves accumulate across backward calls and a retained
+// graph folds again from scratch.
+TEST(Autograd, FoldingAcrossBackwardCallsAndRetainedGraphs) {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor c = Tensor::from_vector(std::vector<double>{0, 0}, {2}, DType::F64);
+  FoldLog log;
+  Tensor loss = sum(add(fold_op(x, c, 0, &log), x));  // x itself (a leaf) is the fold input
+  loss.backward(Tensor(), /*retain_graph=*/true);
+  loss.backward();
+  Tensor loss2 = sum(add(fold_op(x, c, 0, &log), mul(x, 2.0)));
+  loss2.backward();
+  ASSERT_EQ(log.pending.size(), 3u);
+  EXPECT_EQ(log.pending[1], (std::vector<double>{1, 1}));
+  EXPECT_EQ(log.pending[2], (std::vector<double>{2, 2}));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3 + 3 + 4, 3 + 3 + 4}));
+}
+
 TEST(Autograd, GradientsAccumulateAcrossBackwardCalls) {
   Tensor x = leaf({1, 2}, {2});
   sum(mul(x, 2.0)).backward();
