@@ -27,16 +27,17 @@ Tensor misaligned_gpu_copy(const Tensor& x) {
 //   (bf16 d <= 2048, f32 d <= 1024); beyond that the vectorized block kernels: bf16 d = 4096 and
 //   f32 d = 2048 backward, f32 d = 4096 and d = 8192 both ways.
 // Row counts are not multiples of the 8 warps per block; 6007 rows give the backward's warps
-// several rows each (its grid is one resident wave).
+// several rows each (its grid is one resident wave). The (d, rows) cases of every rms_norm test:
+const std::pair<int64_t, int64_t> kNormCases[] = {{33, 301},   {64, 301},   {768, 301}, {768, 6007},
+                                                  {2048, 301}, {4096, 301}, {8192, 45}};
+
 TEST_P(CudaNn, RmsNormForwardBackward) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const DType t = GetParam();
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  const std::pair<int64_t, int64_t> cases[] = {{33, 301},   {64, 301},   {768, 301}, {768, 6007},
-                                               {2048, 301}, {4096, 301}, {8192, 45}};
-  for (auto [d, rows] : cases) {
+  for (auto [d, rows] : kNormCases) {
     const std::string what = " d=" + std::to_string(d) + " rows=" + std::to_string(rows);
     Tensor x = random_tensor({rows, d}, t, rng, -2, 2);
     Tensor w = random_tensor({d}, t, rng, 0.5, 1.5);
@@ -74,9 +75,7 @@ TEST_P(CudaNn, AddRmsNormAndBackwardWithGradAdd) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
-  const std::pair<int64_t, int64_t> cases[] = {{33, 301},   {64, 301},   {768, 301}, {768, 6007},
-                                               {2048, 301}, {4096, 301}, {8192, 45}};
-  for (auto [d, rows] : cases) {
+  for (auto [d, rows] : kNormCases) {
     const std::string what = " d=" + std::to_string(d) + " rows=" + std::to_string(rows);
     const Shape s{rows, d};
     Tensor x = random_tensor(s, t, rng, -2, 2), r = random_tensor(s, t, rng, -2, 2);
