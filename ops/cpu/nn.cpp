@@ -313,7 +313,9 @@ std::pair<int64_t, int64_t> check_norm_args(const char* op, const Tensor& out, c
 
 void CpuBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x,
                           const Tensor& weight, double eps) {
-  const auto [d, rows] = check_norm_args("rms_norm", out, rstd, x, weight);
+  // Plain variables, not a structured binding: the lambdas below capture them (C++17).
+  const std::pair<int64_t, int64_t> shape = check_norm_args("rms_norm", out, rstd, x, weight);
+  const int64_t d = shape.first, rows = shape.second;
   const Tensor w = contiguous_copy(weight);
   dispatch_float(x.dtype(), "rms_norm", [&](auto tr) {
     using Tr = decltype(tr);
@@ -335,7 +337,9 @@ void CpuBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x
 
 void CpuBackend::add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd,
                               const Tensor& x, const Tensor& r, const Tensor& weight, double eps) {
-  const auto [d, rows] = check_norm_args("add_rms_norm", out, rstd, x, weight);
+  // Plain variables, not a structured binding: the lambdas below capture them (C++17).
+  const std::pair<int64_t, int64_t> shape = check_norm_args("add_rms_norm", out, rstd, x, weight);
+  const int64_t d = shape.first, rows = shape.second;
   require(r.is_contiguous() && r.shape() == x.shape() && r.dtype() == x.dtype() &&
               sum.is_contiguous() && sum.shape() == x.shape() && sum.dtype() == x.dtype(),
           "add_rms_norm", "needs contiguous x, r and sum of one shape and dtype");
