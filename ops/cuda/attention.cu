@@ -11,8 +11,11 @@
 // Causal masking is bottom-right aligned when the key count differs from the query count, as in
 // the CPU reference: query i sees keys j < i + 1 + (Sk - Sq).
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <stdexcept>
 #include <string>
 
 #include "ops/cuda/attention.cuh"
@@ -23,11 +26,39 @@ namespace accel {
 namespace cuda {
 namespace {
 
-// ACCEL_ATTENTION=generic forces the generic kernels (a switch for debugging on a new GPU).
-bool g_force_generic = [] {
+AttnImpl parse_impl(const char* name) {
+  if (std::strcmp(name, "auto") == 0) return AttnImpl::Auto;
+  if (std::strcmp(name, "cudnn") == 0) return AttnImpl::Cudnn;
+  if (std::strcmp(name, "flash") == 0) return AttnImpl::Flash;
+  if (std::strcmp(name, "generic") == 0) return AttnImpl::Generic;
+  throw std::invalid_argument(std::string("[attention] unknown implementation '") + name +
+                              "' (use auto, cudnn, flash or generic)");
+}
+
+// ACCEL_ATTENTION=<impl> sets the initial choice (a switch for benchmarks and debugging).
+AttnImpl g_impl = [] {
   const char* e = std::getenv("ACCEL_ATTENTION");
-  return e && std::strcmp(e, "generic") == 0;
+  return e ? parse_impl(e) : AttnImpl::Auto;
 }();
+
+// Auto: the first time cuDNN turns down a problem it would otherwise run, say so once.
+void note_cudnn_declined(const std::string& why) {
+  static bool said = false;
+  if (said) return;
+  said = true;
+  std::fprintf(stderr, "[attention] %s; using accel's own kernels\n", why.c_str());
+}
+
+// Runs cuDNN's kernels when the choice allows it; throws when cuDNN was demanded and declines.
+bool try_cudnn(const std::function<bool(std::string*)>& run) {
+  if (g_impl != AttnImpl::Auto && g_impl != AttnImpl::Cudnn) return false;
+  std::string why;
+  if (run(&why)) return true;
+  if (g_impl == AttnImpl::Cudnn)
+    throw std::invalid_argument("[attention] ACCEL_ATTENTION=cudnn, but " + why);
+  note_cudnn_declined(why);
+  return false;
+}
 
 constexpr int kRows = 4;   // warps (rows) per block
 constexpr int kTile = 32;  // columns per shared-memory tile
@@ -347,15 +378,7 @@ void set_smem(K kernel, size_t bytes) {
 
 }  // namespace
 
-void set_attention_impl(const char* impl) {
-  if (std::strcmp(impl, "generic") == 0)
-    g_force_generic = true;
-  else if (std::strcmp(impl, "auto") == 0)
-    g_force_generic = false;
-  else
-    throw std::invalid_argument(std::string("[attention] unknown implementation '") + impl +
-                                "' (use auto or generic)");
-}
+void set_attention_impl(const char* impl) { g_impl = parse_impl(impl); }
 
 }  // namespace cuda
 
@@ -371,7 +394,11 @@ void CudaBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& 
     ::accel::kernels::cuda::fill(lse, -INFINITY);
     return;
   }
-  if (!g_force_generic && attention_forward_mma(p, out, lse, q, k, v, sc.stream)) return;
+  if (try_cudnn([&](std::string* why) {
+        return attention_forward_cudnn(p, out, lse, q, k, v, sc.stream, why);
+      }))
+    return;
+  if (g_impl != AttnImpl::Generic && attention_forward_mma(p, out, lse, q, k, v, sc.stream)) return;
   const size_t smem = (2 * kTile * (p.d + 1) + kRows * p.d) * sizeof(float);
   dim3 grid(static_cast<unsigned>((p.sq + kRows - 1) / kRows), static_cast<unsigned>(p.hq),
             static_cast<unsigned>(p.b));
@@ -407,6 +434,11 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
     return;
   }
   Tensor dout = grad_out.is_contiguous() ? grad_out : grad_out.clone();
+  if (try_cudnn([&](std::string* why) {
+        return attention_backward_cudnn(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse,
+                                        sc.stream, why);
+      }))
+    return;
   DeviceBuffer delta(static_cast<size_t>(p.b * p.hq * p.sq) * sizeof(float));
   dispatch_float(q.dtype(), "attention", [&](auto t) {
     using T = decltype(t);
@@ -425,8 +457,9 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
           static_cast<const T*>(out.data_ptr()));
     ACCEL_CUDA_CHECK_LAUNCH("attention_backward (delta)");
   });
-  if (!g_force_generic && attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse,
-                                                 delta.as<float>(), sc.stream))
+  if (g_impl != AttnImpl::Generic &&
+      attention_backward_mma(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse, delta.as<float>(),
+                             sc.stream))
     return;
   dispatch_float(q.dtype(), "attention", [&](auto t) {
     using T = decltype(t);

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 #include "runtime/tensor.h"
 
@@ -33,5 +34,24 @@ bool attention_backward_mma(const AttnParams& p, const Tensor& grad_q, const Ten
                             const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
                             const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                             float* delta, cudaStream_t stream);
+
+// Which kernels run (set_attention_impl, ACCEL_ATTENTION): Auto takes cuDNN's fused attention
+// where it supports the problem, else our tensor-core kernels where they do, else the generic
+// ones; Cudnn demands cuDNN (an error where it declines); Flash skips cuDNN; Generic forces the
+// generic kernels.
+enum class AttnImpl { Auto, Cudnn, Flash, Generic };
+
+// cuDNN's fused flash attention (attention_cudnn.cpp). Empty when cuDNN can take the problem by
+// its shape and dtype, else the reason it cannot.
+std::string cudnn_attention_unsupported(const AttnParams& p, DType dtype);
+// Run cuDNN's kernels; false (with the reason in `why_not`) where cuDNN does not support the
+// problem. The backward's lse is the forward's (either implementation's).
+bool attention_forward_cudnn(const AttnParams& p, const Tensor& out, const Tensor& lse,
+                             const Tensor& q, const Tensor& k, const Tensor& v, cudaStream_t stream,
+                             std::string* why_not);
+bool attention_backward_cudnn(const AttnParams& p, const Tensor& grad_q, const Tensor& grad_k,
+                              const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, cudaStream_t stream, std::string* why_not);
 
 }  // namespace accel::cuda

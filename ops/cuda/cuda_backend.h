@@ -72,9 +72,11 @@ namespace cuda {
 void set_allow_tf32(bool allow);
 bool allow_tf32();
 
-// Which attention kernels run: "auto" picks the tensor-core flash kernel for bf16/f16 with head
-// dim 64 or 128 and the generic tiled kernel otherwise; "generic" forces the latter (tests; the
-// environment variable ACCEL_ATTENTION=generic sets it at start).
+// Which attention kernels run: "auto" picks cuDNN's fused flash attention where it supports the
+// problem (bf16/f16, head dim <= 128 and a multiple of 8, as many keys as queries), else our
+// tensor-core flash kernels (bf16/f16, head dim 64 or 128), else the generic tiled kernels;
+// "cudnn" demands cuDNN (an error where it declines), "flash" skips cuDNN, "generic" forces the
+// generic kernels. The environment variable ACCEL_ATTENTION=<impl> sets it at start.
 void set_attention_impl(const char* impl);
 
 // AdamW over many tensors in one launch per (param, grad, copy) dtype combination (a chunked

@@ -205,11 +205,18 @@ int main(int argc, char** argv) {
     Tensor o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
     Tensor lse = Tensor::empty({B, HQ, S}, DType::F32, Device::cuda(0));
     const double fwd_flops = 4.0 * B * HQ * S * S * D / 2;  // causal: half the score matrix
+    // cuDNN's fused kernels (what "auto" runs for these problems), then ours.
+    cuda::set_attention_impl("cudnn");
     double ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
-    row_flops("attention fwd", ms, fwd_flops);
+    row_flops("attention fwd (cuDNN)", ms, fwd_flops);
     Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)),
            dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
+    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    row_flops("attention bwd (cuDNN)", ms, 2.5 * fwd_flops);
+    cuda::set_attention_impl("flash");
+    ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    row_flops("attention fwd", ms, fwd_flops);
     // Both tensor-core backward paths (ACCEL_ATTN_BWD is read per call), then the caller's setting.
     const char* bwd_env = std::getenv("ACCEL_ATTN_BWD");
     const std::string bwd_saved = bwd_env ? bwd_env : "";
@@ -263,12 +270,17 @@ int main(int argc, char** argv) {
              dk5 = Tensor::empty(q5.shape(), bf, Device::cuda(0)),
              dv5 = Tensor::empty(q5.shape(), bf, Device::cuda(0));
       const double flops5 = 4.0 * b5 * h5 * s5 * s5 * D / 2;
-      ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, true, 0.125); });
-      row_flops("attention fwd (125m: B=16 S=1024 H=12)", ms, flops5);
-      ms = time_ms(
-          [&] { be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, true, 0.125); });
-      row_flops("attention bwd (125m: B=16 S=1024 H=12)", ms, 2.5 * flops5);
+      for (const char* impl : {"cudnn", "flash"}) {
+        cuda::set_attention_impl(impl);
+        const std::string tag = std::string(" (125m: B=16 S=1024 H=12, ") + impl + ")";
+        ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, true, 0.125); });
+        row_flops(("attention fwd" + tag).c_str(), ms, flops5);
+        ms = time_ms(
+            [&] { be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, true, 0.125); });
+        row_flops(("attention bwd" + tag).c_str(), ms, 2.5 * flops5);
+      }
     }
+    cuda::set_attention_impl("auto");
     if (attn_only) return 0;
     cuda::set_attention_impl("generic");
     ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });

@@ -1,5 +1,6 @@
-// Attention forward/backward (tensor-core and generic kernels) against the CPU backend, with
-// grouped KV heads, causal and full masks, and sequence lengths that are not tile multiples.
+// Attention forward/backward (cuDNN's fused kernels, our tensor-core and generic kernels) against
+// the CPU backend, with grouped KV heads, causal and full masks, and sequence lengths that are not
+// tile multiples.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -36,11 +37,27 @@ const char* bwd_suffix(Bwd b) {
   }
 }
 
+// The kernels a case forces (cuda::set_attention_impl).
+enum class Impl { Flash, Generic, Cudnn, Auto };
+
+const char* impl_name(Impl i) {
+  switch (i) {
+    case Impl::Generic:
+      return "generic";
+    case Impl::Cudnn:
+      return "cudnn";
+    case Impl::Auto:
+      return "auto";
+    default:
+      return "flash";
+  }
+}
+
 struct AttnCase {
   DType dtype;
   int64_t b, s, hq, hkv, d;
   bool causal;
-  bool generic = false;  // force the generic kernels
+  Impl impl = Impl::Flash;
   Bwd bwd = Bwd::Default;
   int64_t sk = 0;  // key count when it differs from s (causal mask bottom-right aligned)
 };
@@ -49,14 +66,15 @@ std::string case_name(const AttnCase& c) {
   return std::string(dtype_name(c.dtype)) + "_b" + std::to_string(c.b) + "_s" +
          std::to_string(c.s) + (c.sk ? "_sk" + std::to_string(c.sk) : "") + "_hq" +
          std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) + "_d" + std::to_string(c.d) +
-         (c.causal ? "_causal" : "_full") + (c.generic ? "_generic" : "") + bwd_suffix(c.bwd);
+         (c.causal ? "_causal" : "_full") +
+         (c.impl == Impl::Flash ? "" : std::string("_") + impl_name(c.impl)) + bwd_suffix(c.bwd);
 }
 
 class CudaAttention : public ::testing::TestWithParam<AttnCase> {
  protected:
   void SetUp() override {
 #ifdef ACCEL_WITH_CUDA
-    if (cuda::available()) cuda::set_attention_impl(GetParam().generic ? "generic" : "auto");
+    if (cuda::available()) cuda::set_attention_impl(impl_name(GetParam().impl));
 #endif
     const Bwd bwd = GetParam().bwd;
     if (bwd != Bwd::Default) setenv("ACCEL_ATTN_BWD", bwd == Bwd::Split ? "split" : "fa2", 1);
@@ -132,8 +150,8 @@ std::vector<AttnCase> mma_cases() {
   // Key count != query count: bottom-right aligned causal mask; with more queries than keys the
   // first rows see no key at all (lse -inf, zero gradients).
   for (Bwd bwd : {Bwd::Fa2, Bwd::Fa2Group, Bwd::Split}) {
-    AttnCase more_keys{B, 1, 37, 4, 2, 64, true, false, bwd, 100};
-    AttnCase more_queries{H, 2, 100, 2, 1, 128, true, false, bwd, 37};
+    AttnCase more_keys{B, 1, 37, 4, 2, 64, true, Impl::Flash, bwd, 100};
+    AttnCase more_queries{H, 2, 100, 2, 1, 128, true, Impl::Flash, bwd, 37};
     out.push_back(more_keys);
     out.push_back(more_queries);
   }
@@ -143,11 +161,35 @@ std::vector<AttnCase> mma_cases() {
 INSTANTIATE_TEST_SUITE_P(TensorCores, CudaAttention, ::testing::ValuesIn(mma_cases()),
                          [](const auto& info) { return case_name(info.param); });
 
+// cuDNN's fused kernels (forced, so a graph cuDNN turns down fails the case): GQA ratios 1, 2
+// and 4, head dims 64, 128 and 96, bf16 and f16, lengths off the tile sizes; and "auto", which
+// must pick them for these problems. The backward gets the CPU's output and lse, so it also
+// shows that cuDNN reads our lse convention.
+std::vector<AttnCase> cudnn_cases() {
+  const DType B = DType::BF16, H = DType::F16;
+  const Impl C = Impl::Cudnn;
+  return {
+      {B, 2, 100, 4, 2, 64, true, C},
+      {B, 1, 130, 4, 1, 128, true, C},
+      {B, 2, 77, 2, 2, 64, false, C},
+      {H, 1, 129, 4, 2, 128, true, C},
+      {B, 1, 300, 8, 2, 64, true, C},
+      {H, 2, 64, 2, 2, 64, true, C},
+      {B, 1, 1, 4, 4, 64, true, C},
+      {B, 2, 257, 4, 4, 96, true, C},
+      {B, 1, 256, 8, 2, 64, true, Impl::Auto},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Cudnn, CudaAttention, ::testing::ValuesIn(cudnn_cases()),
+                         [](const auto& info) { return case_name(info.param); });
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
-                         ::testing::Values(AttnCase{DType::BF16, 2, 100, 4, 2, 64, true, true},
-                                           AttnCase{DType::F32, 2, 70, 4, 2, 64, true},
-                                           AttnCase{DType::F32, 1, 45, 3, 1, 80, false},
-                                           AttnCase{DType::F32, 1, 33, 2, 2, 16, true}),
+                         ::testing::Values(AttnCase{DType::BF16, 2, 100, 4, 2, 64, true,
+                                                    Impl::Generic},
+                                           AttnCase{DType::F32, 2, 70, 4, 2, 64, true, Impl::Auto},
+                                           AttnCase{DType::F32, 1, 45, 3, 1, 80, false, Impl::Auto},
+                                           AttnCase{DType::F32, 1, 33, 2, 2, 16, true, Impl::Auto}),
                          [](const auto& info) { return case_name(info.param); });
 
 #ifdef ACCEL_WITH_CUDA
@@ -165,6 +207,26 @@ TEST(CudaAttentionOps, BackwardSwitchFollowsEnv) {
   setenv("ACCEL_ATTN_BWD", "fast", 1);
   EXPECT_THROW(cuda::attention_backward_impl(DType::BF16, 64), std::invalid_argument);
   unsetenv("ACCEL_ATTN_BWD");
+}
+#endif
+
+#ifdef ACCEL_WITH_CUDA
+// Forcing cuDNN where it cannot run is an error that names the reason, not a silent fallback;
+// unknown implementation names are rejected.
+TEST(CudaAttentionOps, ForcedCudnnRefusesUnsupportedProblems) {
+  EXPECT_THROW(cuda::set_attention_impl("fastest"), std::invalid_argument);
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(7);
+  Tensor q = random_tensor({1, 16, 2, 32}, DType::F32, rng).to(gpu());
+  Tensor out = poisoned({1, 16, 2, 32}, DType::F32), lse = poisoned({1, 2, 16}, DType::F32);
+  cuda::set_attention_impl("cudnn");
+  try {
+    cuda_backend().attention(out, lse, q, q, q, true, 0.5);
+    ADD_FAILURE() << "cuDNN accepted an f32 problem";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16 or f16"), std::string::npos) << e.what();
+  }
+  cuda::set_attention_impl("auto");
 }
 #endif
 
