@@ -7,6 +7,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "ops/fp8.h"
 #include "runtime/safetensors.h"
 
 namespace accel {
@@ -170,9 +171,13 @@ LlamaAttention::LlamaAttention(const LlamaConfig& c, DType dtype, Device device)
 Tensor LlamaAttention::forward(const Tensor& x) {
   return with_forward_hooks(*this, [&] {
     const int64_t B = x.size(0), S = x.size(1), D = config.head_dim;
-    Tensor q = reshape(q_proj.forward(x), {B, S, config.num_attention_heads, D});
-    Tensor k = reshape(k_proj.forward(x), {B, S, config.num_key_value_heads, D});
-    Tensor v = reshape(v_proj.forward(x), {B, S, config.num_key_value_heads, D});
+    Tensor q, k, v;
+    {
+      Fp8SharedInputCast one_cast(x);  // fp8 layers: x is cast once for q, k and v
+      q = reshape(q_proj.forward(x), {B, S, config.num_attention_heads, D});
+      k = reshape(k_proj.forward(x), {B, S, config.num_key_value_heads, D});
+      v = reshape(v_proj.forward(x), {B, S, config.num_key_value_heads, D});
+    }
     q = rope(q, config.rope_theta);
     k = rope(k, config.rope_theta);
     Tensor a = attention(q, k, v, /*causal=*/true);
@@ -191,8 +196,15 @@ LlamaMLP::LlamaMLP(const LlamaConfig& c, DType dtype, Device device)
           std::make_unique<Linear>(c.intermediate_size, c.hidden_size, dtype, device))) {}
 
 Tensor LlamaMLP::forward(const Tensor& x) {
-  return with_forward_hooks(
-      *this, [&] { return down_proj.forward(swiglu(gate_proj.forward(x), up_proj.forward(x))); });
+  return with_forward_hooks(*this, [&] {
+    Tensor gate, up;
+    {
+      Fp8SharedInputCast one_cast(x);  // fp8 layers: x is cast once for gate and up
+      gate = gate_proj.forward(x);
+      up = up_proj.forward(x);
+    }
+    return down_proj.forward(swiglu(gate, up));
+  });
 }
 
 LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device device)

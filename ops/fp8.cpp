@@ -383,6 +383,43 @@ Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const
 
 }  // namespace
 
+// ---- one input cast for the layers that read the same tensor ------------------------------------
+
+namespace {
+thread_local Fp8SharedInputCast* t_shared_input = nullptr;
+
+bool same_tensor(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.storage() == b.storage() && a.offset() == b.offset() &&
+         a.shape() == b.shape() && a.strides() == b.strides() && a.dtype() == b.dtype();
+}
+}  // namespace
+
+Fp8SharedInputCast::Fp8SharedInputCast(const Tensor& input)
+    : input_(input), previous_(t_shared_input) {
+  t_shared_input = this;
+}
+
+Fp8SharedInputCast::~Fp8SharedInputCast() { t_shared_input = previous_; }
+
+Fp8SharedInputCast* Fp8SharedInputCast::current() { return t_shared_input; }
+
+const Fp8Tensor* Fp8SharedInputCast::find(const Tensor& x, DType fmt, bool row, bool col,
+                                          int scaling) const {
+  if (!have_ || !same_tensor(x, input_) || fmt != fmt_ || scaling != scaling_) return nullptr;
+  if ((row && !cast_.data.defined()) || (col && !cast_.data_t.defined())) return nullptr;
+  return &cast_;
+}
+
+void Fp8SharedInputCast::remember(const Tensor& x, DType fmt, int scaling, const Fp8Tensor& cast,
+                                  int slot) {
+  if (!same_tensor(x, input_)) return;
+  have_ = true;
+  fmt_ = fmt;
+  scaling_ = scaling;
+  slot_ = slot;
+  cast_ = cast;
+}
+
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Fp8LinearContext& ctx) {
   const char* op = "fp8_linear";
@@ -428,8 +465,22 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         o);
       return fp8_cast_dynamic(t, fmt, o, r.margin);
     };
-    Fp8Tensor qx =
-        quantize(x2, r.forward_dtype, ctx.slot_input, !r.hp_fprop, want_dw && !r.hp_wgrad);
+    const bool x_row = !r.hp_fprop, x_col = want_dw && !r.hp_wgrad;
+    Fp8SharedInputCast* shared = Fp8SharedInputCast::current();
+    const Fp8Tensor* reuse =
+        shared ? shared->find(x, r.forward_dtype, x_row, x_col, static_cast<int>(r.scaling))
+               : nullptr;
+    Fp8Tensor qx;
+    if (reuse) {
+      qx = *reuse;
+      // This layer's slot takes the amax the shared cast recorded (max over the same tensors).
+      if (r.scaling == Fp8Scaling::Delayed && record_amax && shared->cast_slot() != ctx.slot_input)
+        delayed->amax(ctx.slot_input).copy_(delayed->amax(shared->cast_slot()));
+    } else {
+      qx = quantize(x2, r.forward_dtype, ctx.slot_input, x_row, x_col);
+      if (shared)
+        shared->remember(x, r.forward_dtype, static_cast<int>(r.scaling), qx, ctx.slot_input);
+    }
     Fp8Tensor qw;
     if (ctx.weight_provider) {
       qw = ctx.weight_provider(weight);

@@ -195,6 +195,34 @@ struct Fp8LinearContext {
   std::function<Fp8Tensor(const Tensor& weight)> weight_provider;
 };
 
+// While one of these is alive (on this thread), fp8_linear casts `input` once for all the layers
+// that read it: Llama's q/k/v projections read one tensor, so do gate/up. The first layer's cast
+// (fp8 data, transposed copy, scale) serves the next ones, as one input scale serves TE's fused
+// QKV GEMM; with delayed scaling the next layers take the first one's amax into their own slots,
+// so every layer's history stays what it would have been. Casts of other tensors are unaffected.
+class Fp8SharedInputCast {
+ public:
+  explicit Fp8SharedInputCast(const Tensor& input);
+  ~Fp8SharedInputCast();
+  Fp8SharedInputCast(const Fp8SharedInputCast&) = delete;
+  Fp8SharedInputCast& operator=(const Fp8SharedInputCast&) = delete;
+
+  // fp8_linear's side: the cast of `x` made earlier in this scope with these settings, if any.
+  const Fp8Tensor* find(const Tensor& x, DType fmt, bool row, bool col, int slot_scaling) const;
+  void remember(const Tensor& x, DType fmt, int slot_scaling, const Fp8Tensor& cast, int slot);
+  int cast_slot() const { return slot_; }
+  static Fp8SharedInputCast* current();
+
+ private:
+  Tensor input_;
+  Fp8SharedInputCast* previous_ = nullptr;
+  bool have_ = false;
+  DType fmt_ = DType::E4M3;
+  int scaling_ = -1;  // the Fp8Scaling of the cast
+  int slot_ = -1;     // the delayed-scaling slot whose scale the cast used
+  Fp8Tensor cast_;
+};
+
 // y [..., out] = x [..., in] . weight[out, in]^T (+ bias), with the GEMMs the recipe puts in fp8:
 // fprop e4m3 x e4m3 (fast accumulation), dgrad grad(e5m2 for HYBRID) x weight, wgrad grad x input
 // (precise accumulation). Output and input gradient in x's dtype (the GEMMs write it directly);

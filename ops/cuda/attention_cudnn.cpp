@@ -353,7 +353,9 @@ std::unique_ptr<Plan> build_backward(const AttnParams& a, DType dtype, cudnnHand
   auto probs = g.temp(scores, scores_st);
   g.pointwise(CUDNN_POINTWISE_EXP, logits, probs);
 
-  // dV = P^T dO (per q head, then summed over each KV head's group).
+  // dV = P^T dO (per q head, then summed over each KV head's group). The per-head partial sums are
+  // in the input dtype: that is the pattern cuDNN knows (declared fp32, the graph still finalizes
+  // but computes wrong gradients, measured on the H200 with cuDNN 9.14).
   auto probs_t = g.temp({b, hq, s, s}, scores_t_st, io);
   g.reshape(probs, probs_t);
   const Dims kv_full{b, hq, s, d}, kv_full_st{hq * s * d, s * d, d, 1};

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "ops/fp8.h"
@@ -264,6 +265,61 @@ TEST(Fp8Linear, WeightGradientIsTheFp32GemmRoundedOnceToTheWeightDtype) {
     EXPECT_EQ(dw.to_vector(), want.to_vector());
     EXPECT_EQ(x.grad().dtype(), DType::BF16);
   }
+}
+
+// Two layers reading one tensor inside an Fp8SharedInputCast scope: the second takes the first
+// one's cast. With equal scaling state (the normal case) that is exactly what its own cast would
+// have been: outputs, gradients and amax slots match the unshared run bit for bit. With a
+// different input scale in the second layer's slot, its output follows the first layer's scale,
+// which shows that the cast is shared; its slot still receives the same amax.
+TEST(Fp8Linear, SharedInputCastServesLayersReadingTheSameTensor) {
+  Problem p = make_problem({2, 16, 64}, 48, 11);
+  Tensor w2 = test::randn({32, 64}, 12, DType::BF16, 0.125);
+  auto two_layers = [&](const Fp8LinearContext& a, const Fp8LinearContext& b, bool shared) {
+    Tensor x = p.x.clone().set_requires_grad(true);
+    Tensor wa = p.w.clone().set_requires_grad(true), wb = w2.clone().set_requires_grad(true);
+    Tensor ya, yb;
+    {
+      std::unique_ptr<Fp8SharedInputCast> scope;
+      if (shared) scope = std::make_unique<Fp8SharedInputCast>(x);
+      ya = fp8_linear(x, wa, Tensor(), a);
+      yb = fp8_linear(x, wb, Tensor(), b);
+    }
+    Tensor loss = add(sum(mul(ya, p.g)), sum(yb));
+    loss.backward();
+    return std::vector<Tensor>{ya.detach(), yb.detach(), x.grad(), wa.grad(), wb.grad()};
+  };
+  auto two_delayed = [] {
+    Fp8LinearContext a = delayed_ctx(), b = a;  // one state, separate slots
+    b.slot_input = a.delayed->add_slot(DType::E4M3);
+    b.slot_weight = a.delayed->add_slot(DType::E4M3);
+    b.slot_grad_output = a.delayed->add_slot(DType::E5M2);
+    return std::make_pair(a, b);
+  };
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed" : "dynamic");
+    auto [a1, b1] = delayed ? two_delayed() : std::make_pair(dynamic_ctx(), dynamic_ctx());
+    auto [a2, b2] = delayed ? two_delayed() : std::make_pair(dynamic_ctx(), dynamic_ctx());
+    std::vector<Tensor> own = two_layers(a1, b1, false), shared = two_layers(a2, b2, true);
+    for (size_t i = 0; i < own.size(); ++i)
+      EXPECT_EQ(own[i].to_vector(), shared[i].to_vector()) << "result " << i;
+    if (delayed) {
+      EXPECT_EQ(a1.delayed->current_amaxes().to_vector(), a2.delayed->current_amaxes().to_vector());
+    }
+  }
+  // The second layer's input scale differs: shared, it still uses the first layer's cast.
+  auto [a, b] = two_delayed();
+  b.delayed->scale(b.slot_input).fill_(0.25);
+  b.delayed->scale_inv(b.slot_input).fill_(4.0);
+  std::vector<Tensor> own = two_layers(a, b, false);
+  auto [a3, b3] = two_delayed();
+  b3.delayed->scale(b3.slot_input).fill_(0.25);
+  b3.delayed->scale_inv(b3.slot_input).fill_(4.0);
+  std::vector<Tensor> shared = two_layers(a3, b3, true);
+  EXPECT_NE(own[1].to_vector(), shared[1].to_vector());
+  std::vector<double> amax = a3.delayed->current_amaxes().to_vector();
+  EXPECT_EQ(amax[static_cast<size_t>(a3.slot_input)], amax[static_cast<size_t>(b3.slot_input)]);
+  EXPECT_GT(amax[static_cast<size_t>(b3.slot_input)], 1.0);
 }
 
 }  // namespace
