@@ -126,6 +126,25 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
     };
     contexts_.push_back({c.name, ctx});
   }
+  // Llama MLPs whose three projections all run in fp8 take the fused form (fp8_swiglu_mlp), which
+  // declines by itself where it does not apply.
+  for (auto& [name, m] : model.named_modules()) {
+    auto* mlp = dynamic_cast<LlamaMLP*>(m);
+    if (!mlp) continue;
+    std::shared_ptr<Fp8LinearContext> ctx[3];
+    const char* parts[3] = {".gate_proj", ".up_proj", ".down_proj"};
+    for (int i = 0; i < 3; ++i)
+      for (auto& [n, c] : contexts_)
+        if (n == name + parts[i]) ctx[i] = c;
+    if (!ctx[0] || !ctx[1] || !ctx[2]) continue;
+    mlp->fused_fn = [mlp, g = ctx[0], u = ctx[1], d = ctx[2]](const Tensor& x) {
+      if (mlp->gate_proj.has_forward_hooks() || mlp->up_proj.has_forward_hooks() ||
+          mlp->down_proj.has_forward_hooks())
+        return Tensor();
+      return fp8_swiglu_mlp(x, mlp->gate_proj.weight.value, mlp->up_proj.weight.value,
+                            mlp->down_proj.weight.value, *g, *u, *d);
+    };
+  }
 }
 
 int64_t Fp8Training::num_fp8_layers() const { return static_cast<int64_t>(contexts_.size()); }

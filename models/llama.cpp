@@ -197,6 +197,10 @@ LlamaMLP::LlamaMLP(const LlamaConfig& c, DType dtype, Device device)
 
 Tensor LlamaMLP::forward(const Tensor& x) {
   return with_forward_hooks(*this, [&] {
+    if (fused_fn) {
+      Tensor y = fused_fn(x);
+      if (y.defined()) return y;
+    }
     Tensor gate, up;
     {
       Fp8SharedInputCast one_cast(x);  // fp8 layers: x is cast once for gate and up

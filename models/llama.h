@@ -86,6 +86,9 @@ class LlamaMLP : public Module {
   std::string type_name() const override { return "LlamaMLP"; }
   Tensor forward(const Tensor& x);
   Linear &gate_proj, &up_proj, &down_proj;
+  // When set, forward first tries fused_fn(x); an undefined result means the projections run one
+  // by one. fp8 training installs one (fp8_swiglu_mlp, models/fp8_linear.h).
+  std::function<Tensor(const Tensor& x)> fused_fn;
 };
 
 class LlamaDecoderLayer : public Module {

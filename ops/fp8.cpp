@@ -553,4 +553,149 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   return y;
 }
 
+// ---- the fp8 swiglu MLP
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// A cast's allocation (as fp8_cast makes it) and the target the fused kernels write.
+std::pair<Fp8Tensor, fp8_kernels::CastTarget> fused_target(const Tensor& like, DType fmt,
+                                                           const Fp8CastOptions& o,
+                                                           const Tensor& scale,
+                                                           const Tensor& amax) {
+  Fp8Tensor q = make_fp8(like, fmt, o);
+  q.scale = scale;
+  return {q, fp8_kernels::CastTarget{scale, q.data, q.data_t, amax, q.scale_inv}};
+}
+
+bool fused_mlp_applies(const Fp8LinearContext& c, const Fp8LinearContext& first) {
+  const Fp8Autocast mode = c.autocast ? *c.autocast : Fp8Autocast{};
+  const Fp8Recipe& r = c.recipe;
+  return mode.enabled && r.scaling == Fp8Scaling::Delayed && c.delayed &&
+         c.delayed == first.delayed && c.autocast == first.autocast && !c.weight_provider &&
+         !r.hp_fprop && !r.hp_dgrad && !r.hp_wgrad && c.slot_input >= 0 && c.slot_weight >= 0 &&
+         c.slot_grad_output >= 0;
+}
+
+}  // namespace
+
+Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
+                      const Tensor& w_down, const Fp8LinearContext& gate,
+                      const Fp8LinearContext& up, const Fp8LinearContext& down) {
+  const char* op = "fp8_swiglu_mlp";
+  if (!fused_mlp_applies(gate, gate) || !fused_mlp_applies(up, gate) ||
+      !fused_mlp_applies(down, gate))
+    return Tensor();
+  detail::check_defined(op, x, "input");
+  if (x.dtype() == DType::F32 || !is_compute_float(x.dtype()) || x.dim() < 1) return Tensor();
+  for (const Tensor* w : {&w_gate, &w_up, &w_down})
+    if (w->dim() != 2 || !is_compute_float(w->dtype())) return Tensor();
+  const int64_t K = x.size(-1), F = w_gate.size(0), H = w_down.size(0);
+  if (w_gate.size(1) != K || w_up.shape() != w_gate.shape() || w_down.size(1) != F)
+    op_error(op, "weights gate " + w_gate.str() + ", up " + w_up.str() + ", down " + w_down.str() +
+                     " do not fit an input ending in " + std::to_string(K));
+  if (x.numel() == 0 || K == 0 || F == 0) return Tensor();
+  detail::check_same_device(op, x, w_gate);
+  detail::check_same_device(op, x, w_up);
+  detail::check_same_device(op, x, w_down);
+
+  Fp8DelayedScaling& d = *gate.delayed;
+  const Fp8Recipe& r = gate.recipe;
+  const DType fwd = r.forward_dtype, bwd = r.backward_dtype, act = x.dtype();
+  const bool record_amax = (gate.autocast ? *gate.autocast : Fp8Autocast{}).record_amax;
+  auto amax_of = [&](int slot) { return record_amax ? d.amax(slot) : Tensor(); };
+  auto cast_with = [&](const Tensor& t, DType fmt, int slot, bool row, bool col) {
+    return fp8_cast(t, fmt, d.scale(slot), amax_of(slot), Fp8CastOptions{row, col, 16});
+  };
+
+  Tensor x2 = x.is_contiguous() ? x.detach().as_strided({x.numel() / K, K}, {K, 1}, x.offset())
+                                : reshape(x.detach(), {-1, K});
+  const int64_t M = x2.size(0);
+  const bool want_dx = grad_enabled() && x.requires_grad();
+  const bool want_dwg = grad_enabled() && w_gate.requires_grad();
+  const bool want_dwu = grad_enabled() && w_up.requires_grad();
+  const bool want_dwd = grad_enabled() && w_down.requires_grad();
+  const bool want_dh = want_dx || want_dwg || want_dwu;  // the gradient reaching swiglu
+
+  // x once for gate and up; up's input slot takes the amax gate's cast recorded.
+  Fp8Tensor qx = cast_with(x2, fwd, gate.slot_input, true, want_dwg || want_dwu);
+  if (record_amax) d.amax(up.slot_input).copy_(d.amax(gate.slot_input));
+  Fp8Tensor qwg = cast_with(w_gate.detach(), fwd, gate.slot_weight, true, want_dx);
+  Fp8Tensor qwu = cast_with(w_up.detach(), fwd, up.slot_weight, true, want_dx);
+  Fp8Tensor qwd = cast_with(w_down.detach(), fwd, down.slot_weight, true, want_dh);
+  Tensor g = unpad(fp8_gemm(qx.data, qx.scale_inv, qwg.data, qwg.scale_inv, act, true), M, F);
+  Tensor u = unpad(fp8_gemm(qx.data, qx.scale_inv, qwu.data, qwu.scale_inv, act, true), M, F);
+
+  // h = swiglu(g, u), cast for the down projection.
+  const Fp8CastOptions h_opts{true, want_dwd, 16};
+  Fp8Tensor qh;
+  if (fp8_kernels::cuda::fused_cast_layout({&g, &u}, F)) {
+    auto [q, target] =
+        fused_target(g, fwd, h_opts, d.scale(down.slot_input), amax_of(down.slot_input));
+    fp8_kernels::cuda::swiglu_cast(g, u, target);
+    qh = q;
+  } else {
+    NoGradGuard no_grad;
+    qh = cast_with(swiglu(g, u), fwd, down.slot_input, true, want_dwd);
+  }
+  Tensor y2 = unpad(fp8_gemm(qh.data, qh.scale_inv, qwd.data, qwd.scale_inv, act, true), M, H);
+  Shape out_shape = x.shape();
+  out_shape.back() = H;
+  Tensor y = y2.as_strided(out_shape, contiguous_strides(out_shape), y2.offset());
+  if (!(want_dh || want_dwd)) return y;
+
+  // Saved for backward: the transposed fp8 copies (and swiglu's inputs), not the row-major ones.
+  const Shape x_shape = x.shape();
+  const Tensor x_t = qx.data_t, x_si = qx.scale_inv, h_t = qh.data_t, h_si = qh.scale_inv;
+  const Tensor wg_t = qwg.data_t, wg_si = qwg.scale_inv, wu_t = qwu.data_t, wu_si = qwu.scale_inv;
+  const Tensor wd_t = qwd.data_t, wd_si = qwd.scale_inv;
+  const DType wg_dtype = w_gate.dtype(), wu_dtype = w_up.dtype(), wd_dtype = w_down.dtype();
+  const int slot_gg = gate.slot_grad_output, slot_gu = up.slot_grad_output,
+            slot_gd = down.slot_grad_output;
+  auto state = gate.delayed;
+  return record(op, y, {x, w_gate, w_up, w_down}, [=](const Tensor& gy) {
+    Fp8DelayedScaling& ds = *state;
+    auto amax_b = [&](int slot) { return record_amax ? ds.amax(slot) : Tensor(); };
+    Tensor gy2 = contiguous(reshape(gy, {-1, H}));
+    Fp8Tensor qgy = fp8_cast(gy2, bwd, ds.scale(slot_gd), amax_b(slot_gd),
+                             Fp8CastOptions{want_dh, want_dwd, 16});
+    Tensor dx, dwg, dwu, dwd;
+    if (want_dwd)
+      dwd = unpad(fp8_gemm(qgy.data_t, qgy.scale_inv, h_t, h_si, wd_dtype, false), H, F);
+    if (want_dh) {
+      Tensor dh = unpad(fp8_gemm(qgy.data, qgy.scale_inv, wd_t, wd_si, act, false), M, F);
+      const Fp8CastOptions g_opts{want_dx, want_dwg, 16}, u_opts{want_dx, want_dwu, 16};
+      Fp8Tensor qdg, qdu;
+      const bool both =
+          (g_opts.rowwise || g_opts.columnwise) && (u_opts.rowwise || u_opts.columnwise);
+      if (both && fp8_kernels::cuda::fused_cast_layout({&dh, &g, &u}, F)) {
+        auto [q1, t1] = fused_target(g, bwd, g_opts, ds.scale(slot_gg), amax_b(slot_gg));
+        auto [q2, t2] = fused_target(u, bwd, u_opts, ds.scale(slot_gu), amax_b(slot_gu));
+        fp8_kernels::cuda::swiglu_backward_cast(dh, g, u, t1, t2);
+        qdg = q1;
+        qdu = q2;
+      } else {
+        Tensor dg = Tensor::empty(g.shape(), act, g.device());
+        Tensor du = Tensor::empty(u.shape(), act, u.device());
+        backend_for(g.device()).swiglu_backward(dg, du, dh, contiguous(g), contiguous(u));
+        if (g_opts.rowwise || g_opts.columnwise)
+          qdg = fp8_cast(dg, bwd, ds.scale(slot_gg), amax_b(slot_gg), g_opts);
+        if (u_opts.rowwise || u_opts.columnwise)
+          qdu = fp8_cast(du, bwd, ds.scale(slot_gu), amax_b(slot_gu), u_opts);
+      }
+      if (want_dx) {
+        Tensor a = fp8_gemm(qdg.data, qdg.scale_inv, wg_t, wg_si, act, false);
+        Tensor b = fp8_gemm(qdu.data, qdu.scale_inv, wu_t, wu_si, act, false);
+        Tensor dx2 = unpad(add(a, b), M, K);
+        dx = dx2.as_strided(x_shape, contiguous_strides(x_shape), dx2.offset());
+      }
+      if (want_dwg)
+        dwg = unpad(fp8_gemm(qdg.data_t, qdg.scale_inv, x_t, x_si, wg_dtype, false), F, K);
+      if (want_dwu)
+        dwu = unpad(fp8_gemm(qdu.data_t, qdu.scale_inv, x_t, x_si, wu_dtype, false), F, K);
+    }
+    return std::vector<Tensor>{dx, dwg, dwu, dwd};
+  });
+}
+
 }  // namespace accel

@@ -233,4 +233,18 @@ class Fp8SharedInputCast {
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Fp8LinearContext& ctx);
 
+// y = down(swiglu(gate(x), up(x))) (a Llama MLP) with all three projections in fp8 under one
+// delayed-scaling state, as fp8_linear would run them one by one (the same GEMMs, scales, amaxes
+// and rounding: tested bit for bit), but with swiglu fused into the casts around it: the forward
+// casts swiglu(gate, up) straight to fp8 for the down projection, and the backward casts swiglu's
+// two gradients straight to e5m2 (with their transposes) for the gate and up GEMMs, so neither
+// swiglu's output nor its gradients pass through memory in 16 bits (fused on CUDA; the CPU
+// emulation runs the same steps unfused). x is cast once for gate and up.
+// Returns an undefined tensor where it does not apply, for the caller to run the layers one by
+// one: fp8 off (evaluation), not delayed scaling, a GEMM overridden to high precision, a weight
+// provider (FSDP's fp8 all-gather), contexts of different states, or an f32 input.
+Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
+                      const Tensor& w_down, const Fp8LinearContext& gate,
+                      const Fp8LinearContext& up, const Fp8LinearContext& down);
+
 }  // namespace accel

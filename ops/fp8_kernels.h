@@ -3,9 +3,18 @@
 // Arguments arrive checked and allocated by ops/fp8.cpp; tensors are contiguous.
 #pragma once
 
+#include <vector>
+
 #include "ops/fp8.h"
 
 namespace accel::fp8_kernels {
+
+// Where a fused cast writes (allocated by ops/fp8.cpp): scale f32 [1] is read; data [Rp, Cp] and
+// data_t [Cp, Rp] (each optional, zero padding beyond the input) get the fp8 values; amax f32 [1]
+// (optional) becomes max(amax, max |value|); scale_inv (optional) gets 1 / scale.
+struct CastTarget {
+  Tensor scale, data, data_t, amax, scale_inv;
+};
 
 namespace cpu {
 // x [R, C] f32/bf16/f16; scale f32 [1]. data [Rp, Cp] and data_t [Cp, Rp] (each optional, zero
@@ -42,6 +51,18 @@ void transpose(const Tensor& data_t, const Tensor& data);
 void delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
                     const Tensor& fp8_max, bool use_max, int margin, bool recompute);
 void mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim);
+
+// CUDA only, fused: the elementwise op and the cast (+ transpose, amax) in one pass. Inputs
+// [R, C] bf16/f16 in the layout fused_cast_layout accepts; targets padded as for `cast`.
+// Whether `inputs` (CUDA, contiguous, 16-byte aligned) with `cols` columns suit the kernels below.
+bool fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols);
+// Casts swiglu(gate, up), computed and rounded as the swiglu op does (bit-identical to swiglu
+// followed by cast).
+void swiglu_cast(const Tensor& gate, const Tensor& up, const CastTarget& out);
+// Casts the gradients of swiglu for `grad` (as the swiglu op's backward computes and rounds them):
+// d gate into to_gate, d up into to_up (same padding and fp8 format).
+void swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                          const CastTarget& to_gate, const CastTarget& to_up);
 }  // namespace cuda
 
 }  // namespace accel::fp8_kernels

@@ -44,6 +44,7 @@ class Module {
 
   void add_pre_forward_hook(Hook h) { pre_hooks_.push_back(std::move(h)); }
   void add_post_forward_hook(Hook h) { post_hooks_.push_back(std::move(h)); }
+  bool has_forward_hooks() const { return !pre_hooks_.empty() || !post_hooks_.empty(); }
   // Subclasses call these around their forward computation.
   void run_pre_forward_hooks() {
     for (auto& h : pre_hooks_) h(*this);

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 #include "ops/cuda/common.cuh"
 #include "ops/fp8_kernels.h"
@@ -97,73 +99,163 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&in)[4], uint32_t (
   out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
+// Where one output of a fused cast goes: the scale it reads, the row-major and transposed fp8
+// copies (either may be null), the amax it max-accumulates and the scale_inv it sets (both
+// optional).
+struct CastOut {
+  const float* scale;
+  uint8_t* data;
+  uint8_t* data_t;
+  float* amax;
+  float* scale_inv;
+};
+template <int N>
+struct CastOuts {
+  CastOut o[N];
+};
+
+// Producers hand the cast kernel its values: load(k, offset, inside) issues the loads for row k
+// (of the thread's 4) at element offset `offset` (8 consecutive columns; zeros when not inside),
+// values(k, v) turns them into kOut sets of 8 floats to cast. Zero inputs give zero values, so
+// the padding comes out as zeros.
+template <class T>
+struct CastInput {  // plain cast: the values of x
+  static constexpr int kOut = 1;
+  const T* x;
+  Raw8<T> raw[4];
+  __device__ __forceinline__ void load(int k, int64_t off, bool inside) {
+    raw[k] = inside ? load_raw8<T>(x + off) : Raw8<T>{};
+  }
+  __device__ __forceinline__ void values(int k, float (&v)[1][8]) const {
+    unpack8<T>(raw[k], v[0]);
+  }
+};
+
+// swiglu(gate, up) exactly as the swiglu op computes it (silu rounded to T, the product rounded
+// to T), so the fused cast is bit-identical to swiglu followed by a cast.
+template <class T>
+struct CastSwiglu {
+  static constexpr int kOut = 1;
+  const T *gate, *up;
+  Raw8<T> g[4], u[4];
+  __device__ __forceinline__ void load(int k, int64_t off, bool inside) {
+    g[k] = inside ? load_raw8<T>(gate + off) : Raw8<T>{};
+    u[k] = inside ? load_raw8<T>(up + off) : Raw8<T>{};
+  }
+  __device__ __forceinline__ void values(int k, float (&v)[1][8]) const {
+    float gv[8], uv[8];
+    unpack8<T>(g[k], gv);
+    unpack8<T>(u[k], uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[0][i] = accel::cuda::rnd<T>(accel::cuda::rnd<T>(gv[i] / (1.0f + expf(-gv[i]))) * uv[i]);
+  }
+};
+
+// The two gradients of swiglu for an upstream gradient, as the swiglu op's backward computes them
+// (each rounded to T): values 0 = d gate, 1 = d up.
+template <class T>
+struct CastSwigluGrad {
+  static constexpr int kOut = 2;
+  const T *grad, *gate, *up;
+  Raw8<T> d[4], g[4], u[4];
+  __device__ __forceinline__ void load(int k, int64_t off, bool inside) {
+    d[k] = inside ? load_raw8<T>(grad + off) : Raw8<T>{};
+    g[k] = inside ? load_raw8<T>(gate + off) : Raw8<T>{};
+    u[k] = inside ? load_raw8<T>(up + off) : Raw8<T>{};
+  }
+  __device__ __forceinline__ void values(int k, float (&v)[2][8]) const {
+    float dv[8], gv[8], uv[8];
+    unpack8<T>(d[k], dv);
+    unpack8<T>(g[k], gv);
+    unpack8<T>(u[k], uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float sg = 1.0f / (1.0f + expf(-gv[i]));
+      v[0][i] = accel::cuda::rnd<T>(dv[i] * uv[i] * sg * (1.0f + gv[i] * (1.0f - sg)));
+      v[1][i] = accel::cuda::rnd<T>(dv[i] * gv[i] * sg);
+    }
+  }
+};
+
 // Fused cast + amax + transpose over 128 x 64 tiles, a grid-stride loop over the tiles with a grid
 // of one wave (so that a few hundred blocks, not one per tile, contend for the amax atomic); the
-// next tile's loads are issued before the current tile's transposed write. Requires C % 8 == 0,
-// Cp % 8 == 0 and Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded
-// outputs get 0.
+// next tile's loads are issued before the current tile's transposed write. The values come from a
+// producer (above), one or two outputs per element. Requires C % 8 == 0, Cp % 8 == 0 and
+// Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded outputs get 0.
 //
 // data_t goes through shared memory as 32-bit words, one row of `tile` per column of the tile: the
 // word of rows 16q + 4k .. 16q + 4k + 3 of column col sits at tile[col][4 (q ^ (col / 8)) + k].
 // The swizzle of the 16-byte chunks makes both the 32-bit stores (a warp: 8 threads' columns x 4
 // row groups) and the 16-byte loads (8 lanes: the 8 chunks of one column) free of bank
 // conflicts. Each 8 lanes then write one 128-byte run of a data_t row.
-template <class T, bool kE5M2>
+template <class P, bool kE5M2>
 __global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(const T* __restrict__ x, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
-                          const float* __restrict__ scale_ptr, uint8_t* __restrict__ data,
-                          uint8_t* __restrict__ data_t, float* __restrict__ amax,
-                          float* __restrict__ scale_inv) {
-  __shared__ __align__(16) uint32_t tile[kTileCols][kTileRows / 4];
+    cast_transpose_kernel(P p, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
+                          CastOuts<P::kOut> outs) {
+  constexpr int kOut = P::kOut;
+  __shared__ __align__(16) uint32_t tile[kOut][kTileCols][kTileRows / 4];
   __shared__ float red[32];
-  const float s = *scale_ptr;
+  float s[kOut], m[kOut];
+  bool any_t = false;
+#pragma unroll
+  for (int o = 0; o < kOut; ++o) {
+    s[o] = *outs.o[o].scale;
+    m[o] = 0.0f;
+    any_t = any_t || outs.o[o].data_t;
+  }
   const int64_t tiles_x = (Cp + kTileCols - 1) / kTileCols;
   const int64_t tiles_y = (Rp + kTileRows - 1) / kTileRows;
   const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
-  Raw8<T> raw[4];
   auto load_tile = [&](int64_t r0, int64_t c0) {
     const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
 #pragma unroll
     for (int k = 0; k < 4; ++k)  // C % 8 == 0: all 8 columns or none are inside
-      raw[k] = r + k < R && c < C ? load_raw8<T>(x + (r + k) * C + c) : Raw8<T>{};
+      p.load(k, (r + k) * C + c, r + k < R && c < C);
   };
   // This block's tiles are blockIdx.x + i * gridDim.x in row-major order, walked as (tile row,
   // tile column) without a division per tile.
   const int64_t step_y = gridDim.x / tiles_x, step_x = gridDim.x % tiles_x;
   int64_t tile_y = blockIdx.x / tiles_x, tile_x = blockIdx.x % tiles_x;
   if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);
-  float m = 0.0f;
   while (tile_y < tiles_y) {
     const int64_t r0 = tile_y * kTileRows, c0 = tile_x * kTileCols;
     const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
-    uint32_t w[2][4];  // [column half][row]: bytes = columns 4h..4h+3 of row k
+    uint32_t w[kOut][2][4];  // [output][column half][row]: bytes = columns 4h..4h+3 of row k
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      float v[8];
-      unpack8<T>(raw[k], v);
-      uint32_t pair[4];
+      float v[kOut][8];
+      p.values(k, v);
 #pragma unroll
-      for (int i = 0; i < 8; i += 2) {
-        m = fmaxf(m, fmaxf(fabsf(v[i]), fabsf(v[i + 1])));
-        pair[i / 2] = cvt2<kE5M2>(v[i] * s, v[i + 1] * s);
+      for (int o = 0; o < kOut; ++o) {
+        uint32_t pair[4];
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          m[o] = fmaxf(m[o], fmaxf(fabsf(v[o][i]), fabsf(v[o][i + 1])));
+          pair[i / 2] = cvt2<kE5M2>(v[o][i] * s[o], v[o][i + 1] * s[o]);
+        }
+        w[o][0][k] = pair[0] | (pair[1] << 16);
+        w[o][1][k] = pair[2] | (pair[3] << 16);
       }
-      w[0][k] = pair[0] | (pair[1] << 16);
-      w[1][k] = pair[2] | (pair[3] << 16);
     }
-    if (data && c < Cp) {  // Cp % 8 == 0: all 8 columns or none are inside
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (r + k < Rp)
-          *reinterpret_cast<uint2*>(data + (r + k) * Cp + c) = make_uint2(w[0][k], w[1][k]);
-    }
-    if (data_t) {
+    for (int o = 0; o < kOut; ++o) {
+      uint8_t* data = outs.o[o].data;
+      if (data && c < Cp) {  // Cp % 8 == 0: all 8 columns or none are inside
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t cols[4];
-        transpose4x4(w[h], cols);
+        for (int k = 0; k < 4; ++k)
+          if (r + k < Rp)
+            *reinterpret_cast<uint2*>(data + (r + k) * Cp + c) = make_uint2(w[o][0][k], w[o][1][k]);
+      }
+      if (outs.o[o].data_t) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          tile[8 * tx + 4 * h + j][4 * ((ty / 4) ^ tx) + ty % 4] = cols[j];
+        for (int h = 0; h < 2; ++h) {
+          uint32_t cols[4];
+          transpose4x4(w[o][h], cols);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            tile[o][8 * tx + 4 * h + j][4 * ((ty / 4) ^ tx) + ty % 4] = cols[j];
+        }
       }
     }
     tile_x += step_x;
@@ -173,24 +265,34 @@ __global__ void __launch_bounds__(kThreads)
       ++tile_y;
     }
     if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);  // in flight below
-    if (data_t) {
+    if (any_t) {
       __syncthreads();
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int i = threadIdx.x + p * kThreads, col = i / 8, q = i % 8;
-        const int64_t tc = c0 + col, tr = r0 + 16 * q;
-        if (tc < Cp && tr < Rp)  // Rp % 16 == 0: the 16 rows are all inside
-          *reinterpret_cast<uint4*>(data_t + tc * Rp + tr) =
-              *reinterpret_cast<const uint4*>(&tile[col][4 * (q ^ (col / 8))]);
+      for (int o = 0; o < kOut; ++o) {
+        uint8_t* data_t = outs.o[o].data_t;
+        if (!data_t) continue;
+#pragma unroll
+        for (int q2 = 0; q2 < 2; ++q2) {
+          const int i = threadIdx.x + q2 * kThreads, col = i / 8, q = i % 8;
+          const int64_t tc = c0 + col, tr = r0 + 16 * q;
+          if (tc < Cp && tr < Rp)  // Rp % 16 == 0: the 16 rows are all inside
+            *reinterpret_cast<uint4*>(data_t + tc * Rp + tr) =
+                *reinterpret_cast<const uint4*>(&tile[o][col][4 * (q ^ (col / 8))]);
+        }
       }
       __syncthreads();  // the tile is rewritten by the next iteration
     }
   }
-  if (amax) {
-    m = block_max(m, red);
-    if (threadIdx.x == 0 && m > __ldcg(amax)) atomic_max_nonneg(amax, m);
+#pragma unroll
+  for (int o = 0; o < kOut; ++o) {
+    float* amax = outs.o[o].amax;
+    if (amax) {  // the same for every thread: block_max's barriers are safe
+      const float bm = block_max(m[o], red);
+      if (threadIdx.x == 0 && bm > __ldcg(amax)) atomic_max_nonneg(amax, bm);
+    }
+    if (outs.o[o].scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
+      *outs.o[o].scale_inv = 1.0f / s[o];
   }
-  if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
 }
 
 // Any shapes and alignments: one thread per padded element, written to data then data_t.
@@ -367,32 +469,69 @@ int resident_blocks(K kernel, int threads) {
   return std::max(1, n);
 }
 
+CastOut cast_out(const CastTarget& t) {
+  return {fptr(t.scale), bptr(t.data), bptr(t.data_t), fptr(t.amax), fptr(t.scale_inv)};
+}
+
+// The fast layout of cast_transpose_kernel for inputs of C columns and targets padded to
+// [Rp, Cp]: C, Cp multiples of 8, Rp of 16, 16-byte aligned inputs and data_t, 8-byte data.
+bool tile_layout(int64_t C, int64_t Rp, int64_t Cp, const std::vector<const void*>& inputs,
+                 size_t input_align, const std::vector<const CastTarget*>& targets) {
+  bool ok = Rp > 0 && Cp > 0 && C % 8 == 0 && Cp % 8 == 0 && Rp % 16 == 0;
+  for (const void* p : inputs) ok = ok && aligned(p, input_align);
+  for (const CastTarget* t : targets)
+    ok = ok && (!t->data.defined() || aligned(t->data.data_ptr(), 8)) &&
+         (!t->data_t.defined() || aligned(t->data_t.data_ptr(), 16));
+  return ok;
+}
+
+int64_t padded_rows(const CastTarget& t) {
+  return t.data.defined() ? t.data.size(0) : t.data_t.size(1);
+}
+int64_t padded_cols(const CastTarget& t) {
+  return t.data.defined() ? t.data.size(1) : t.data_t.size(0);
+}
+DType target_format(const CastTarget& t) {
+  return t.data.defined() ? t.data.dtype() : t.data_t.dtype();
+}
+
+// One wave of cast_transpose_kernel blocks over the tiles of [Rp, Cp].
+template <class P, bool kE5M2>
+void launch_tiles(const P& producer, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
+                  const CastOuts<P::kOut>& outs, cudaStream_t stream) {
+  auto kernel = cast_transpose_kernel<P, kE5M2>;
+  static const int per_sm = resident_blocks(kernel, kThreads);
+  const int64_t tiles = ((Cp + kTileCols - 1) / kTileCols) * ((Rp + kTileRows - 1) / kTileRows);
+  kernel<<<grid_for(tiles * kThreads, kThreads, per_sm), kThreads, 0, stream>>>(producer, R, C, Rp,
+                                                                                Cp, outs);
+}
+
 }  // namespace
+
+bool fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) {
+  bool ok = cols % 8 == 0;
+  for (const Tensor* t : inputs)
+    ok = ok && t->is_contiguous() && t->device().is_cuda() && aligned(t->data_ptr(), 16);
+  return ok;
+}
 
 void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
           const Tensor& amax, const Tensor& scale_inv) {
   OpScope scope(x);
+  const CastTarget target{scale, data, data_t, amax, scale_inv};
   const int64_t R = x.size(0), C = x.size(1);
-  const int64_t Rp = data.defined() ? data.size(0) : data_t.size(1);
-  const int64_t Cp = data.defined() ? data.size(1) : data_t.size(0);
-  const DType fmt = data.defined() ? data.dtype() : data_t.dtype();
-  const size_t vec_align = x.dtype() == DType::F32 ? 32 : 16;
-  const bool fast = Rp > 0 && Cp > 0 && C % 8 == 0 && Cp % 8 == 0 && Rp % 16 == 0 &&
-                    aligned(x.data_ptr(), vec_align) &&
-                    (!data.defined() || aligned(data.data_ptr(), 8)) &&
-                    (!data_t.defined() || aligned(data_t.data_ptr(), 16));
+  const int64_t Rp = padded_rows(target), Cp = padded_cols(target);
+  const bool fast =
+      tile_layout(C, Rp, Cp, {x.data_ptr()}, x.dtype() == DType::F32 ? 32 : 16, {&target});
   accel::cuda::dispatch_float(x.dtype(), "fp8_cast", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_fp8(fmt, [&](auto e5m2) {
+    dispatch_fp8(target_format(target), [&](auto e5m2) {
       constexpr bool kE5M2 = decltype(e5m2)::value;
       const T* xp = static_cast<const T*>(x.data_ptr());
       if (fast) {
-        auto kernel = cast_transpose_kernel<T, kE5M2>;
-        static const int per_sm = resident_blocks(kernel, kThreads);
-        const int64_t tiles =
-            ((Cp + kTileCols - 1) / kTileCols) * ((Rp + kTileRows - 1) / kTileRows);
-        kernel<<<grid_for(tiles * kThreads, kThreads, per_sm), kThreads, 0, scope.stream>>>(
-            xp, R, C, Rp, Cp, fptr(scale), bptr(data), bptr(data_t), fptr(amax), fptr(scale_inv));
+        CastInput<T> producer{xp, {}};
+        launch_tiles<CastInput<T>, kE5M2>(producer, R, C, Rp, Cp, CastOuts<1>{{cast_out(target)}},
+                                          scope.stream);
       } else {
         // (Also for empty tensors: one block still records amax 0 and scale_inv.)
         const int blocks = std::max(1, grid_for(Rp * Cp, 256));
@@ -402,6 +541,58 @@ void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor
     });
   });
   ACCEL_CUDA_CHECK_LAUNCH("fp8_cast");
+}
+
+void swiglu_cast(const Tensor& gate, const Tensor& up, const CastTarget& out) {
+  OpScope scope(gate);
+  const int64_t R = gate.size(0), C = gate.size(1);
+  const int64_t Rp = padded_rows(out), Cp = padded_cols(out);
+  if (!tile_layout(C, Rp, Cp, {gate.data_ptr(), up.data_ptr()}, 16, {&out}) ||
+      gate.dtype() == DType::F32)
+    throw std::logic_error(
+        "[fp8_swiglu_cast] layout outside the fused kernel's (see fused_cast_layout)");
+  accel::cuda::dispatch_float(gate.dtype(), "fp8_swiglu_cast", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      dispatch_fp8(target_format(out), [&](auto e5m2) {
+        CastSwiglu<T> producer{
+            static_cast<const T*>(gate.data_ptr()), static_cast<const T*>(up.data_ptr()), {}, {}};
+        launch_tiles<CastSwiglu<T>, decltype(e5m2)::value>(
+            producer, R, C, Rp, Cp, CastOuts<1>{{cast_out(out)}}, scope.stream);
+      });
+    }
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_swiglu_cast");
+}
+
+void swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                          const CastTarget& to_gate, const CastTarget& to_up) {
+  OpScope scope(gate);
+  const int64_t R = gate.size(0), C = gate.size(1);
+  const int64_t Rp = padded_rows(to_gate), Cp = padded_cols(to_gate);
+  if (!tile_layout(C, Rp, Cp, {grad.data_ptr(), gate.data_ptr(), up.data_ptr()}, 16,
+                   {&to_gate, &to_up}) ||
+      padded_rows(to_up) != Rp || padded_cols(to_up) != Cp ||
+      target_format(to_up) != target_format(to_gate) || gate.dtype() == DType::F32)
+    throw std::logic_error(
+        "[fp8_swiglu_backward_cast] layout outside the fused kernel's (see fused_cast_layout)");
+  accel::cuda::dispatch_float(gate.dtype(), "fp8_swiglu_backward_cast", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      dispatch_fp8(target_format(to_gate), [&](auto e5m2) {
+        CastSwigluGrad<T> producer{static_cast<const T*>(grad.data_ptr()),
+                                   static_cast<const T*>(gate.data_ptr()),
+                                   static_cast<const T*>(up.data_ptr()),
+                                   {},
+                                   {},
+                                   {}};
+        launch_tiles<CastSwigluGrad<T>, decltype(e5m2)::value>(
+            producer, R, C, Rp, Cp, CastOuts<2>{{cast_out(to_gate), cast_out(to_up)}},
+            scope.stream);
+      });
+    }
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_swiglu_backward_cast");
 }
 
 void amax(const Tensor& x, const Tensor& out) {

@@ -27,5 +27,11 @@ void delayed_update(const Tensor&, const Tensor&, const Tensor&, const Tensor&, 
   no_cuda("fp8_delayed_scaling");
 }
 void mx_fake_quant(const Tensor&, const Tensor&, DType, int) { no_cuda("fp8_mx_fake_quant"); }
+bool fused_cast_layout(const std::vector<const Tensor*>&, int64_t) { return false; }
+void swiglu_cast(const Tensor&, const Tensor&, const CastTarget&) { no_cuda("fp8_swiglu_cast"); }
+void swiglu_backward_cast(const Tensor&, const Tensor&, const Tensor&, const CastTarget&,
+                          const CastTarget&) {
+  no_cuda("fp8_swiglu_backward_cast");
+}
 
 }  // namespace accel::fp8_kernels::cuda

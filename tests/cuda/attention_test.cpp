@@ -124,22 +124,24 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   // the scale now and then.
   const double r = t == DType::F32 ? 1e-4 : (t == DType::BF16 ? 3e-2 : 2e-2);
   const double floor = 1e-3 * rms(dout);
-  expect_close(gdq, wdq, r, r * std::max(rms(wdq), floor), "grad_q");
-  // cuDNN's grouped-KV backward rounds each query head's dK/dV to the input dtype before summing
-  // the group: up to half an ulp of the largest partial per head, which for keys that many queries
-  // attend to (the first keys under a causal mask) is well above the per-element bound.
-  const bool cudnn_groups =
-      (c.impl == Impl::Cudnn || c.impl == Impl::Auto) && t != DType::F32 && c.hq != c.hkv;
-  auto kv_atol = [&](const Tensor& want_grad) {
-    const double bound = r * std::max(rms(want_grad), floor);
-    if (!cudnn_groups) return bound;
+  // cuDNN rounds more intermediates to the input dtype than our kernels: dS (and P) before the
+  // dQ / dK GEMMs, where a row's few terms can cancel (a query that sees two keys), and each
+  // query head's dK/dV before the grouped-KV sum, up to half an ulp of the largest partial per
+  // head (keys that many queries attend to: the first ones under a causal mask). Measured worst
+  // cases over hundreds of seeds are within twice the per-element bound and the group term below.
+  const bool cudnn = (c.impl == Impl::Cudnn || c.impl == Impl::Auto) && t != DType::F32;
+  const double widen = cudnn ? 2.0 : 1.0;
+  auto atol = [&](const Tensor& want_grad, bool kv) {
+    const double bound = widen * r * std::max(rms(want_grad), floor);
+    if (!cudnn || !kv || c.hq == c.hkv) return bound;
     double max_abs = 0;
     for (double x : want_grad.to_vector()) max_abs = std::max(max_abs, std::fabs(x));
     const double eps = t == DType::BF16 ? 0x1p-8 : 0x1p-11;
     return std::max(bound, static_cast<double>(c.hq / c.hkv) * eps * max_abs);
   };
-  expect_close(gdk, wdk, r, kv_atol(wdk), "grad_k");
-  expect_close(gdv, wdv, r, kv_atol(wdv), "grad_v");
+  expect_close(gdq, wdq, r, atol(wdq, false), "grad_q");
+  expect_close(gdk, wdk, r, atol(wdk, true), "grad_k");
+  expect_close(gdv, wdv, r, atol(wdv, true), "grad_v");
 }
 
 // The tensor-core cases, each run under every backward path: GQA ratios 1, 2 and 4, head dims

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ops/fp8.h"
+#include "tests/ops/fp8_mlp_check.h"
 #include "tests/ops/op_test_util.h"
 
 namespace accel {
@@ -320,6 +321,36 @@ TEST(Fp8Linear, SharedInputCastServesLayersReadingTheSameTensor) {
   std::vector<double> amax = a3.delayed->current_amaxes().to_vector();
   EXPECT_EQ(amax[static_cast<size_t>(a3.slot_input)], amax[static_cast<size_t>(b3.slot_input)]);
   EXPECT_GT(amax[static_cast<size_t>(b3.slot_input)], 1.0);
+}
+
+// The fused fp8 Llama MLP (CPU emulation) against its three projections layer by layer: rows not
+// a multiple of 16 and an intermediate size not a multiple of 16 exercise the padding.
+TEST(Fp8Linear, SwigluMlpMatchesLayerByLayer) {
+  test::expect_fused_mlp_matches_layers(Device::cpu(), 32, 64, 128);
+  test::expect_fused_mlp_matches_layers(Device::cpu(), 74, 64, 72);
+}
+
+// Where the fused form does not apply it declines (the caller runs the layers one by one).
+TEST(Fp8Linear, SwigluMlpDeclinesOutsideDelayedFp8) {
+  test::Fp8MlpContexts c = test::fp8_mlp_contexts(Device::cpu());
+  Tensor x = test::randn({4, 64}, 1, DType::BF16), wg = test::randn({32, 64}, 2, DType::BF16);
+  Tensor wd = test::randn({64, 32}, 3, DType::BF16);
+  EXPECT_TRUE(fp8_swiglu_mlp(x, wg, wg, wd, c.gate, c.up, c.down).defined());
+  EXPECT_FALSE(fp8_swiglu_mlp(cast(x, DType::F32), wg, wg, wd, c.gate, c.up, c.down).defined());
+  test::Fp8MlpContexts hp = c;
+  hp.up.recipe.hp_wgrad = true;
+  EXPECT_FALSE(fp8_swiglu_mlp(x, wg, wg, wd, hp.gate, hp.up, hp.down).defined());
+  test::Fp8MlpContexts other = test::fp8_mlp_contexts(Device::cpu());
+  EXPECT_FALSE(fp8_swiglu_mlp(x, wg, wg, wd, c.gate, c.up, other.down).defined());
+  auto off = std::make_shared<Fp8Autocast>();
+  off->enabled = false;
+  test::Fp8MlpContexts eval = c;
+  for (Fp8LinearContext* ctx : {&eval.gate, &eval.up, &eval.down}) ctx->autocast = off;
+  EXPECT_FALSE(fp8_swiglu_mlp(x, wg, wg, wd, eval.gate, eval.up, eval.down).defined());
+  test::Fp8MlpContexts dyn = c;
+  for (Fp8LinearContext* ctx : {&dyn.gate, &dyn.up, &dyn.down})
+    ctx->recipe.scaling = Fp8Scaling::Dynamic;
+  EXPECT_FALSE(fp8_swiglu_mlp(x, wg, wg, wd, dyn.gate, dyn.up, dyn.down).defined());
 }
 
 }  // namespace

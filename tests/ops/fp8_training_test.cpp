@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -169,7 +170,9 @@ std::pair<Tensor, Tensor> make_batch(uint64_t seed, int64_t B, int64_t S, int64_
   return {Tensor::from_vector(ids, {B, S}), Tensor::from_vector(tg, {B, S})};
 }
 
-std::vector<double> train(const Fp8Config* fp8_cfg, int steps) {
+// `adjust` (if set) edits the model after fp8 is applied.
+std::vector<double> train(const Fp8Config* fp8_cfg, int steps,
+                          const std::function<void(LlamaForCausalLM&)>& adjust = nullptr) {
   LlamaConfig c = tiny_config();  // smaller still: 5 runs of 30 steps must take ~1 s
   c.hidden_size = 32;
   c.intermediate_size = 64;
@@ -178,6 +181,7 @@ std::vector<double> train(const Fp8Config* fp8_cfg, int steps) {
   c.vocab_size = 32;
   LlamaForCausalLM model(c, DType::F32, Device::cpu(), 42);
   std::unique_ptr<Fp8Training> fp8 = fp8_cfg ? apply_fp8(model, *fp8_cfg, Device::cpu()) : nullptr;
+  if (adjust) adjust(model);
   SingleProcessStrategy strategy(DType::BF16);
   OptimizerOptions oo;
   oo.weight_decay = 0.0;
@@ -224,6 +228,34 @@ TEST(Fp8Training, TinyLlamaLossFallsAndTracksBf16) {
         << r.name << ": final loss " << got << " vs bf16 " << ref;
     std::printf("%s: first %.4f final %.4f (bf16 %.4f -> %.4f)\n", r.name, l.front(), got,
                 bf16.front(), ref);
+  }
+}
+
+// TE's recipe trains through the fused MLP (fp8_swiglu_mlp) in every layer, with the losses of the
+// projections run layer by layer; AO's (dynamic scaling) keeps the layers.
+TEST(Fp8Training, FusedMlpTrainsLikeLayerByLayer) {
+  for (const Fp8Config& cfg : {te_config(), ao_config()}) {
+    int taken = 0, calls = 0;
+    auto count = [&](LlamaForCausalLM& m) {
+      for (auto& [name, mod] : m.named_modules())
+        if (auto* mlp = dynamic_cast<LlamaMLP*>(mod)) {
+          ASSERT_TRUE(mlp->fused_fn) << name;
+          mlp->fused_fn = [&, f = mlp->fused_fn](const Tensor& x) {
+            Tensor y = f(x);
+            ++calls;
+            taken += y.defined();
+            return y;
+          };
+        }
+    };
+    auto layers = [](LlamaForCausalLM& m) {
+      for (auto& [name, mod] : m.named_modules())
+        if (auto* mlp = dynamic_cast<LlamaMLP*>(mod)) mlp->fused_fn = nullptr;
+    };
+    const std::vector<double> fused = train(&cfg, 4, count), plain = train(&cfg, 4, layers);
+    EXPECT_EQ(fused, plain) << cfg.backend;
+    EXPECT_EQ(calls, 4 * 2) << cfg.backend;  // 2 layers x 4 steps
+    EXPECT_EQ(taken, cfg.backend == "TE" ? calls : 0) << cfg.backend;
   }
 }
 

@@ -1,0 +1,19 @@
+// The fused fp8 Llama MLP on the GPU (swiglu fused into the casts: ops/cuda/fp8_cast.cu) against
+// the same projections layer by layer (unfused swiglu kernels and casts), bit for bit.
+#include <gtest/gtest.h>
+
+#include "tests/cuda/cuda_test_util.h"
+#include "tests/ops/fp8_mlp_check.h"
+
+namespace accel {
+namespace {
+
+TEST(CudaFp8Mlp, FusedMatchesLayerByLayer) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 256, 128, 256);
+  test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 74, 64, 72);    // padded rows and cols
+  test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 300, 64, 520);  // several tiles
+}
+
+}  // namespace
+}  // namespace accel
