@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <map>
@@ -439,6 +440,7 @@ const Plan* plan_for(bool backward, const AttnParams& a, DType dtype, std::strin
 
 void execute(const Plan& plan, cudaStream_t stream, std::vector<int64_t> uids,
              std::vector<void*> pointers, void* workspace) {
+  std::lock_guard<std::mutex> lock(g_mu);  // the handle's stream is set per call
   DeviceState& st = state(current_device());
   ACCEL_CUDNN_CHECK(cudnnSetStream(st.handle, stream));
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
@@ -475,7 +477,7 @@ bool attention_forward_cudnn(const AttnParams& p, const Tensor& out, const Tenso
   const Plan* plan = plan_for(false, p, q.dtype(), why_not);
   if (!plan) return false;
   float scale = p.scale, neg_inf = -3.4028234663852886e38f;  // finite: -inf - (-inf) is NaN
-  DeviceBuffer workspace(round_up(static_cast<size_t>(plan->workspace)) + 256);
+  DeviceBuffer workspace(std::max<size_t>(static_cast<size_t>(plan->workspace), 256));
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
   std::vector<void*> ptrs{q.data_ptr(),   k.data_ptr(),   v.data_ptr(),
                           out.data_ptr(), lse.data_ptr(), &scale};
