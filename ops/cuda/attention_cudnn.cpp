@@ -275,39 +275,80 @@ void make_plan(Plan& p, cudnnHandle_t handle) {
               " engine configurations cuDNN offers for this attention graph finalizes";
 }
 
+// Dimensions and layouts both graphs use, and their shared start.
+struct AttnGraph {
+  GraphBuilder& g;
+  cudnnDataType_t io;
+  int64_t b, hq, hk, s, d;
+  Dims scores, scores_st, row, row_st;
+
+  AttnGraph(GraphBuilder& builder, const AttnParams& a, DType dtype)
+      : g(builder),
+        io(cudnn_dtype(dtype)),
+        b(a.b),
+        hq(a.hq),
+        hk(a.hkv),
+        s(a.sq),
+        d(a.d),
+        scores{b, hq, s, s},
+        scores_st{hq * s * s, s * s, s, 1},
+        row{b, hq, s, 1},
+        row_st{hq * s, s, 1, 1} {}
+
+  // q, out and their gradients; k/v and their gradients; k/v as [B, H, D, S]; the lse.
+  cudnnBackendDescriptor_t q_like(int64_t uid) {
+    return g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, uid);
+  }
+  cudnnBackendDescriptor_t kv_like(int64_t uid) {
+    return g.tensor(io, {b, hk, s, d}, bshd_strides(s, hk, d), false, uid);
+  }
+  cudnnBackendDescriptor_t kv_transposed(int64_t uid) {
+    return g.tensor(io, {b, hk, d, s}, bshd_strides_t(s, hk, d), false, uid);
+  }
+  cudnnBackendDescriptor_t stats() {
+    return g.tensor(CUDNN_DATA_FLOAT, row, row_st, false, kStats);
+  }
+  cudnnBackendDescriptor_t score_temp(cudnnDataType_t dtype = CUDNN_DATA_FLOAT) {
+    return g.temp(scores, scores_st, dtype);
+  }
+  cudnnBackendDescriptor_t row_temp() { return g.temp(row, row_st); }
+
+  // scale * Q K^T.
+  cudnnBackendDescriptor_t scaled_scores(cudnnBackendDescriptor_t q, cudnnBackendDescriptor_t kt,
+                                         cudnnBackendDescriptor_t scale) {
+    auto qk = score_temp();
+    g.matmul(q, kt, qk);
+    auto scaled = score_temp();
+    g.pointwise(CUDNN_POINTWISE_MUL, qk, scaled, scale);
+    return scaled;
+  }
+  cudnnBackendDescriptor_t masked(cudnnBackendDescriptor_t x, bool causal) {
+    return causal ? g.causal_mask(x, scores, scores_st, kNegInf) : x;
+  }
+};
+
 std::unique_ptr<Plan> build_forward(const AttnParams& a, DType dtype, cudnnHandle_t handle) {
   auto p = std::make_unique<Plan>();
   p->builder = std::make_unique<GraphBuilder>();
   GraphBuilder& g = *p->builder;
-  const cudnnDataType_t io = cudnn_dtype(dtype);
-  const int64_t b = a.b, hq = a.hq, hk = a.hkv, s = a.sq, d = a.d;
-  const Dims scores{b, hq, s, s}, scores_st{hq * s * s, s * s, s, 1};
-  const Dims row{b, hq, s, 1}, row_st{hq * s, s, 1, 1};
+  AttnGraph t(g, a, dtype);
+  auto q = t.q_like(kQ), kt = t.kv_transposed(kK), v = t.kv_like(kV), o = t.q_like(kO);
+  auto stats = t.stats();
 
-  auto q = g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, kQ);
-  auto kt = g.tensor(io, {b, hk, d, s}, bshd_strides_t(s, hk, d), false, kK);
-  auto v = g.tensor(io, {b, hk, s, d}, bshd_strides(s, hk, d), false, kV);
-  auto o = g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, kO);
-  auto stats = g.tensor(CUDNN_DATA_FLOAT, row, row_st, false, kStats);
-
-  auto qk = g.temp(scores, scores_st);
-  g.matmul(q, kt, qk);
-  auto scaled = g.temp(scores, scores_st);
-  g.pointwise(CUDNN_POINTWISE_MUL, qk, scaled, g.scalar(kScale));
-  auto logits = a.causal ? g.causal_mask(scaled, scores, scores_st, kNegInf) : scaled;
+  auto logits = t.masked(t.scaled_scores(q, kt, g.scalar(kScale)), a.causal);
   // Softmax with saved statistics: stats = max + log(sum(exp(x - max))).
-  auto row_max = g.temp(row, row_st);
+  auto row_max = t.row_temp();
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, logits, row_max);
-  auto shifted = g.temp(scores, scores_st);
+  auto shifted = t.score_temp();
   g.pointwise(CUDNN_POINTWISE_SUB, logits, shifted, row_max);
-  auto e = g.temp(scores, scores_st);
+  auto e = t.score_temp();
   g.pointwise(CUDNN_POINTWISE_EXP, shifted, e);
-  auto row_sum = g.temp(row, row_st);
+  auto row_sum = t.row_temp();
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
-  auto log_sum = g.temp(row, row_st);
+  auto log_sum = t.row_temp();
   g.pointwise(CUDNN_POINTWISE_LOG, row_sum, log_sum);
   g.pointwise(CUDNN_POINTWISE_ADD, row_max, stats, log_sum);
-  auto probs = g.temp(scores, scores_st, io);  // P is rounded to the input dtype for P V
+  auto probs = t.score_temp(t.io);  // P is rounded to the input dtype for P V
   g.pointwise(CUDNN_POINTWISE_DIV, e, probs, row_sum);
   g.matmul(probs, v, o);
   make_plan(*p, handle);
@@ -318,81 +359,65 @@ std::unique_ptr<Plan> build_backward(const AttnParams& a, DType dtype, cudnnHand
   auto p = std::make_unique<Plan>();
   p->builder = std::make_unique<GraphBuilder>();
   GraphBuilder& g = *p->builder;
-  const cudnnDataType_t io = cudnn_dtype(dtype);
-  const int64_t b = a.b, hq = a.hq, hk = a.hkv, s = a.sq, d = a.d;
-  const Dims scores{b, hq, s, s}, scores_st{hq * s * s, s * s, s, 1};
+  AttnGraph t(g, a, dtype);
+  const int64_t b = t.b, hq = t.hq, hk = t.hk, s = t.s, d = t.d;
   const Dims scores_t_st{hq * s * s, s * s, 1, s};  // the transposed [B, H, Sk, Sq] view
-  const Dims row{b, hq, s, 1}, row_st{hq * s, s, 1, 1};
-
-  auto q = g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, kQ);
-  auto kt = g.tensor(io, {b, hk, d, s}, bshd_strides_t(s, hk, d), false, kK);
-  auto vt = g.tensor(io, {b, hk, d, s}, bshd_strides_t(s, hk, d), false, kV);
-  auto o = g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, kO);
-  auto d_o = g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, kDO);
-  auto stats = g.tensor(CUDNN_DATA_FLOAT, row, row_st, false, kStats);
-  auto dq = g.tensor(io, {b, hq, s, d}, bshd_strides(s, hq, d), false, kDQ);
-  auto dk = g.tensor(io, {b, hk, s, d}, bshd_strides(s, hk, d), false, kDK);
-  auto dv = g.tensor(io, {b, hk, s, d}, bshd_strides(s, hk, d), false, kDV);
+  auto q = t.q_like(kQ), kt = t.kv_transposed(kK), vt = t.kv_transposed(kV), o = t.q_like(kO);
+  auto d_o = t.q_like(kDO), stats = t.stats();
+  auto dq = t.q_like(kDQ), dk = t.kv_like(kDK), dv = t.kv_like(kDV);
   auto scale = g.scalar(kScale);
 
   // softmax_sum = rowsum(dO * O) (FlashAttention's delta), kept in the workspace.
   auto do_o = g.temp({b, hq, s, d}, {hq * s * d, s * d, hq * d, 1});
   g.pointwise(CUDNN_POINTWISE_MUL, d_o, do_o, o);
-  auto delta = g.temp(row, row_st);
+  auto delta = t.row_temp();
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, delta);
-  auto softmax_sum = g.tensor(CUDNN_DATA_FLOAT, row, row_st, false, kSoftmaxSum);
+  auto softmax_sum = g.tensor(CUDNN_DATA_FLOAT, t.row, t.row_st, false, kSoftmaxSum);
   g.pointwise(CUDNN_POINTWISE_MUL, delta, softmax_sum, g.scalar(kOne));
 
   // P = exp(scale * Q K^T - stats), masked.
-  auto qk = g.temp(scores, scores_st);
-  g.matmul(q, kt, qk);
-  auto scaled = g.temp(scores, scores_st);
-  g.pointwise(CUDNN_POINTWISE_MUL, qk, scaled, scale);
-  auto shifted = g.temp(scores, scores_st);
-  g.pointwise(CUDNN_POINTWISE_SUB, scaled, shifted, stats);
-  auto logits = a.causal ? g.causal_mask(shifted, scores, scores_st, kNegInf) : shifted;
-  auto probs = g.temp(scores, scores_st);
-  g.pointwise(CUDNN_POINTWISE_EXP, logits, probs);
+  auto shifted = t.score_temp();
+  g.pointwise(CUDNN_POINTWISE_SUB, t.scaled_scores(q, kt, scale), shifted, stats);
+  auto probs = t.score_temp();
+  g.pointwise(CUDNN_POINTWISE_EXP, t.masked(shifted, a.causal), probs);
 
   // dV = P^T dO (per q head, then summed over each KV head's group). The per-head partial sums are
   // in the input dtype: that is the pattern cuDNN knows (declared fp32, the graph still finalizes
   // but computes wrong gradients, measured on the H200 with cuDNN 9.14).
-  auto probs_t = g.temp({b, hq, s, s}, scores_t_st, io);
+  auto probs_t = g.temp(t.scores, scores_t_st, t.io);
   g.reshape(probs, probs_t);
   const Dims kv_full{b, hq, s, d}, kv_full_st{hq * s * d, s * d, d, 1};
-  if (hq == hk) {
-    g.matmul(probs_t, d_o, dv);
-  } else {
-    auto dv_full = g.temp(kv_full, kv_full_st, io);
-    g.matmul(probs_t, d_o, dv_full);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dv_full, dv);
-  }
+  auto per_group = [&](cudnnBackendDescriptor_t lhs, cudnnBackendDescriptor_t rhs,
+                       cudnnBackendDescriptor_t out) {
+    if (hq == hk) {
+      g.matmul(lhs, rhs, out);
+      return;
+    }
+    auto full = g.temp(kv_full, kv_full_st, t.io);
+    g.matmul(lhs, rhs, full);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
+  };
+  per_group(probs_t, d_o, dv);
 
   // dS = scale * P * (dO V^T - softmax_sum).
-  auto dp = g.temp(scores, scores_st);
+  auto dp = t.score_temp();
   g.matmul(d_o, vt, dp);
-  auto dp_centered = g.temp(scores, scores_st);
+  auto dp_centered = t.score_temp();
   g.pointwise(CUDNN_POINTWISE_SUB, dp, dp_centered, softmax_sum);
-  auto ds_unscaled = g.temp(scores, scores_st);
+  auto ds_unscaled = t.score_temp();
   g.pointwise(CUDNN_POINTWISE_MUL, dp_centered, ds_unscaled, probs);
-  auto ds = g.temp(scores, scores_st);
+  auto ds = t.score_temp();
   g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, ds, scale);
 
   // dK = dS^T Q.
-  auto ds_t = g.temp({b, hq, s, s}, scores_t_st, io);
+  auto ds_t = g.temp(t.scores, scores_t_st, t.io);
   g.reshape(ds, ds_t);
-  if (hq == hk) {
-    g.matmul(ds_t, q, dk);
-  } else {
-    auto dk_full = g.temp(kv_full, kv_full_st, io);
-    g.matmul(ds_t, q, dk_full);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dk_full, dk);
-  }
+  per_group(ds_t, q, dk);
 
   // dQ = dS K, accumulated in fp32 in the workspace, then converted.
   auto k_rows = g.temp({b, hk, s, d}, bshd_strides(s, hk, d));
   g.reshape(kt, k_rows);
-  auto dq_accum = g.tensor(CUDNN_DATA_FLOAT, {b, hq, s, d}, kv_full_st, false, kDQAccum);
+  auto dq_accum = g.tensor(CUDNN_DATA_FLOAT, kv_full, kv_full_st, false, kDQAccum);
   g.matmul(ds, k_rows, dq_accum);
   g.pointwise(CUDNN_POINTWISE_IDENTITY, dq_accum, dq);
   make_plan(*p, handle);
