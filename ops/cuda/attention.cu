@@ -55,7 +55,10 @@ bool try_cudnn(const std::function<bool(std::string*)>& run) {
   std::string why;
   if (run(&why)) return true;
   if (g_impl == AttnImpl::Cudnn)
-    throw std::invalid_argument("[attention] ACCEL_ATTENTION=cudnn, but " + why);
+    throw std::invalid_argument(
+        "[attention] cuDNN attention was demanded (ACCEL_ATTENTION=cudnn or "
+        "set_attention_impl(\"cudnn\")), but " +
+        why);
   note_cudnn_declined(why);
   return false;
 }

@@ -451,11 +451,16 @@ const Plan* plan_for(bool backward, const AttnParams& a, DType dtype, std::strin
   const auto key = std::make_tuple(backward, a.b, a.sq, a.hq, a.hkv, a.d, static_cast<int>(dtype),
                                    a.causal, a.scale);
   auto it = st.plans.find(key);
-  if (it == st.plans.end())
-    it = st.plans
-             .emplace(key, backward ? build_backward(a, dtype, st.handle)
-                                    : build_forward(a, dtype, st.handle))
-             .first;
+  if (it == st.plans.end()) {
+    std::unique_ptr<Plan> plan;
+    try {
+      plan = backward ? build_backward(a, dtype, st.handle) : build_forward(a, dtype, st.handle);
+    } catch (const std::runtime_error& e) {  // cuDNN refused a descriptor of the graph
+      plan = std::make_unique<Plan>();
+      plan->why_not = std::string("cuDNN refused the attention graph: ") + e.what();
+    }
+    it = st.plans.emplace(key, std::move(plan)).first;
+  }
   if (!it->second->supported) {
     if (why_not) *why_not = it->second->why_not;
     return nullptr;
