@@ -65,6 +65,17 @@ Fp8Tensor make_fp8(const Tensor& x, DType fmt, const Fp8CastOptions& opts) {
 Tensor contiguous_raw(const Tensor& x) { return x.is_contiguous() ? x : x.clone(); }
 
 // The [rows, cols] corner of a padded 2-d result (a view when only rows were padded).
+// x [..., K] as the 2-d [rows, K] the GEMMs take, detached (a view when x is contiguous).
+Tensor as_rows(const Tensor& x, int64_t K) {
+  return x.is_contiguous() ? x.detach().as_strided({x.numel() / K, K}, {K, 1}, x.offset())
+                           : reshape(x.detach(), {-1, K});
+}
+
+// A contiguous GEMM result viewed with `shape` (the same number of elements).
+Tensor with_shape(const Tensor& t, const Shape& shape) {
+  return t.as_strided(shape, contiguous_strides(shape), t.offset());
+}
+
 Tensor unpad(const Tensor& t, int64_t rows, int64_t cols) {
   if (t.size(1) == cols) return t.size(0) == rows ? t : narrow(t, 0, 0, rows);
   return contiguous(narrow(narrow(t, 0, 0, rows), 1, 0, cols));
@@ -361,7 +372,7 @@ Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const
   }
   Shape out_shape = s.x_shape;
   out_shape.back() = s.N;
-  Tensor y = y2.as_strided(out_shape, contiguous_strides(out_shape), y2.offset());
+  Tensor y = with_shape(y2, out_shape);
   if (!want_dx && !want_dw) return y;
   return record("fp8_linear", y, {x, weight}, [=](const Tensor& g) {
     Tensor g2 = contiguous(reshape(g, {-1, s.N}));
@@ -439,9 +450,7 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   const Fp8Recipe& r = ctx.recipe;
   LinearShapes s{x.shape(), 0, weight.size(0), weight.size(1), x.dtype(), weight.dtype()};
   if (x.numel() == 0 || s.K == 0) return linear(x, weight, bias);  // nothing to quantize
-  Tensor x2 = x.is_contiguous()
-                  ? x.detach().as_strided({x.numel() / s.K, s.K}, {s.K, 1}, x.offset())
-                  : reshape(x.detach(), {-1, s.K});
+  Tensor x2 = as_rows(x, s.K);
   s.M = x2.size(0);
   const bool want_dx = grad_enabled() && x.requires_grad();
   const bool want_dw = grad_enabled() && weight.requires_grad();
@@ -508,7 +517,7 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
     }
     Shape out_shape = s.x_shape;
     out_shape.back() = s.N;
-    y = y2.as_strided(out_shape, contiguous_strides(out_shape), y2.offset());
+    y = with_shape(y2, out_shape);
     if (need_grad) {
       // Saved for backward: the fp8 transposes (1 byte per element), or the high-precision
       // tensors for the GEMMs that run in high precision.
@@ -529,7 +538,7 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
           } else {
             dx2 = unpad(fp8_gemm(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, false), s.M, s.K);
           }
-          dx = dx2.as_strided(s.x_shape, contiguous_strides(s.x_shape), dx2.offset());
+          dx = with_shape(dx2, s.x_shape);
         }
         if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
           if (r.hp_wgrad) {
@@ -608,8 +617,7 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
     return fp8_cast(t, fmt, d.scale(slot), amax_of(slot), Fp8CastOptions{row, col, 16});
   };
 
-  Tensor x2 = x.is_contiguous() ? x.detach().as_strided({x.numel() / K, K}, {K, 1}, x.offset())
-                                : reshape(x.detach(), {-1, K});
+  Tensor x2 = as_rows(x, K);
   const int64_t M = x2.size(0);
   const bool want_dx = grad_enabled() && x.requires_grad();
   const bool want_dwg = grad_enabled() && w_gate.requires_grad();
@@ -641,7 +649,7 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   Tensor y2 = unpad(fp8_gemm(qh.data, qh.scale_inv, qwd.data, qwd.scale_inv, act, true), M, H);
   Shape out_shape = x.shape();
   out_shape.back() = H;
-  Tensor y = y2.as_strided(out_shape, contiguous_strides(out_shape), y2.offset());
+  Tensor y = with_shape(y2, out_shape);
   if (!(want_dh || want_dwd)) return y;
 
   // Saved for backward: the transposed fp8 copies (and swiglu's inputs), not the row-major ones.
@@ -687,7 +695,7 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
         Tensor a = fp8_gemm(qdg.data, qdg.scale_inv, wg_t, wg_si, act, false);
         Tensor b = fp8_gemm(qdu.data, qdu.scale_inv, wu_t, wu_si, act, false);
         Tensor dx2 = unpad(add(a, b), M, K);
-        dx = dx2.as_strided(x_shape, contiguous_strides(x_shape), dx2.offset());
+        dx = with_shape(dx2, x_shape);
       }
       if (want_dwg)
         dwg = unpad(fp8_gemm(qdg.data_t, qdg.scale_inv, x_t, x_si, wg_dtype, false), F, K);

@@ -41,11 +41,9 @@ bool attention_backward_mma(const AttnParams& p, const Tensor& grad_q, const Ten
 // generic kernels.
 enum class AttnImpl { Auto, Cudnn, Flash, Generic };
 
-// cuDNN's fused flash attention (attention_cudnn.cpp). Empty when cuDNN can take the problem by
-// its shape and dtype, else the reason it cannot.
-std::string cudnn_attention_unsupported(const AttnParams& p, DType dtype);
-// Run cuDNN's kernels; false (with the reason in `why_not`) where cuDNN does not support the
-// problem. The backward's lse is the forward's (either implementation's).
+// cuDNN's fused flash attention (attention_cudnn.cpp). Run cuDNN's kernels; false (with the reason
+// in `why_not`) where cuDNN does not support the problem. The backward's lse is the forward's
+// (either implementation's).
 bool attention_forward_cudnn(const AttnParams& p, const Tensor& out, const Tensor& lse,
                              const Tensor& q, const Tensor& k, const Tensor& v, cudaStream_t stream,
                              std::string* why_not);

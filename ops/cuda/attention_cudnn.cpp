@@ -485,8 +485,7 @@ void execute(const Plan& plan, cudaStream_t stream, std::vector<int64_t> uids,
 
 size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
 
-}  // namespace
-
+// Empty when cuDNN can take the problem by its shape and dtype, else the reason it cannot.
 std::string cudnn_attention_unsupported(const AttnParams& p, DType dtype) {
   if (dtype != DType::BF16 && dtype != DType::F16)
     return "cuDNN's fused attention needs bf16 or f16";
@@ -496,6 +495,8 @@ std::string cudnn_attention_unsupported(const AttnParams& p, DType dtype) {
   if (p.sq == 0 || p.b == 0) return "empty problem";
   return "";
 }
+
+}  // namespace
 
 bool attention_forward_cudnn(const AttnParams& p, const Tensor& out, const Tensor& lse,
                              const Tensor& q, const Tensor& k, const Tensor& v, cudaStream_t stream,

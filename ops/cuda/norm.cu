@@ -61,12 +61,16 @@ __device__ __forceinline__ uint4 pack(const float* f) {
 // o += the N pending gradient values at p (grad_x_add), in fp32 before the one rounding to T.
 // __fadd_rn is never contracted into an FMA with the product that made o, so an fp32 result equals
 // the unfused backward-then-add bit for bit.
+template <int N>
+__device__ __forceinline__ void fold_pending(float* o, const float* a) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) o[k] = __fadd_rn(o[k], a[k]);
+}
 template <class T, int N>
 __device__ __forceinline__ void add_pending(float* o, const T* p) {
   float a[N];
   loadn<T, N>(p, a);
-#pragma unroll
-  for (int k = 0; k < N; ++k) o[k] = __fadd_rn(o[k], a[k]);
+  fold_pending<N>(o, a);
 }
 
 // Warp-per-row kernels: a row of d = 16-byte vectors * N stays in registers, lane l holding the
@@ -193,11 +197,10 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       unpack<T>(*reinterpret_cast<const uint4*>(w + j), wf);
 #pragma unroll
       for (int k = 0; k < N; ++k) o[k] = inv * (wf[k] * gf[k] - xf[k] * c2);
-      if (gadd) {  // as add_pending
+      if (gadd) {
         float af[N];
         unpack<T>(av[i], af);
-#pragma unroll
-        for (int k = 0; k < N; ++k) o[k] = __fadd_rn(o[k], af[k]);
+        fold_pending<N>(o, af);
       }
       *reinterpret_cast<uint4*>(gx + r * d + j) = pack<T>(o);
     }
