@@ -97,6 +97,18 @@ TEST(AccelTrain, UnknownKeyIsAConfigErrorWithSuggestion) {
   EXPECT_FALSE(fs::exists(d / "out"));
 }
 
+TEST(AccelTrain, EvaluationWithoutAnEvaluationSplitIsAnError) {
+  fs::path d = temp_dir("noeval");
+  fs::path cfg = write_config(d, kTinyConfig);
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
+                             " --set training.eval_every=5");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("training.eval_every is 5 but data (synthetic) has no evaluation split"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(d / "out" / "metrics.jsonl"));
+}
+
 TEST(AccelTrain, RefusesAnOutputFolderHoldingAnotherRun) {
   fs::path d = temp_dir("occupied");
   fs::path cfg = write_config(d, kTinyConfig);

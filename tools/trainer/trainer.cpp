@@ -23,6 +23,7 @@
 #include "runtime/data/loader.h"
 #include "runtime/data/tokenizer.h"
 #include "tools/trainer/checkpoint.h"
+#include "tools/trainer/loss_chart.h"
 #include "tools/trainer/progress.h"
 
 namespace accel {
@@ -281,6 +282,11 @@ int train(const TrainOptions& opt) {
   oo.momentum = cfg.optimizer.momentum;
   strategy->setup(model, oo);
   DataSources data = make_data_sources(data_options(cfg, mc, rank, world));
+  if (cfg.training.eval_every > 0 && !data.eval)
+    throw UsageError("training.eval_every is " + std::to_string(cfg.training.eval_every) +
+                     " but data (" + cfg.data.source +
+                     ") has no evaluation split: hold one out (data.eval_fraction, or "
+                     "data.eval_path for shards) or set training.eval_every: 0");
   std::unique_ptr<Tokenizer> tokenizer =
       cfg.data.source == "synthetic" ? nullptr : make_tokenizer(cfg.data.tokenizer);
 
@@ -339,8 +345,23 @@ int train(const TrainOptions& opt) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count());
   if (main_rank && fp8) std::fprintf(stderr, "%s\n", fp8->describe().c_str());
 
-  MetricsLog metrics((fs::path(out_dir) / cfg.logging.metrics_file).string(), main_rank, resuming);
+  const std::string metrics_path = (fs::path(out_dir) / cfg.logging.metrics_file).string();
+  MetricsLog metrics(metrics_path, main_rank, resuming);
   Progress progress(cfg.training.progress, cfg.training.max_steps, step, main_rank);
+  // <output_dir>/loss.svg, redrawn from the metrics file after each evaluation and at the end. A
+  // chart that cannot be written is worth a warning, not the run.
+  const std::string chart_path = (fs::path(out_dir) / "loss.svg").string();
+  auto write_loss_chart = [&] {
+    if (!main_rank) return;
+    try {
+      const std::string title = fs::path(out_dir).filename().string() + ": " + cfg.mixed_precision +
+                                " precision, " + strategy->name() + " x " + std::to_string(world);
+      std::ofstream(chart_path) << loss_chart_svg({read_loss_curve(metrics_path, "this run")},
+                                                  title);
+    } catch (const std::exception& e) {
+      progress.println(std::string("warning: loss chart not written: ") + e.what());
+    }
+  };
   CheckpointWriter writer{rank, world, [&dist] { dist.barrier(); }, fp8.get(), dist.pg.get()};
   auto save = [&](int64_t at_step) {
     TrainerState st;
@@ -376,6 +397,7 @@ int train(const TrainOptions& opt) {
   auto last_log = train_start;
   int64_t last_log_step = step;
   double last_loss = NAN, last_eval = NAN;
+  int64_t eval_step = 0;  // the step of an evaluation not yet logged
   CommStats last_comm;
   if (dist.pg) last_comm = dist.pg->stats();
   double last_host_wait = cuda::host_wait_seconds();
@@ -442,6 +464,7 @@ int train(const TrainOptions& opt) {
     last_loss = loss;
     if (cfg.training.eval_every > 0 && step % cfg.training.eval_every == 0) {
       last_eval = evaluate();
+      eval_step = step;
       progress.println("step " + std::to_string(step) + " eval_loss " + std::to_string(last_eval));
     }
     if (step % cfg.training.log_every == 0 || step == cfg.training.max_steps) {
@@ -482,8 +505,15 @@ int train(const TrainOptions& opt) {
                                       {"optimizer", host_busy[2] * 1e3 / steps_logged}};
         host_busy = {};
       }
-      if (std::isfinite(last_eval)) j["eval_loss"] = last_eval;
+      // An evaluation is logged once, on the first logged line after it (eval_step says when it
+      // ran where that is an earlier step).
+      if (eval_step > 0) {
+        j["eval_loss"] = last_eval;
+        if (eval_step != step) j["eval_step"] = eval_step;
+      }
       metrics.write(j);
+      if (eval_step > 0) write_loss_chart();
+      eval_step = 0;
     }
     if (cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0 &&
         step < cfg.training.max_steps)
@@ -535,6 +565,7 @@ int train(const TrainOptions& opt) {
     const nlohmann::json report = strategy->run_report();
     if (report.is_object()) summary.update(report);
     metrics.write(summary);
+    if (step > 0) write_loss_chart();
     const std::string report_line = strategy->run_report_line();
     if (!report_line.empty()) std::fprintf(stderr, "%s\n", report_line.c_str());
     std::fprintf(

@@ -1,0 +1,31 @@
+// Loss curves read from a run's metrics.jsonl and drawn as an SVG line chart: accel-train keeps
+// <output_dir>/loss.svg up to date for its run, accel-plot overlays several runs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace accel {
+
+struct LossCurve {
+  std::string label;
+  std::vector<std::pair<int64_t, double>> train;  // (step, loss), ascending steps
+  std::vector<std::pair<int64_t, double>> eval;   // (step, eval_loss), ascending steps
+};
+
+// The step lines of a metrics.jsonl. Where a resumed run logged a step again, the later line
+// wins. A torn last line (the file of a run still writing) is skipped; any other line that is not
+// JSON, a missing file or a file without a training loss throws std::runtime_error naming the
+// file (and the line).
+LossCurve read_loss_curve(const std::string& metrics_path, const std::string& label);
+
+// One chart: x = optimizer step, y = loss; training loss as thin lines, evaluation loss as thick
+// lines with dots, one colour per curve, a legend. Points before `from_step` are left out (the
+// first steps' high loss squeezes the rest of the chart). Throws std::invalid_argument when no
+// curve has a point at or after from_step.
+std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::string& title,
+                           int64_t from_step = 0);
+
+}  // namespace accel
