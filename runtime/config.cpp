@@ -893,7 +893,8 @@ std::vector<Field> build_schema() {
             "Sequences per micro-batch per process."));
   add(f_int("training.seq_len", ACCEL_REF(training.seq_len), 1, kMax, "Tokens per sequence."));
   add(f_int("training.eval_every", ACCEL_REF(training.eval_every), 0, kMax,
-            "Evaluate every N steps (0 = off)."));
+            "Evaluate every N steps (0 = off); needs an evaluation split (data.eval_fraction, "
+            "or data.eval_path for shards)."));
   add(f_int("training.eval_batches", ACCEL_REF(training.eval_batches), 1, kMax,
             "Micro-batches per evaluation."));
   add(f_int("training.log_every", ACCEL_REF(training.log_every), 1, kMax,
