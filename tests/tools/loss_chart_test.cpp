@@ -7,12 +7,12 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "tests/data/test_util.h"
 #include "tests/tools/run_tool.h"
 
 namespace fs = std::filesystem;
@@ -20,29 +20,11 @@ namespace fs = std::filesystem;
 namespace {
 
 using accel::LossCurve;
+using accel::testing::error_of;
 
 fs::path write_file(const fs::path& p, const std::string& text) {
-  std::ofstream(p) << text;
+  accel::testing::write_bytes(p.string(), text);
   return p;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// The what() of the exception `f` throws; fails the test when it throws none.
-template <class F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no exception";
-  return "";
 }
 
 struct Point {
@@ -162,7 +144,7 @@ TEST(AccelPlot, OverlaysRunsAndSaysWhatIsWrong) {
                 &out),
             0)
       << out;
-  std::string svg = read_file(d / "c.svg");
+  std::string svg = accel::testing::read_bytes((d / "c.svg").string());
   EXPECT_EQ(polylines(svg, "train").size(), 2u);
   EXPECT_NE(svg.find(">run_a<"), std::string::npos);  // the folder's name as the label
   EXPECT_NE(svg.find(">fp8<"), std::string::npos);
@@ -193,7 +175,7 @@ checkpoint: {every_steps: 0, at_end: false}
   auto r = accel::tool_test::run_accel_train("--config " + cfg.string() + " --output-dir " +
                                              (d / "out").string());
   ASSERT_EQ(r.code, 0) << r.output;
-  std::string svg = read_file(d / "out" / "loss.svg");
+  std::string svg = accel::testing::read_bytes((d / "out" / "loss.svg").string());
   auto train = polylines(svg, "train");
   ASSERT_EQ(train.size(), 1u) << svg;
   EXPECT_EQ(train[0].size(), 3u);  // steps 2, 4, 6
