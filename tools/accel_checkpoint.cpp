@@ -20,6 +20,7 @@
 
 #include "parallel/sharding.h"
 #include "runtime/safetensors.h"
+#include "tools/cli.h"
 
 namespace fs = std::filesystem;
 
@@ -148,12 +149,7 @@ int main(int argc, char** argv) {
   cons->add_option("OUT_DIR", out, "output folder")->required();
   cons->add_option("--dtype", dtype, "dtype of the written weights")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (auto code = accel::parse_command_line(app, argc, argv)) return *code;
   try {
     return accel::consolidate(ckpt, out, dtype);
   } catch (const std::exception& e) {

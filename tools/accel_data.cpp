@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "runtime/data/data.h"
+#include "tools/cli.h"
 
 namespace {
 
@@ -77,12 +78,7 @@ int main(int argc, char** argv) {
   app.add_flag("--info", show_info, "print the header of each shard given as FILES and exit");
   app.add_option("--decode", decode, "with --info: decode this many first tokens");
   app.add_option("FILES", files, "text files or glob patterns (shards with --info)")->required();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (auto code = accel::parse_command_line(app, argc, argv)) return *code;
 
   try {
     if (show_info) return info(files, tokenizer, decode);

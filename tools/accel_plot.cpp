@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/cli.h"
 #include "tools/trainer/loss_chart.h"
 
 namespace fs = std::filesystem;
@@ -29,12 +30,7 @@ int main(int argc, char** argv) {
   app.add_option("--from-step", from_step,
                  "leave out the steps before this one (the first steps' loss squeezes the rest)")
       ->check(CLI::NonNegativeNumber);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (auto code = accel::parse_command_line(app, argc, argv)) return *code;
 
   try {
     std::vector<accel::LossCurve> curves;

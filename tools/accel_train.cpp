@@ -2,6 +2,7 @@
 //             [--print-config]
 #include <CLI/CLI.hpp>
 
+#include "tools/cli.h"
 #include "tools/trainer/trainer.h"
 
 int main(int argc, char** argv) {
@@ -13,11 +14,6 @@ int main(int argc, char** argv) {
   app.add_option("--output-dir,-o", o.output_dir, "output folder (overrides training.output_dir)");
   app.add_option("--resume", o.resume, "auto (newest complete checkpoint) or a checkpoint folder");
   app.add_flag("--print-config", o.print_config, "print the effective config and exit");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (auto code = accel::parse_command_line(app, argc, argv)) return *code;
   return accel::run_training(o, argc, argv);
 }
