@@ -123,6 +123,22 @@ TEST(LossChart, CurvesAreDrawnInsideThePlotHighLossAtTheTop) {
   EXPECT_NE(e.find("no logged step at or after step 21"), std::string::npos) << e;
 }
 
+TEST(LossChart, LongRunsAreThinnedOutKeepingSpikes) {
+  LossCurve c{"long", {}, {}};
+  for (int64_t s = 1; s <= 100000; ++s) c.train.push_back({s, s == 77777 ? 9.0 : 3.0 - 1e-5 * s});
+  auto line = polylines(accel::loss_chart_svg({c}, "t"), "train");
+  ASSERT_EQ(line.size(), 1u);
+  EXPECT_LE(line[0].size(), 2000u);
+  EXPECT_GE(line[0].size(), 1000u);
+  double top = 1e9, right = 0;
+  for (const Point& p : line[0]) {
+    top = std::min(top, p.y);
+    right = std::max(right, p.x);
+  }
+  EXPECT_LT(top, 60);       // the spike (the highest loss) reaches the top of the plot
+  EXPECT_GT(right, 579.0);  // and the last step is still drawn
+}
+
 int run(const std::string& cmd, std::string* output) {
   FILE* p = popen((cmd + " 2>&1").c_str(), "r");
   char buf[4096];

@@ -83,6 +83,25 @@ double tick_step(double span, int target) {
   return 10 * p;
 }
 
+// At most about 2 * kMaxBuckets points of a long run: per bucket of consecutive points its lowest
+// and its highest (in step order), so that a one-step spike still shows.
+constexpr size_t kMaxBuckets = 1000;
+std::vector<std::pair<int64_t, double>> thin_out(std::vector<std::pair<int64_t, double>> pts) {
+  if (pts.size() <= 2 * kMaxBuckets) return pts;
+  const size_t per = (pts.size() + kMaxBuckets - 1) / kMaxBuckets;
+  std::vector<std::pair<int64_t, double>> out;
+  for (size_t b = 0; b < pts.size(); b += per) {
+    const auto first = pts.begin() + static_cast<std::ptrdiff_t>(b);
+    const auto last = pts.begin() + static_cast<std::ptrdiff_t>(std::min(b + per, pts.size()));
+    auto by_value = [](const auto& x, const auto& y) { return x.second < y.second; };
+    auto lo = std::min_element(first, last, by_value), hi = std::max_element(first, last, by_value);
+    if (lo->first > hi->first) std::swap(lo, hi);
+    out.push_back(*lo);
+    if (hi != lo) out.push_back(*hi);
+  }
+  return out;
+}
+
 std::string num(double v) {
   char b[32];
   std::snprintf(b, sizeof b, "%g", v);
@@ -152,9 +171,12 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
     const char* colour = colours[i % (sizeof colours / sizeof colours[0])];
     auto polyline = [&](const std::vector<std::pair<int64_t, double>>& pts, const char* cls,
                         double stroke) {
+      std::vector<std::pair<int64_t, double>> shown;
+      for (const auto& pt : pts)
+        if (pt.first >= from_step) shown.push_back(pt);
       std::string points;
-      for (const auto& [s, v] : pts)
-        if (s >= from_step) points += (points.empty() ? "" : " ") + xy(s, v);
+      for (const auto& [s, v] : thin_out(std::move(shown)))
+        points += (points.empty() ? "" : " ") + xy(s, v);
       if (points.empty()) return;
       o << "<polyline class=\"" << cls << "\" points=\"" << points << "\" fill=\"none\" stroke=\""
         << colour << "\" stroke-width=\"" << stroke << "\""

@@ -22,9 +22,10 @@ struct LossCurve {
 LossCurve read_loss_curve(const std::string& metrics_path, const std::string& label);
 
 // One chart: x = optimizer step, y = loss; training loss as thin lines, evaluation loss as thick
-// lines with dots, one colour per curve, a legend. Points before `from_step` are left out (the
-// first steps' high loss squeezes the rest of the chart). Throws std::invalid_argument when no
-// curve has a point at or after from_step.
+// lines with dots, one colour per curve, a legend. A curve of more than 2,000 points is drawn
+// from the lowest and highest point of each of 1,000 runs of consecutive steps (spikes stay).
+// Points before `from_step` are left out (the first steps' high loss squeezes the rest of the
+// chart). Throws std::invalid_argument when no curve has a point at or after from_step.
 std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::string& title,
                            int64_t from_step = 0);
 
