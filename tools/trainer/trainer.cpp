@@ -354,8 +354,9 @@ int train(const TrainOptions& opt) {
   auto write_loss_chart = [&] {
     if (!main_rank) return;
     try {
-      const std::string title = fs::path(out_dir).filename().string() + ": " + cfg.mixed_precision +
-                                " precision, " + strategy->name() + " x " + std::to_string(world);
+      const std::string precision = cfg.mixed_precision == "no" ? "fp32" : cfg.mixed_precision;
+      const std::string title = fs::path(out_dir).filename().string() + ": " + precision + ", " +
+                                strategy->name() + " x " + std::to_string(world);
       std::ofstream(chart_path) << loss_chart_svg({read_loss_curve(metrics_path, "this run")},
                                                   title);
     } catch (const std::exception& e) {
