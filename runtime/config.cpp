@@ -1462,6 +1462,19 @@ void validate_config(const Config& c) {
   auto err = [&](const std::string& key, const std::string& msg) {
     throw ConfigError(origin(c, key) + ": " + msg);
   };
+  if (c.training.eval_every > 0) {
+    const std::string every = "training.eval_every is " + std::to_string(c.training.eval_every);
+    if (c.data.source == "synthetic")
+      err("training.eval_every", every +
+                                     " but data.source synthetic has no evaluation data: set "
+                                     "training.eval_every: 0, or train on text or shards");
+    if (c.data.eval_fraction <= 0 && c.data.eval_path.empty())
+      err("training.eval_every",
+          every +
+              " but the data has no evaluation split (data.eval_fraction is 0 and "
+              "data.eval_path is empty): hold some out (e.g. data.eval_fraction: 0.05) or "
+              "set training.eval_every: 0");
+  }
   const std::string& dt = c.distributed_type;
   if (c.compute_environment != "LOCAL_MACHINE")
     err("compute_environment",

@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -43,23 +42,19 @@ int main(int argc, char** argv) {
       }
       fs::path p(path);
       if (label.empty())
-        label = (fs::is_directory(p) ? p.lexically_normal() : p.parent_path()).filename().string();
+        label = accel::run_name(fs::is_directory(p) ? path : p.parent_path().string());
       if (label.empty()) label = path;
       if (fs::is_directory(p)) p /= "metrics.jsonl";
       curves.push_back(accel::read_loss_curve(p.string(), label));
     }
-    std::string svg = accel::loss_chart_svg(curves, title, from_step);
-    std::ofstream f(out);
-    f << svg;
-    f.close();
-    if (!f) throw std::runtime_error("cannot write " + out);
+    accel::write_loss_chart(out, curves, title, from_step);
     for (const auto& c : curves) {
       if (!c.eval.empty())
-        printf("%-24s %zu steps, last eval loss %.4f (step %lld)\n", c.label.c_str(),
+        printf("%-24s %zu logged steps, last eval loss %.4f (step %lld)\n", c.label.c_str(),
                c.train.size(), c.eval.back().second, static_cast<long long>(c.eval.back().first));
       else
-        printf("%-24s %zu steps, last loss %.4f (step %lld)\n", c.label.c_str(), c.train.size(),
-               c.train.back().second, static_cast<long long>(c.train.back().first));
+        printf("%-24s %zu logged steps, last loss %.4f (step %lld)\n", c.label.c_str(),
+               c.train.size(), c.train.back().second, static_cast<long long>(c.train.back().first));
     }
     printf("wrote %s\n", out.c_str());
   } catch (const std::exception& e) {

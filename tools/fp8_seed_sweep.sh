@@ -5,16 +5,25 @@
 #
 #   tools/fp8_seed_sweep.sh CONFIG OUT_DIR "SEEDS" [JOBS] [--set KEY=VALUE ...]
 #   tools/fp8_seed_sweep.sh configs/llama-tiny.yaml /tmp/sweep "1234 $(seq -s' ' 1 20)" 16
+#
+# Exits 1 when a run failed (its log is named) or ended without a final eval loss.
 set -euo pipefail
 if [ $# -lt 3 ]; then
-  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
-config=$1 out=$2 seeds=$3 jobs=${4:-4}
-shift $(($# < 4 ? 3 : 4))
+config=$1 out=$2 seeds=$3
+shift 3
+jobs=4
+if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then
+  jobs=$1
+  shift
+fi
 bin=${ACCEL_BIN:-$(dirname "$0")/../build/bin/accel-train}
 [ -x "$bin" ] || { echo "fp8_seed_sweep: no accel-train at $bin (build first, or set ACCEL_BIN)" >&2; exit 2; }
 mkdir -p "$out"
+# The remaining options go to every run, quoted so that values keep their spaces.
+EXTRA=$(printf '%q ' "$@")
 run() {  # mode seed
   local m=$1 s=$2 a
   case $m in
@@ -24,33 +33,38 @@ run() {  # mode seed
   esac
   rm -rf "$out/$m-$s"
   # shellcheck disable=SC2086
-  "$bin" --config "$config" $a --set training.seed="$s" --set training.log_every=1 \
-    --set training.progress=plain --set training.sample_tokens=0 --set checkpoint.at_end=false \
-    --set checkpoint.every_steps=0 $EXTRA -o "$out/$m-$s" > "$out/$m-$s.log" 2>&1 ||
+  if ! eval "\"\$bin\" --config \"\$config\" $a --set training.seed=\"\$s\" \
+      --set training.log_every=1 --set training.progress=plain --set training.sample_tokens=0 \
+      --set checkpoint.at_end=false --set checkpoint.every_steps=0 $EXTRA -o \"\$out/\$m-\$s\"" \
+      > "$out/$m-$s.log" 2>&1; then
     echo "fp8_seed_sweep: $m seed $s failed, see $out/$m-$s.log" >&2
+    return 1
+  fi
 }
-EXTRA="$*"  # the --set options, passed on to every run
 export -f run
 export bin config out EXTRA
+status=0
 for s in $seeds; do for m in bf16 te ao; do echo "$m $s"; done; done |
-  xargs -P "$jobs" -L 1 bash -c 'run "$0" "$1"'
-python3 - "$out" $seeds <<'PY'
+  xargs -P "$jobs" -L 1 bash -c 'run "$0" "$1"' || status=1
+python3 - "$out" $seeds <<'PY' || status=1
 import json, sys
 out, seeds = sys.argv[1], sys.argv[2:]
-def get(m, s):
+def get(m, s):  # (final eval loss, largest grad norm after step 15), or None
     try:
         js = [json.loads(l) for l in open(f"{out}/{m}-{s}/metrics.jsonl")]
     except (OSError, ValueError):
         return None
-    ev = [j["eval_loss"] for j in js if "eval_loss" in j and "step" in j]
+    final = [j["final_eval_loss"] for j in js if j.get("summary") and "final_eval_loss" in j]
     g = [j["grad_norm"] for j in js if "step" in j and j["step"] > 15 and "grad_norm" in j]
-    return (ev[-1] if ev else float("nan")), (max(g) if g else float("nan"))
+    return (final[-1], max(g) if g else float("nan")) if final else None
 diff = {"te": [], "ao": []}
 spikes = {"bf16": 0, "te": 0, "ao": 0}
+missing = 0
 for s in seeds:
     r = {m: get(m, s) for m in ("bf16", "te", "ao")}
     if None in r.values():
-        print(f"seed {s}: missing runs ({', '.join(m for m in r if r[m] is None)})")
+        missing += 1
+        print(f"seed {s}: no final eval loss from {', '.join(m for m in r if r[m] is None)}")
         continue
     b = r["bf16"][0]
     parts = [f"bf16 {b:.4f} g{r['bf16'][1]:5.1f}"]
@@ -68,4 +82,6 @@ for m in ("te", "ao"):
               f"within 3% of bf16: {sum(abs(x) <= 3 for x in d)}/{len(d)}")
 print("runs with a gradient-norm spike (> 3 after step 15): " +
       ", ".join(f"{m} {spikes[m]}" for m in spikes))
+sys.exit(1 if missing else 0)
 PY
+exit $status

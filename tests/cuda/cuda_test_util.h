@@ -59,9 +59,10 @@ inline Tensor cpu_out(const Shape& shape, DType dtype) {
   return t;
 }
 
-// |got - want| <= atol + rtol * |want| elementwise; NaN only where want is NaN.
+// |got - want| <= atol + rtol * |want| elementwise (+ slack[i] where a per-element slack is
+// given); NaN only where want is NaN.
 inline void expect_close(const Tensor& got, const Tensor& want, double rtol, double atol,
-                         const std::string& what) {
+                         const std::string& what, const std::vector<double>* slack = nullptr) {
   ASSERT_EQ(got.shape(), want.shape()) << what;
   std::vector<double> g = got.to_vector(), w = want.to_vector();
   int64_t bad = 0;
@@ -73,7 +74,8 @@ inline void expect_close(const Tensor& got, const Tensor& want, double rtol, dou
     else if (std::isinf(w[i]))
       ok = g[i] == w[i];
     else
-      ok = !std::isnan(g[i]) && std::fabs(g[i] - w[i]) <= atol + rtol * std::fabs(w[i]);
+      ok = !std::isnan(g[i]) &&
+           std::fabs(g[i] - w[i]) <= atol + rtol * std::fabs(w[i]) + (slack ? (*slack)[i] : 0.0);
     if (!ok && bad++ == 0)
       first = "element " + std::to_string(i) + ": cuda " + std::to_string(g[i]) + " vs cpu " +
               std::to_string(w[i]);

@@ -1,6 +1,6 @@
 // The demo config trained on the GPU in bf16, fp8 TE and fp8 AO: after its 300 steps each fp8
-// recipe's eval loss is within 3% of bf16's (issue 9's convergence check, at the config's seed;
-// docs/fp8.md has the same over 21 seeds). About 10 s per run on an H200.
+// recipe's eval loss is within 3% of bf16's, on average over three seeds (issue 9's convergence
+// check; docs/fp8.md has each of 21 seeds). About 20 s on an H200.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "runtime/config.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -18,7 +20,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using accel::tool_test::read_metrics;
-using accel::tool_test::run_accel_train;
 
 TEST(Fp8Convergence, LlamaTinyFp8EndsWithin3PercentOfBf16) {
   ACCEL_SKIP_WITHOUT_CUDA();
@@ -34,30 +35,48 @@ TEST(Fp8Convergence, LlamaTinyFp8EndsWithin3PercentOfBf16) {
     files += (files.empty() ? "" : ",") + p.string();
   }
   fs::path out = accel::tool_test::fresh_test_dir("llama_tiny_fp8");
-  auto eval_loss = [&](const std::string& name, const std::string& precision) {
-    auto r =
-        run_accel_train("--config " + config + " " + precision + " --set data.text_files=" + files +
-                        " --set training.device=cuda --set training.progress=plain" +
-                        " --set training.sample_tokens=0 --set checkpoint.every_steps=0" +
-                        " --set checkpoint.at_end=false -o " + (out / name).string());
-    EXPECT_EQ(r.code, 0) << r.output;
-    auto m = read_metrics(out / name / "metrics.jsonl");
-    EXPECT_FALSE(m.empty());
-    return m.empty() || !m.back().contains("final_eval_loss")
-               ? NAN
-               : m.back()["final_eval_loss"].get<double>();
+  // Three seeds (the config's and two more), nine runs side by side on the GPU. A single run's
+  // end point moves with rounding where a loss spike hits (docs/fp8.md); the mean does not.
+  const std::vector<std::string> seeds = {"1234", "1", "2"};
+  const std::vector<std::pair<std::string, std::string>> modes = {
+      {"bf16", "--set mixed_precision=bf16"},
+      {"te", "--set mixed_precision=fp8 --set fp8_config.backend=TE"},
+      {"ao", "--set mixed_precision=fp8 --set fp8_config.backend=AO"}};
+  std::string script;
+  for (const auto& seed : seeds)
+    for (const auto& [name, precision] : modes)
+      script += std::string(ACCEL_BIN_DIR) + "/accel-train --config " + config + " " + precision +
+                " --set training.seed=" + seed + " --set data.text_files=" + files +
+                " --set training.device=cuda --set training.progress=plain" +
+                " --set training.sample_tokens=0 --set checkpoint.every_steps=0" +
+                " --set checkpoint.at_end=false -o " + (out / (name + "-" + seed)).string() +
+                " > " + (out / (name + "-" + seed + ".log")).string() + " 2>&1 & ";
+  accel::tool_test::run_command(script + "wait");
+  auto eval_loss = [&](const std::string& run) -> double {
+    auto m = read_metrics(out / run / "metrics.jsonl");
+    if (m.empty() || !m.back().contains("final_eval_loss")) {
+      ADD_FAILURE() << run << " did not finish: " << (out / (run + ".log")).string();
+      return NAN;
+    }
+    return m.back()["final_eval_loss"].get<double>();
   };
-  const double bf16 = eval_loss("bf16", "--set mixed_precision=bf16");
-  const double te = eval_loss("te", "--set mixed_precision=fp8 --set fp8_config.backend=TE");
-  const double ao = eval_loss("ao", "--set mixed_precision=fp8 --set fp8_config.backend=AO");
-  EXPECT_GT(bf16, 1.5);  // it learned (5.5 at the start) but not implausibly much
-  EXPECT_LT(bf16, 2.5);
-  EXPECT_LE(std::abs(te / bf16 - 1), 0.03) << "TE " << te << " vs bf16 " << bf16;
-  EXPECT_LE(std::abs(ao / bf16 - 1), 0.03) << "AO " << ao << " vs bf16 " << bf16;
-  std::printf(
-      "llama-tiny eval loss after 300 steps: bf16 %.4f, fp8 TE %.4f (%+.2f%%), fp8 AO %.4f "
-      "(%+.2f%%)\n",
-      bf16, te, 100 * (te / bf16 - 1), ao, 100 * (ao / bf16 - 1));
+  double mean_diff[2] = {0, 0};
+  for (const auto& seed : seeds) {
+    const double bf16 = eval_loss("bf16-" + seed);
+    EXPECT_GT(bf16, 1.5) << "seed " << seed;  // it learned (5.5 at the start), not implausibly
+    EXPECT_LT(bf16, 2.5) << "seed " << seed;
+    std::printf("seed %s: bf16 %.4f", seed.c_str(), bf16);
+    for (int i = 0; i < 2; ++i) {
+      const double fp8 = eval_loss(modes[i + 1].first + "-" + seed);
+      mean_diff[i] += (fp8 / bf16 - 1) / static_cast<double>(seeds.size());
+      std::printf(" | %s %.4f (%+.2f%%)", modes[i + 1].first.c_str(), fp8, 100 * (fp8 / bf16 - 1));
+    }
+    std::printf("\n");
+  }
+  EXPECT_LE(std::abs(mean_diff[0]), 0.03) << "TE: mean " << 100 * mean_diff[0] << "%";
+  EXPECT_LE(std::abs(mean_diff[1]), 0.03) << "AO: mean " << 100 * mean_diff[1] << "%";
+  std::printf("fp8 vs bf16 eval loss, mean of %zu seeds: TE %+.2f%%, AO %+.2f%%\n", seeds.size(),
+              100 * mean_diff[0], 100 * mean_diff[1]);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // accel-train end to end, as a user runs it: exit codes, messages, outputs, resume.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -8,7 +9,9 @@
 
 #include "models/llama.h"
 #include "runtime/safetensors.h"
+#include "tests/data/test_util.h"
 #include "tests/tools/run_tool.h"
+#include "tools/trainer/loss_chart.h"
 
 namespace fs = std::filesystem;
 
@@ -62,22 +65,37 @@ TEST(AccelTrain, ResumeReproducesTheUninterruptedRun) {
   Result full =
       run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "full").string());
   ASSERT_EQ(full.code, 0) << full.output;
-  // An interrupted run: the same output folder as it was right after the step-5 checkpoint.
+  // An interrupted run: the output folder of a run killed after logging step 7, its newest
+  // checkpoint at step 5.
   fs::create_directories(d / "cut" / "checkpoints");
   fs::copy(d / "full" / "checkpoints" / "step_5", d / "cut" / "checkpoints" / "step_5",
            fs::copy_options::recursive);
+  {
+    std::ifstream in(d / "full" / "metrics.jsonl");
+    std::ofstream out(d / "cut" / "metrics.jsonl");
+    std::string line;
+    for (int i = 0; i < 7 && std::getline(in, line); ++i) out << line << "\n";
+  }
   Result resumed = run_accel_train("--config " + cfg.string() + " --output-dir " +
                                    (d / "cut").string() + " --resume auto");
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   auto a = read_metrics(d / "full" / "metrics.jsonl");
   auto b = read_metrics(d / "cut" / "metrics.jsonl");
-  ASSERT_EQ(b.size(), 6u);  // steps 6..10 + summary
+  ASSERT_EQ(b.size(), 13u);  // steps 1..7 before, steps 6..10 again, the summary
   for (int i = 0; i < 5; ++i) {
-    EXPECT_EQ(b[i]["step"], a[5 + i]["step"]);
-    EXPECT_EQ(b[i]["loss"].get<double>(), a[5 + i]["loss"].get<double>())
-        << "step " << b[i]["step"];
+    EXPECT_EQ(b[7 + i]["step"], a[5 + i]["step"]);
+    EXPECT_EQ(b[7 + i]["loss"].get<double>(), a[5 + i]["loss"].get<double>())
+        << "step " << b[7 + i]["step"];
   }
+  // The resumed run's loss chart has every step once.
+  accel::LossCurve chart = accel::read_loss_curve((d / "cut" / "metrics.jsonl").string(), "cut");
+  EXPECT_EQ(chart.train.size(), 10u);
+  const std::string svg = accel::testing::read_bytes((d / "cut" / "loss.svg").string());
+  const size_t at = svg.find("class=\"train\" points=\"");
+  ASSERT_NE(at, std::string::npos);
+  const std::string points = svg.substr(at, svg.find('"', at + 23) - at);
+  EXPECT_EQ(std::count(points.begin(), points.end(), ','), 10) << points;
   accel::SafetensorsReader wa(
       (d / "full" / "checkpoints" / "step_10" / "model.safetensors").string());
   accel::SafetensorsReader wb(
@@ -103,10 +121,11 @@ TEST(AccelTrain, EvaluationWithoutAnEvaluationSplitIsAnError) {
   Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string() +
                              " --set training.eval_every=5");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("training.eval_every is 5 but data (synthetic) has no evaluation split"),
+  EXPECT_NE(r.output.find("training.eval_every is 5 but data.source synthetic has no evaluation "
+                          "data: set training.eval_every: 0"),
             std::string::npos)
       << r.output;
-  EXPECT_FALSE(fs::exists(d / "out" / "metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(d / "out"));  // nothing written: the corrected run can use the folder
 }
 
 TEST(AccelTrain, RefusesAnOutputFolderHoldingAnotherRun) {

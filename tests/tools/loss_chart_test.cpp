@@ -50,8 +50,8 @@ std::vector<std::vector<Point>> polylines(const std::string& svg, const std::str
 
 TEST(LossChart, ReadsStepLinesLaterLinesWinTornLastLineSkipped) {
   fs::path d = accel::tool_test::fresh_test_dir("loss_chart");
-  // Steps 1-3, a resume from step 2 that logs step 3 again, an evaluation logged on a later line,
-  // the summary, a torn last line.
+  // Steps 1-3, a resume from step 2 that logs step 3 again, an evaluation on its own line, the
+  // summary, a torn last line.
   fs::path f = write_file(d / "metrics.jsonl",
                           "{\"step\":1,\"loss\":5.0}\n"
                           "{\"step\":2,\"loss\":4.0,\"eval_loss\":4.5}\n"
@@ -59,7 +59,8 @@ TEST(LossChart, ReadsStepLinesLaterLinesWinTornLastLineSkipped) {
                           "\n"
                           "{\"step\":3,\"loss\":3.5}\n"
                           "{\"step\":4,\"loss\":3.0,\"eval_loss\":3.2}\n"
-                          "{\"step\":6,\"loss\":2.8,\"eval_loss\":2.9,\"eval_step\":5}\n"
+                          "{\"step\":5,\"eval_loss\":2.9}\n"
+                          "{\"step\":6,\"loss\":2.8}\n"
                           "{\"summary\":true,\"final_loss\":3.0}\n"
                           "{\"step\":5,\"lo");
   LossCurve c = accel::read_loss_curve(f.string(), "run");
@@ -70,7 +71,7 @@ TEST(LossChart, ReadsStepLinesLaterLinesWinTornLastLineSkipped) {
   ASSERT_EQ(c.eval.size(), 3u);
   EXPECT_EQ(c.eval[0], (std::pair<int64_t, double>{2, 4.5}));
   EXPECT_EQ(c.eval[1], (std::pair<int64_t, double>{4, 3.2}));
-  EXPECT_EQ(c.eval[2], (std::pair<int64_t, double>{5, 2.9}));  // logged at step 6
+  EXPECT_EQ(c.eval[2], (std::pair<int64_t, double>{5, 2.9}));  // an evaluation's own line
 }
 
 TEST(LossChart, BadFilesNameTheFileAndLine) {
@@ -139,39 +140,41 @@ TEST(LossChart, LongRunsAreThinnedOutKeepingSpikes) {
   EXPECT_GT(right, 579.0);  // and the last step is still drawn
 }
 
-int run(const std::string& cmd, std::string* output) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) output->append(buf, n);
-  int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 TEST(AccelPlot, OverlaysRunsAndSaysWhatIsWrong) {
+  using accel::tool_test::run_command;
   fs::path d = accel::tool_test::fresh_test_dir("accel_plot");
   fs::create_directories(d / "run_a");
   write_file(d / "run_a" / "metrics.jsonl",
              "{\"step\":1,\"loss\":5.0}\n{\"step\":2,\"loss\":4.0,\"eval_loss\":4.4}\n");
   fs::path b = write_file(d / "b.jsonl", "{\"step\":1,\"loss\":5.1}\n{\"step\":2,\"loss\":3.9}\n");
   const std::string plot = std::string(ACCEL_BIN_DIR) + "/accel-plot ";
-  std::string out;
-  ASSERT_EQ(run(plot + (d / "run_a").string() + " " + b.string() + "=fp8 -o " +
-                    (d / "c.svg").string() + " --title cmp",
-                &out),
-            0)
-      << out;
+  // A folder given with a trailing "/" is still named after itself.
+  auto r = run_command(plot + (d / "run_a").string() + "/ " + b.string() + "=fp8 -o " +
+                       (d / "c.svg").string() + " --title cmp");
+  ASSERT_EQ(r.code, 0) << r.output;
   std::string svg = accel::testing::read_bytes((d / "c.svg").string());
   EXPECT_EQ(polylines(svg, "train").size(), 2u);
-  EXPECT_NE(svg.find(">run_a<"), std::string::npos);  // the folder's name as the label
+  EXPECT_NE(svg.find(">run_a<"), std::string::npos);
   EXPECT_NE(svg.find(">fp8<"), std::string::npos);
-  EXPECT_NE(out.find("last eval loss 4.4000 (step 2)"), std::string::npos) << out;
-  out.clear();
-  EXPECT_EQ(run(plot + (d / "missing").string() + " -o " + (d / "x.svg").string(), &out), 1);
-  EXPECT_NE(out.find("accel-plot: error: " + (d / "missing").string()), std::string::npos) << out;
+  EXPECT_NE(r.output.find("2 logged steps, last eval loss 4.4000 (step 2)"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(d / "c.svg.tmp"));
+  r = run_command(plot + (d / "missing").string() + " -o " + (d / "x.svg").string());
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.output.find("accel-plot: error: " + (d / "missing").string()), std::string::npos)
+      << r.output;
   EXPECT_FALSE(fs::exists(d / "x.svg"));
-  out.clear();
-  EXPECT_EQ(run(plot + (d / "run_a").string(), &out), 2);  // no -o
-  EXPECT_NE(out.find("--out"), std::string::npos) << out;
+  r = run_command(plot + (d / "run_a").string() + " -o " + (d / "no" / "such" / "x.svg").string());
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.output.find("cannot write"), std::string::npos) << r.output;
+  std::string nine;
+  for (int i = 0; i < 9; ++i) nine += b.string() + "=run" + std::to_string(i) + " ";
+  r = run_command(plot + nine + "-o " + (d / "y.svg").string());
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.output.find("9 curves, at most 8 fit in one chart"), std::string::npos) << r.output;
+  r = run_command(plot + (d / "run_a").string());  // no -o
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("--out"), std::string::npos) << r.output;
 }
 
 TEST(AccelTrain, WritesALossChartOfTheRun) {
@@ -179,10 +182,11 @@ TEST(AccelTrain, WritesALossChartOfTheRun) {
   std::string text;
   for (int i = 0; i < 200; ++i) text += "the quick brown fox " + std::to_string(i) + " jumps\n";
   write_file(d / "text.txt", text);
+  // Evaluations at steps 3 and 6, neither of them a logged step (4 and 8).
   fs::path cfg = accel::tool_test::write_config(d, R"(
 model: {hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2,
         intermediate_size: 64, vocab_size: 256, max_position_embeddings: 64}
-training: {seed: 7, max_steps: 6, micro_batch_size: 2, seq_len: 16, log_every: 2, eval_every: 3,
+training: {seed: 7, max_steps: 8, micro_batch_size: 2, seq_len: 16, log_every: 4, eval_every: 3,
            eval_batches: 2, sample_tokens: 0, progress: plain, device: cpu}
 data: {source: text, tokenizer: byte, eval_fraction: 0.2, text_files: [)" +
                                                        (d / "text.txt").string() + R"(]}
@@ -191,22 +195,27 @@ checkpoint: {every_steps: 0, at_end: false}
   auto r = accel::tool_test::run_accel_train("--config " + cfg.string() + " --output-dir " +
                                              (d / "out").string());
   ASSERT_EQ(r.code, 0) << r.output;
+  // Each evaluation has its own line where its step is not logged.
+  auto m = accel::tool_test::read_metrics(d / "out" / "metrics.jsonl");
+  ASSERT_EQ(m.size(), 5u);
+  EXPECT_EQ(m[0]["step"], 3);
+  EXPECT_TRUE(m[0].contains("eval_loss"));
+  EXPECT_FALSE(m[0].contains("loss"));
+  EXPECT_EQ(m[1]["step"], 4);
+  EXPECT_FALSE(m[1].contains("eval_loss"));
+  EXPECT_EQ(m[2]["step"], 6);
+  EXPECT_TRUE(m[2].contains("eval_loss"));
   std::string svg = accel::testing::read_bytes((d / "out" / "loss.svg").string());
   auto train = polylines(svg, "train");
   ASSERT_EQ(train.size(), 1u) << svg;
-  EXPECT_EQ(train[0].size(), 3u);  // steps 2, 4, 6
+  EXPECT_EQ(train[0].size(), 2u);  // steps 4 and 8
   auto eval = polylines(svg, "eval");
   ASSERT_EQ(eval.size(), 1u);
-  ASSERT_EQ(eval[0].size(), 2u);  // steps 3 and 6
-  EXPECT_GT(eval[0][0].x, train[0][0].x);
-  EXPECT_LT(eval[0][0].x, train[0][1].x);
-  // Each evaluation is logged once: step 3's on step 4's line, with its step.
-  auto m = accel::tool_test::read_metrics(d / "out" / "metrics.jsonl");
-  ASSERT_EQ(m.size(), 4u);
-  EXPECT_FALSE(m[0].contains("eval_loss"));
-  EXPECT_EQ(m[1]["eval_step"], 3);
-  EXPECT_TRUE(m[2].contains("eval_loss"));
-  EXPECT_FALSE(m[2].contains("eval_step"));
+  ASSERT_EQ(eval[0].size(), 3u);  // steps 3, 6 and the final evaluation at 8
+  EXPECT_LT(eval[0][0].x, train[0][0].x);
+  EXPECT_DOUBLE_EQ(eval[0][2].x, train[0][1].x);
+  EXPECT_NE(svg.find(">out: fp32, single x 1<"), std::string::npos);
+  EXPECT_FALSE(fs::exists(d / "out" / "loss.svg.tmp"));
 }
 
 }  // namespace

@@ -23,16 +23,25 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `ACCEL_BIN_DIR/accel-train <args>` through the shell and waits for it.
-inline Result run_accel_train(const std::string& args) {
-  std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train " + args + " 2>&1";
+// Runs a shell command and waits for it, its stdout and stderr captured together.
+inline Result run_command(const std::string& command) {
+  const std::string cmd = command + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   Result r{-1, ""};
+  if (!p) {
+    r.output = "popen failed for: " + cmd;
+    return r;
+  }
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
   int status = pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
+}
+
+// Runs `ACCEL_BIN_DIR/accel-train <args>`.
+inline Result run_accel_train(const std::string& args) {
+  return run_command(std::string(ACCEL_BIN_DIR) + "/accel-train " + args);
 }
 
 // An empty folder <tmp>/<prefix>_<name>_<pid> (emptied first when it exists).

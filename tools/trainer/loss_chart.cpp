@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -11,12 +12,21 @@
 
 namespace accel {
 
+LossCurve LossHistory::curve(const std::string& label) const {
+  LossCurve c;
+  c.label = label;
+  c.train.assign(train_.begin(), train_.end());
+  c.eval.assign(eval_.begin(), eval_.end());
+  return c;
+}
+
 LossCurve read_loss_curve(const std::string& metrics_path, const std::string& label) {
   std::ifstream in(metrics_path);
   if (!in)
     throw std::runtime_error(metrics_path +
                              ": cannot open it (give a run's output folder or its metrics file)");
-  std::map<int64_t, double> train, eval;
+  LossHistory h;
+  int64_t train_lines = 0;
   std::string line, bad;
   int64_t line_no = 0, bad_line = 0;
   while (std::getline(in, line)) {
@@ -33,20 +43,17 @@ LossCurve read_loss_curve(const std::string& metrics_path, const std::string& la
     }
     if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
     const int64_t step = j["step"].get<int64_t>();
-    if (j.contains("loss") && j["loss"].is_number()) train[step] = j["loss"].get<double>();
-    if (j.contains("eval_loss") && j["eval_loss"].is_number()) {
-      const bool earlier = j.contains("eval_step") && j["eval_step"].is_number_integer();
-      eval[earlier ? j["eval_step"].get<int64_t>() : step] = j["eval_loss"].get<double>();
+    if (j.contains("loss") && j["loss"].is_number()) {
+      h.add_train(step, j["loss"].get<double>());
+      ++train_lines;
     }
+    if (j.contains("eval_loss") && j["eval_loss"].is_number())
+      h.add_eval(step, j["eval_loss"].get<double>());
   }
-  if (train.empty())
+  if (train_lines == 0)
     throw std::runtime_error(metrics_path + " has no step lines with a training loss (" +
                              std::to_string(line_no) + " lines): not an accel-train metrics file?");
-  LossCurve c;
-  c.label = label;
-  c.train.assign(train.begin(), train.end());
-  c.eval.assign(eval.begin(), eval.end());
-  return c;
+  return h.curve(label);
 }
 
 namespace {
@@ -68,7 +75,7 @@ std::string escape_xml(const std::string& s) {
         o += "&quot;";
         break;
       default:
-        o += ch;
+        if (static_cast<unsigned char>(ch) >= 0x20) o += ch;  // XML has no control characters
     }
   }
   return o;
@@ -114,6 +121,11 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
                            int64_t from_step) {
   const char* colours[] = {"#3b7dd8", "#e08a2c", "#2ca02c", "#d62728",
                            "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"};
+  constexpr size_t kMaxCurves = sizeof colours / sizeof colours[0];
+  if (curves.size() > kMaxCurves)
+    throw std::invalid_argument("loss chart: " + std::to_string(curves.size()) +
+                                " curves, at most " + std::to_string(kMaxCurves) +
+                                " fit in one chart (each has its own colour and legend entry)");
   double x_lo = INFINITY, x_hi = -INFINITY, y_lo = INFINITY, y_hi = -INFINITY;
   for (const LossCurve& c : curves)
     for (const auto* pts : {&c.train, &c.eval})
@@ -150,12 +162,13 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
     << "<text x=\"10\" y=\"22\" font-size=\"15\" font-weight=\"bold\">" << escape_xml(title)
     << "</text>\n";
   // Grid and axes: ticks at round steps and losses.
-  const double xs = tick_step(x_hi - x_lo, 6), ys = tick_step(y_hi - y_lo, 6);
-  for (double t = std::ceil(x_lo / xs) * xs; t <= x_hi + 1e-9; t += xs)
+  // Steps are whole numbers: no tick between two of them.
+  const double xs = std::max(1.0, tick_step(x_hi - x_lo, 6)), ys = tick_step(y_hi - y_lo, 6);
+  for (double i = std::ceil(x_lo / xs), t = i * xs; t <= x_hi + 1e-9; t = ++i * xs)
     o << "<line x1=\"" << px(t) << "\" y1=\"" << top << "\" x2=\"" << px(t) << "\" y2=\""
       << top + ph << "\" stroke=\"#e5e5e5\"/>\n<text x=\"" << px(t) << "\" y=\"" << top + ph + 16
       << "\" text-anchor=\"middle\">" << num(t) << "</text>\n";
-  for (double t = std::ceil(y_lo / ys) * ys; t <= y_hi + 1e-9; t += ys)
+  for (double i = std::ceil(y_lo / ys), t = i * ys; t <= y_hi + 1e-9; t = ++i * ys)
     o << "<line x1=\"" << left << "\" y1=\"" << py(t) << "\" x2=\"" << left + pw << "\" y2=\""
       << py(t) << "\" stroke=\"#e5e5e5\"/>\n<text x=\"" << left - 6 << "\" y=\"" << py(t) + 4
       << "\" text-anchor=\"end\">" << num(t) << "</text>\n";
@@ -168,12 +181,15 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
 
   for (size_t i = 0; i < curves.size(); ++i) {
     const LossCurve& c = curves[i];
-    const char* colour = colours[i % (sizeof colours / sizeof colours[0])];
+    const char* colour = colours[i];
     auto polyline = [&](const std::vector<std::pair<int64_t, double>>& pts, const char* cls,
                         double stroke) {
       std::vector<std::pair<int64_t, double>> shown;
       for (const auto& pt : pts)
         if (pt.first >= from_step) shown.push_back(pt);
+      if (shown.size() == 1)  // a one-point line would not show
+        o << "<circle cx=\"" << px(shown[0].first) << "\" cy=\"" << py(shown[0].second)
+          << "\" r=\"2\" fill=\"" << colour << "\"/>\n";
       std::string points;
       for (const auto& [s, v] : thin_out(std::move(shown)))
         points += (points.empty() ? "" : " ") + xy(s, v);
@@ -184,8 +200,10 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
     };
     polyline(c.train, "train", 1.0);
     polyline(c.eval, "eval", 2.5);
+    const auto shown_evals = std::count_if(c.eval.begin(), c.eval.end(),
+                                           [&](const auto& e) { return e.first >= from_step; });
     for (const auto& [s, v] : c.eval)
-      if (s >= from_step)
+      if (s >= from_step && shown_evals <= 200)  // dots only where they stay apart
         o << "<circle cx=\"" << px(s) << "\" cy=\"" << py(v) << "\" r=\"3\" fill=\"" << colour
           << "\"/>\n";
     // Legend: the label, then the last evaluation loss (or training loss) for reading off.
@@ -194,11 +212,11 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
     o << "<line x1=\"" << lx << "\" y1=\"" << ly << "\" x2=\"" << lx + 22 << "\" y2=\"" << ly
       << "\" stroke=\"" << colour << "\" stroke-width=\"2.5\"/>\n<text x=\"" << lx + 28 << "\" y=\""
       << ly + 4 << "\">" << escape_xml(c.label) << "</text>\n";
-    char last[80];
+    char last[80] = "";
     if (!c.eval.empty())
       std::snprintf(last, sizeof last, "eval %.4f at step %lld", c.eval.back().second,
                     static_cast<long long>(c.eval.back().first));
-    else
+    else if (!c.train.empty())
       std::snprintf(last, sizeof last, "loss %.4f at step %lld", c.train.back().second,
                     static_cast<long long>(c.train.back().first));
     o << "<text x=\"" << lx + 28 << "\" y=\"" << ly + 18 << "\" fill=\"#555\" font-size=\"11\">"
@@ -210,6 +228,27 @@ std::string loss_chart_svg(const std::vector<LossCurve>& curves, const std::stri
     << "\" fill=\"#555\" font-size=\"11\">thick + dots: evaluation</text>\n"
     << "</svg>\n";
   return o.str();
+}
+
+void write_loss_chart(const std::string& path, const std::vector<LossCurve>& curves,
+                      const std::string& title, int64_t from_step) {
+  const std::string svg = loss_chart_svg(curves, title, from_step);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << svg;
+    f.close();
+    if (!f) throw std::runtime_error("cannot write " + tmp);
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error("cannot rename " + tmp + " to " + path + ": " + ec.message());
+}
+
+std::string run_name(const std::string& path) {
+  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();  // "out/run/" -> "out/run"
+  return p.filename().string();
 }
 
 }  // namespace accel

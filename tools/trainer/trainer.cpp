@@ -282,11 +282,6 @@ int train(const TrainOptions& opt) {
   oo.momentum = cfg.optimizer.momentum;
   strategy->setup(model, oo);
   DataSources data = make_data_sources(data_options(cfg, mc, rank, world));
-  if (cfg.training.eval_every > 0 && !data.eval)
-    throw UsageError("training.eval_every is " + std::to_string(cfg.training.eval_every) +
-                     " but data (" + cfg.data.source +
-                     ") has no evaluation split: hold one out (data.eval_fraction, or "
-                     "data.eval_path for shards) or set training.eval_every: 0");
   std::unique_ptr<Tokenizer> tokenizer =
       cfg.data.source == "synthetic" ? nullptr : make_tokenizer(cfg.data.tokenizer);
 
@@ -348,17 +343,27 @@ int train(const TrainOptions& opt) {
   const std::string metrics_path = (fs::path(out_dir) / cfg.logging.metrics_file).string();
   MetricsLog metrics(metrics_path, main_rank, resuming);
   Progress progress(cfg.training.progress, cfg.training.max_steps, step, main_rank);
-  // <output_dir>/loss.svg, redrawn from the metrics file after each evaluation and at the end. A
-  // chart that cannot be written is worth a warning, not the run.
-  const std::string chart_path = (fs::path(out_dir) / "loss.svg").string();
-  auto write_loss_chart = [&] {
+  // <output_dir>/loss.svg, redrawn after each evaluation and at the end from the losses logged
+  // (a resumed run starts from its metrics file). A chart that cannot be written is worth a
+  // warning, not the run.
+  LossHistory loss_history;
+  if (main_rank && resuming && fs::exists(metrics_path)) {
+    try {
+      const LossCurve before = read_loss_curve(metrics_path, "");
+      for (const auto& [s, v] : before.train) loss_history.add_train(s, v);
+      for (const auto& [s, v] : before.eval) loss_history.add_eval(s, v);
+    } catch (const std::exception& e) {
+      progress.println(std::string("warning: the loss chart starts afresh: ") + e.what());
+    }
+  }
+  const std::string precision = cfg.mixed_precision == "no" ? "fp32" : cfg.mixed_precision;
+  const std::string chart_title = run_name(out_dir) + ": " + precision + ", " + strategy->name() +
+                                  " x " + std::to_string(world);
+  auto write_chart = [&] {
     if (!main_rank) return;
     try {
-      const std::string precision = cfg.mixed_precision == "no" ? "fp32" : cfg.mixed_precision;
-      const std::string title = fs::path(out_dir).filename().string() + ": " + precision + ", " +
-                                strategy->name() + " x " + std::to_string(world);
-      std::ofstream(chart_path) << loss_chart_svg({read_loss_curve(metrics_path, "this run")},
-                                                  title);
+      write_loss_chart((fs::path(out_dir) / "loss.svg").string(), {loss_history.curve("this run")},
+                       chart_title);
     } catch (const std::exception& e) {
       progress.println(std::string("warning: loss chart not written: ") + e.what());
     }
@@ -398,7 +403,9 @@ int train(const TrainOptions& opt) {
   auto last_log = train_start;
   int64_t last_log_step = step;
   double last_loss = NAN, last_eval = NAN;
-  int64_t eval_step = 0;  // the step of an evaluation not yet logged
+  auto logged_step = [&](int64_t s) {
+    return s % cfg.training.log_every == 0 || s == cfg.training.max_steps;
+  };
   CommStats last_comm;
   if (dist.pg) last_comm = dist.pg->stats();
   double last_host_wait = cuda::host_wait_seconds();
@@ -465,10 +472,14 @@ int train(const TrainOptions& opt) {
     last_loss = loss;
     if (cfg.training.eval_every > 0 && step % cfg.training.eval_every == 0) {
       last_eval = evaluate();
-      eval_step = step;
       progress.println("step " + std::to_string(step) + " eval_loss " + std::to_string(last_eval));
+      loss_history.add_eval(step, last_eval);
+      if (!logged_step(step)) {  // logged on its own line; else on the step's line below
+        metrics.write({{"step", step}, {"eval_loss", last_eval}});
+        write_chart();
+      }
     }
-    if (step % cfg.training.log_every == 0 || step == cfg.training.max_steps) {
+    if (logged_step(step)) {
       auto now = std::chrono::steady_clock::now();
       double dt = std::chrono::duration<double>(now - last_log).count();
       double tps = dt > 0 ? static_cast<double>((step - last_log_step) * tokens_per_step) / dt : 0;
@@ -506,15 +517,11 @@ int train(const TrainOptions& opt) {
                                       {"optimizer", host_busy[2] * 1e3 / steps_logged}};
         host_busy = {};
       }
-      // An evaluation is logged once, on the first logged line after it (eval_step says when it
-      // ran where that is an earlier step).
-      if (eval_step > 0) {
-        j["eval_loss"] = last_eval;
-        if (eval_step != step) j["eval_step"] = eval_step;
-      }
+      const bool evaluated = cfg.training.eval_every > 0 && step % cfg.training.eval_every == 0;
+      if (evaluated) j["eval_loss"] = last_eval;
       metrics.write(j);
-      if (eval_step > 0) write_loss_chart();
-      eval_step = 0;
+      loss_history.add_train(step, loss);
+      if (evaluated) write_chart();
     }
     if (cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0 &&
         step < cfg.training.max_steps)
@@ -566,7 +573,8 @@ int train(const TrainOptions& opt) {
     const nlohmann::json report = strategy->run_report();
     if (report.is_object()) summary.update(report);
     metrics.write(summary);
-    if (step > 0) write_loss_chart();
+    if (std::isfinite(final_eval)) loss_history.add_eval(step, final_eval);
+    if (step > 0) write_chart();
     const std::string report_line = strategy->run_report_line();
     if (!report_line.empty()) std::fprintf(stderr, "%s\n", report_line.c_str());
     std::fprintf(
