@@ -1,6 +1,6 @@
 // The demo config trained on the GPU in bf16, fp8 TE and fp8 AO: after its 300 steps each fp8
 // recipe's eval loss is within 3% of bf16's, on average over three seeds (issue 9's convergence
-// check; docs/fp8.md has each of 21 seeds). About 20 s on an H200.
+// check; docs/fp8.md has each of 21 seeds). About 10 s on an H200.
 #include <gtest/gtest.h>
 
 #include <cmath>
