@@ -64,7 +64,6 @@ Fp8Tensor make_fp8(const Tensor& x, DType fmt, const Fp8CastOptions& opts) {
 
 Tensor contiguous_raw(const Tensor& x) { return x.is_contiguous() ? x : x.clone(); }
 
-// The [rows, cols] corner of a padded 2-d result (a view when only rows were padded).
 // x [..., K] as the 2-d [rows, K] the GEMMs take, detached (a view when x is contiguous).
 Tensor as_rows(const Tensor& x, int64_t K) {
   return x.is_contiguous() ? x.detach().as_strided({x.numel() / K, K}, {K, 1}, x.offset())
@@ -76,6 +75,7 @@ Tensor with_shape(const Tensor& t, const Shape& shape) {
   return t.as_strided(shape, contiguous_strides(shape), t.offset());
 }
 
+// The [rows, cols] corner of a padded 2-d result (a view when only rows were padded).
 Tensor unpad(const Tensor& t, int64_t rows, int64_t cols) {
   if (t.size(1) == cols) return t.size(0) == rows ? t : narrow(t, 0, 0, rows);
   return contiguous(narrow(narrow(t, 0, 0, rows), 1, 0, cols));
@@ -394,7 +394,7 @@ Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const
 
 }  // namespace
 
-// ---- one input cast for the layers that read the same tensor ------------------------------------
+// ---- one input cast for the layers that read the same tensor ----------------------------------
 
 namespace {
 thread_local Fp8SharedInputCast* t_shared_input = nullptr;
@@ -562,8 +562,7 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   return y;
 }
 
-// ---- the fp8 swiglu MLP
-// ---------------------------------------------------------------------------
+// ---- the fp8 swiglu MLP -----------------------------------------------------------------------
 
 namespace {
 
