@@ -20,13 +20,12 @@ LossCurve LossHistory::curve(const std::string& label) const {
   return c;
 }
 
-LossCurve read_loss_curve(const std::string& metrics_path, const std::string& label) {
+LossHistory LossHistory::read(const std::string& metrics_path) {
   std::ifstream in(metrics_path);
   if (!in)
     throw std::runtime_error(metrics_path +
                              ": cannot open it (give a run's output folder or its metrics file)");
   LossHistory h;
-  int64_t train_lines = 0;
   std::string line, bad;
   int64_t line_no = 0, bad_line = 0;
   while (std::getline(in, line)) {
@@ -43,17 +42,18 @@ LossCurve read_loss_curve(const std::string& metrics_path, const std::string& la
     }
     if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
     const int64_t step = j["step"].get<int64_t>();
-    if (j.contains("loss") && j["loss"].is_number()) {
-      h.add_train(step, j["loss"].get<double>());
-      ++train_lines;
-    }
+    if (j.contains("loss") && j["loss"].is_number()) h.add_train(step, j["loss"].get<double>());
     if (j.contains("eval_loss") && j["eval_loss"].is_number())
       h.add_eval(step, j["eval_loss"].get<double>());
   }
-  if (train_lines == 0)
+  if (h.train_.empty())
     throw std::runtime_error(metrics_path + " has no step lines with a training loss (" +
                              std::to_string(line_no) + " lines): not an accel-train metrics file?");
-  return h.curve(label);
+  return h;
+}
+
+LossCurve read_loss_curve(const std::string& metrics_path, const std::string& label) {
+  return LossHistory::read(metrics_path).curve(label);
 }
 
 namespace {

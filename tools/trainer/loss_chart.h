@@ -20,6 +20,12 @@ struct LossCurve {
 // after its checkpoint) replaces the earlier value.
 class LossHistory {
  public:
+  // The step lines of a metrics.jsonl ({step, loss}, {step, eval_loss} or both), in order. A torn
+  // last line (the file of a run still writing) is skipped; any other line that is not JSON, a
+  // missing file or a file without a training loss throws std::runtime_error naming the file
+  // (and the line).
+  static LossHistory read(const std::string& metrics_path);
+
   void add_train(int64_t step, double loss) { train_[step] = loss; }
   void add_eval(int64_t step, double loss) { eval_[step] = loss; }
   LossCurve curve(const std::string& label) const;
@@ -28,10 +34,7 @@ class LossHistory {
   std::map<int64_t, double> train_, eval_;
 };
 
-// The step lines of a metrics.jsonl ({step, loss}, {step, eval_loss} or both). Where a resumed
-// run logged a step again, the later line wins. A torn last line (the file of a run still writing)
-// is skipped; any other line that is not JSON, a missing file or a file without a training loss
-// throws std::runtime_error naming the file (and the line).
+// LossHistory::read(metrics_path).curve(label).
 LossCurve read_loss_curve(const std::string& metrics_path, const std::string& label);
 
 // One chart: x = optimizer step, y = loss; training loss as thin lines, evaluation loss as thick

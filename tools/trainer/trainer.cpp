@@ -349,9 +349,7 @@ int train(const TrainOptions& opt) {
   LossHistory loss_history;
   if (main_rank && resuming && fs::exists(metrics_path)) {
     try {
-      const LossCurve before = read_loss_curve(metrics_path, "");
-      for (const auto& [s, v] : before.train) loss_history.add_train(s, v);
-      for (const auto& [s, v] : before.eval) loss_history.add_eval(s, v);
+      loss_history = LossHistory::read(metrics_path);
     } catch (const std::exception& e) {
       progress.println(std::string("warning: the loss chart starts afresh: ") + e.what());
     }
@@ -470,7 +468,8 @@ int train(const TrainOptions& opt) {
       if (cdt != DType::F16) progress.println("warning: " + what + "; step skipped");
     }
     last_loss = loss;
-    if (cfg.training.eval_every > 0 && step % cfg.training.eval_every == 0) {
+    const bool evaluated = cfg.training.eval_every > 0 && step % cfg.training.eval_every == 0;
+    if (evaluated) {
       last_eval = evaluate();
       progress.println("step " + std::to_string(step) + " eval_loss " + std::to_string(last_eval));
       loss_history.add_eval(step, last_eval);
@@ -517,7 +516,6 @@ int train(const TrainOptions& opt) {
                                       {"optimizer", host_busy[2] * 1e3 / steps_logged}};
         host_busy = {};
       }
-      const bool evaluated = cfg.training.eval_every > 0 && step % cfg.training.eval_every == 0;
       if (evaluated) j["eval_loss"] = last_eval;
       metrics.write(j);
       loss_history.add_train(step, loss);
