@@ -1,5 +1,6 @@
-// Llama against fixtures made by Hugging Face transformers (shared/reference/make_hf_fixture.py):
-// logits, loss, every parameter gradient, and the losses of five AdamW steps, all in fp32.
+// Llama against fixtures made by Hugging Face transformers (tools/reference/make_hf_fixture.py;
+// tests/data/hf/README.md): logits, loss, every parameter gradient, and the losses of five AdamW
+// steps, all in fp32.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Writes the Hugging Face reference fixtures that tests/models/llama_fixture_test.cpp checks the
+C++ model against: a small randomly initialised transformers model, one batch of tokens, the
+model's logits, loss and the gradient of every parameter, and the losses of a few AdamW steps on
+that batch. Everything runs in float32 on the CPU, so the numbers do not depend on a GPU.
+Needs torch, transformers and safetensors; see tests/data/hf/README.md for when and how to run it.
+
+    python3 tools/reference/make_hf_fixture.py --all [--out-root DIR] [--compare DIR]
+    python3 tools/reference/make_hf_fixture.py llama_tied_mha [--out-root DIR] [--compare DIR]
+    python3 tools/reference/make_hf_fixture.py NEW_NAME --family llama [--heads 8 --kv-heads 8 ...]
+    python3 tools/reference/make_hf_fixture.py --list
+
+A fixture folder OUT_ROOT/NAME (default OUT_ROOT: tests/data/hf) holds:
+  config.json, generation_config.json, model.safetensors
+                         save_pretrained() of the initial model (Hugging Face names)
+  batch.safetensors      input_ids int64 [batch, seq]; the labels are the same ids (the model
+                         shifts them itself)
+  expected.safetensors   logits f32 [batch, seq, vocab], loss f32 [] and grad.<name> f32 for
+                         every parameter in named_parameters() (a tied lm_head is not listed), all
+                         at the initial weights
+  train.json             the AdamW settings and the loss before each of --steps AdamW steps on the
+                         same batch (torch.optim.AdamW, weight decay on every parameter, constant
+                         lr, no clipping)
+
+--compare DIR compares each written fixture with DIR/NAME: tensor names, shapes and dtypes must
+agree, the batch and the initial weights must be equal (same seed, same torch), and the largest
+difference of every other tensor and of the losses is printed. It exits with status 1 when
+something differs.
+
+Model families: FAMILIES below maps a family name to its transformers classes and a function that
+turns the shape options into config arguments. A new family (qwen2, qwen3, mistral, ...) is an
+entry there, plus presets in FIXTURES once the C++ side can load it.
+"""
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+# Shape and training options with their defaults; a preset overrides some of them, and options
+# given on the command line override the preset.
+DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=16, batch=2,
+                tied=0, rope_theta=10000.0, rms_eps=1e-5, steps=5, lr=1e-3, seed=0)
+
+# The AdamW settings written to train.json, which the C++ test reads back (its optimizer defaults).
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def llama_config_args(o):
+    return dict(hidden_size=o["hidden"], num_hidden_layers=o["layers"],
+                num_attention_heads=o["heads"], num_key_value_heads=o["kv_heads"],
+                intermediate_size=o["ffn"], vocab_size=o["vocab"],
+                max_position_embeddings=max(o["seq"], 64), rope_theta=o["rope_theta"],
+                rms_norm_eps=o["rms_eps"], tie_word_embeddings=bool(o["tied"]),
+                attention_bias=False, mlp_bias=False)
+
+
+# family -> (config class, model class, options -> config keyword arguments)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", llama_config_args),
+}
+
+# The committed fixtures (tests/data/hf/NAME): family and the options that differ from DEFAULTS.
+FIXTURES = {
+    "llama_default": ("llama", {}),
+    # Multi-head attention (as many KV heads as heads) with the LM head tied to the embedding.
+    "llama_tied_mha": ("llama", dict(kv_heads=4, tied=1)),
+    # Four query heads per KV head, head_dim 8, and Llama 3's rope theta.
+    "llama_gqa4_theta": ("llama", dict(heads=8, kv_heads=2, rope_theta=500000.0)),
+}
+
+
+def build_model(family, o):
+    import torch
+    import transformers
+
+    config_cls, model_cls, config_args = FAMILIES[family]
+    cfg = getattr(transformers, config_cls)(**config_args(o))
+    # The plain attention: no fused kernel whose rounding could differ between machines.
+    cfg._attn_implementation = "eager"
+    return getattr(transformers, model_cls)(cfg).to(torch.float32)
+
+
+def make_fixture(out_dir, family, o):
+    import torch
+    from safetensors.torch import save_file
+
+    # The order of the random draws fixes the fixture: the seed, then the model's initialisation,
+    # then the batch. Nothing else may draw from torch's generator in between.
+    torch.manual_seed(o["seed"])
+    model = build_model(family, o)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    ids = torch.randint(0, o["vocab"], (o["batch"], o["seq"]), dtype=torch.int64)
+    save_file({"input_ids": ids}, os.path.join(out_dir, "batch.safetensors"))
+
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    expected = {"logits": out.logits.detach().contiguous(), "loss": out.loss.detach().reshape(())}
+    for name, p in model.named_parameters():
+        expected["grad." + name] = p.grad.detach().contiguous()
+    save_file(expected, os.path.join(out_dir, "expected.safetensors"))
+
+    # AdamW from the same initial weights on the same batch; the loss is taken before each step.
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], **ADAMW)
+    losses = []
+    for _ in range(o["steps"]):
+        loss = model(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    train = {
+        "optimizer": {"name": "adamw", "lr": o["lr"], "betas": list(ADAMW["betas"]),
+                      "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"],
+                      "weight_decay_on": "all parameters", "grad_clip": None},
+        "losses_before_each_step": losses,
+        "torch": torch.__version__,
+    }
+    with open(os.path.join(out_dir, "train.json"), "w") as f:
+        json.dump(train, f, indent=1)
+    return expected["loss"].item(), losses
+
+
+def compare_fixture(new_dir, old_dir):
+    """Prints how new_dir differs from old_dir; returns False when they do not agree."""
+    import torch
+    from safetensors import safe_open
+
+    ok = True
+    for fname in ("batch.safetensors", "model.safetensors", "expected.safetensors"):
+        with safe_open(os.path.join(new_dir, fname), "pt") as a, \
+                safe_open(os.path.join(old_dir, fname), "pt") as b:
+            names_a, names_b = set(a.keys()), set(b.keys())
+            if names_a != names_b:
+                print(f"  {fname}: only new: {sorted(names_a - names_b)}, "
+                      f"only old: {sorted(names_b - names_a)}")
+                ok = False
+            worst, worst_name = 0.0, ""
+            for n in sorted(names_a & names_b):
+                ta, tb = a.get_tensor(n), b.get_tensor(n)
+                if ta.dtype != tb.dtype or ta.shape != tb.shape:
+                    print(f"  {fname}: {n}: new {ta.dtype} {list(ta.shape)}, "
+                          f"old {tb.dtype} {list(tb.shape)}")
+                    ok = False
+                    continue
+                if fname != "expected.safetensors":
+                    # Same seed and torch: the draws must be identical.
+                    if not torch.equal(ta, tb):
+                        print(f"  {fname}: {n} differs (another seed or torch version?)")
+                        ok = False
+                    continue
+                scale = tb.abs().max().item() or 1.0
+                rel = (ta.double() - tb.double()).abs().max().item() / scale
+                if rel > worst:
+                    worst, worst_name = rel, n
+            if fname == "expected.safetensors":
+                print(f"  {fname}: largest difference {worst:.2e} of max |old| ({worst_name or '-'})")
+                # The C++ test allows 1e-4; a regenerated fixture should sit far below that.
+                if worst > 1e-5:
+                    ok = False
+    with open(os.path.join(new_dir, "train.json")) as f:
+        new_train = json.load(f)
+    with open(os.path.join(old_dir, "train.json")) as f:
+        old_train = json.load(f)
+    if new_train["optimizer"] != old_train["optimizer"]:
+        print(f"  train.json: optimizer {new_train['optimizer']} vs {old_train['optimizer']}")
+        ok = False
+    la, lb = new_train["losses_before_each_step"], old_train["losses_before_each_step"]
+    if len(la) != len(lb):
+        print(f"  train.json: {len(la)} losses vs {len(lb)}")
+        ok = False
+    else:
+        d = max((abs(x - y) for x, y in zip(la, lb)), default=0.0)
+        print(f"  train.json: losses differ by at most {d:.2e}")
+        if d > 1e-5:
+            ok = False
+    with open(os.path.join(new_dir, "config.json")) as f:
+        new_cfg = json.load(f)
+    with open(os.path.join(old_dir, "config.json")) as f:
+        old_cfg = json.load(f)
+    for k in sorted(set(new_cfg) | set(old_cfg)):
+        if k != "transformers_version" and new_cfg.get(k) != old_cfg.get(k):
+            print(f"  config.json: {k}: new {new_cfg.get(k)!r}, old {old_cfg.get(k)!r}")
+            ok = False
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="fixtures to write (presets, or a new name with "
+                    "--family)")
+    ap.add_argument("--all", action="store_true", help="write every preset")
+    ap.add_argument("--list", action="store_true", help="print the presets and exit")
+    ap.add_argument("--out-root", default=os.path.join(REPO, "tests", "data", "hf"),
+                    help="folder that receives NAME/ (default: tests/data/hf)")
+    ap.add_argument("--compare", metavar="DIR", help="compare each fixture with DIR/NAME")
+    ap.add_argument("--family", help="model family of a fixture that is not a preset "
+                    f"({', '.join(sorted(FAMILIES))})")
+    for key, value in DEFAULTS.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
+                        help=f"(default {value}, or the preset's)")
+    a = ap.parse_args()
+
+    if a.list:
+        for name, (family, over) in FIXTURES.items():
+            print(f"{name}: {family} {json.dumps(over)}")
+        return 0
+    names = list(FIXTURES) if a.all else a.names
+    if not names:
+        ap.error("name a fixture, or pass --all (--list shows the presets)")
+    overrides = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
+    if overrides and any(n in FIXTURES for n in names):
+        # A preset is what tests/data/hf/NAME holds; changed options would write something else
+        # under its name.
+        ap.error(f"{', '.join('--' + k.replace('_', '-') for k in overrides)} cannot change a "
+                 "preset; give the fixture a new name and --family")
+
+    all_ok = True
+    for name in names:
+        if name in FIXTURES:
+            family, preset = FIXTURES[name]
+            if a.family and a.family != family:
+                ap.error(f"preset '{name}' is a {family} fixture, not {a.family}")
+        elif a.family:
+            if a.family not in FAMILIES:
+                ap.error(f"unknown --family '{a.family}'; known: {', '.join(sorted(FAMILIES))}")
+            family, preset = a.family, {}
+        else:
+            ap.error(f"'{name}' is not a preset ({', '.join(FIXTURES)}); give --family to make "
+                     "a new fixture")
+        o = dict(DEFAULTS, **preset, **overrides)
+        out_dir = os.path.join(a.out_root, name)
+        loss, losses = make_fixture(out_dir, family, o)
+        print(json.dumps({"fixture": name, "out": out_dir, "loss": loss, "losses": losses}))
+        if a.compare:
+            old = os.path.join(a.compare, name)
+            if not os.path.isdir(old):
+                print(f"  nothing to compare with: {old} does not exist")
+                all_ok = False
+            elif not compare_fixture(out_dir, old):
+                print(f"  {name}: DIFFERS from {old}")
+                all_ok = False
+            else:
+                print(f"  {name}: matches {old}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
