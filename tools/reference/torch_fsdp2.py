@@ -2,7 +2,7 @@
 
 A Hugging Face LlamaForCausalLM sharded with FSDP2 (`fully_shard` on every decoder layer, then on
 the model), bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy), fused AdamW,
-random tokens, the same shapes as shared/bench/torch_reference.py and configs/llama-*.yaml.
+random tokens, the shapes of torch_reference.py and configs/llama-*.yaml (llama_shapes.py).
 Each rank trains on its own micro-batch, so the global batch is world x micro-batch, as
 accel-bench's rows at --num-processes N.
 
@@ -18,11 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-SIZES = {
-    # name: (hidden, layers, heads, kv_heads, ffn, vocab, seq, micro_batch)
-    "llama-125m": (768, 12, 12, 12, 2048, 32000, 1024, 16),
-    "llama-1b": (2048, 16, 32, 8, 8192, 128256, 2048, 4),
-}
+from llama_shapes import flops_per_token, hf_llama_config, shape_named
 
 
 def main():
@@ -31,19 +27,16 @@ def main():
     steps = int(args[1]) if len(args) > 1 else 15
     reshard = "--no-reshard" not in sys.argv
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    h, layers, heads, kv, ffn, vocab, seq, micro = SIZES[size]
+    shape = shape_named(size)
+    vocab, seq, micro = shape.vocab, shape.seq, shape.micro_batch
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab,
-                      max_position_embeddings=seq, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(hf_llama_config(shape))
     nparams = sum(p.numel() for p in model.parameters())
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -72,7 +65,7 @@ def main():
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        flops_tok = 6 * (nparams - vocab * h) + 12 * layers * seq * h
+        flops_tok = flops_per_token(nparams, shape)
         print(json.dumps({"size": size, "variant": "fsdp2-bf16", "world": world,
                           "reshard_after_forward": reshard, "params": nparams,
                           "tokens_per_s": round(tokens), "tokens_per_s_per_gpu": round(tokens / world),
