@@ -35,7 +35,7 @@ int64_t LlamaConfig::num_parameters() const {
 }
 
 double LlamaConfig::flops_per_token(int64_t seq_len) const {
-  // Same formula as the PyTorch reference (shared/bench/torch_reference.py).
+  // Same formula as the PyTorch reference (tools/reference/llama_shapes.py; docs/algorithms.md).
   double matmul_params = static_cast<double>(num_parameters() - vocab_size * hidden_size);
   if (tie_word_embeddings) matmul_params += static_cast<double>(vocab_size * hidden_size);
   return 6.0 * matmul_params +

@@ -1,6 +1,6 @@
 // FP8 training primitives: per-tensor scaled casts to e4m3/e5m2 (with the transposed copies that
 // Hopper's TN-only fp8 GEMMs need), fp8 GEMMs, TE-style delayed scaling state, and the fp8 linear
-// autograd op. ../shared/reference/ALGORITHMS.md section 4 has the math; docs/fp8.md the usage.
+// autograd op. docs/algorithms.md sections 6-11 have the math; docs/fp8.md the usage.
 //
 // Scale convention (TE, torchao, cuBLASLt): q = sat(rne(x * scale)), x ~= q * scale_inv with
 // scale_inv = 1 / scale; scale = fp8_max / amax / 2^margin. Scales live in fp32 tensors on the

@@ -132,9 +132,9 @@ class FsdpStrategy : public FlatDataParallel {
 };
 
 // fp8 all-gather (fp8_config.enable_fsdp_float8_all_gather; torchao's tensorwise dynamic
-// scaling, ALGORITHMS.md 3.7) of units laid out by FlatLayouts over the ranks (rank r holds its
-// shard of each, in a high-precision dtype: the dim-0 rows of every parameter, or a contiguous
-// chunk), some of whose slots are fp8 weights [out, in].
+// scaling, docs/algorithms.md section 12) of units laid out by FlatLayouts over the ranks (rank r
+// holds its shard of each, in a high-precision dtype: the dim-0 rows of every parameter, or a
+// contiguous chunk), some of whose slots are fp8 weights [out, in].
 //   precompute_scales(shards)  after each optimizer step: every fp8 weight's max|w| over this
 //                              rank's chunks -> one f32 vector for ALL fp8 weights of all units ->
 //                              ONE MAX all-reduce -> scale_i = 448 / amax_i (fp8_scale_for_amax)

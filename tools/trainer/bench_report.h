@@ -30,7 +30,7 @@ struct BenchRow {
 void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double peak_flops,
                         BenchRow& row);
 
-// Model-state bytes per rank by the ZeRO paper's formulas (ALGORITHMS.md 1.1) for P parameters
+// Model-state bytes per rank by the ZeRO paper's formulas (docs/algorithms.md 4) for P parameters
 // on N ranks: single/ddp 16P (fp32 or 16-bit compute: 4P weights + 4P/2P grads + 8P Adam),
 // zero1 4P + 12P/N, zero2 2P + 14P/N, zero3/fsdp 16P/N, for 16-bit compute with fp32 Adam; with
 // fp32 compute the 16-bit copies are absent.
