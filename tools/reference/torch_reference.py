@@ -11,9 +11,9 @@ SIZE: llama-125m, llama-1b, llama-8b (llama_shapes.py; configs/llama-*.yaml are 
 VARIANT:
   bf16           Accelerate mixed_precision "bf16" (autocast over fp32 weights), eager
   bf16-compile   the same under torch.compile
-  fp8-compile    every Linear but lm_head in fp8 with per-tensor dynamic scaling (the recipe of
-                 torchao's default Float8Linear: e4m3 inputs and weights, e5m2 output gradients,
-                 through torch._scaled_mm), under torch.compile
+  fp8-compile    every Linear but lm_head in fp8 with per-tensor dynamic scaling (torchao's
+                 tensorwise recipe: e4m3 inputs and weights, e5m2 output gradients), the GEMMs
+                 through torch._scaled_mm, under torch.compile
   any of them with "-ckpt" appended: transformers' gradient checkpointing per decoder layer
   (llama-8b needs it to fit on one GPU)
 STEPS: timed steps (default 20), after 5 untimed warm-up steps (which include compilation).
@@ -101,8 +101,8 @@ class Fp8Linear(nn.Linear):
 
 
 def convert_to_fp8(model):
-    """Runs every nn.Linear but the LM head in fp8 (torchao's default filter keeps the last
-    layer in high precision); the parameters stay the same objects."""
+    """Runs every nn.Linear but the LM head in fp8 (the vocabulary-sized output layer stays in
+    bf16); the parameters stay the same objects."""
     converted = 0
     for name, module in model.named_modules():
         if type(module) is nn.Linear and not name.endswith("lm_head"):
