@@ -219,6 +219,8 @@ def main():
         ap.error(f"{', '.join('--' + k.replace('_', '-') for k in overrides)} cannot change a "
                  "preset; give the fixture a new name and --family")
 
+    if a.compare and os.path.realpath(a.compare) == os.path.realpath(a.out_root):
+        ap.error("--compare names the folder being written; write elsewhere with --out-root")
     all_ok = True
     for name in names:
         if name in FIXTURES:
