@@ -38,8 +38,8 @@ import sys
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-# Shape and training options with their defaults; a preset overrides some of them, and options
-# given on the command line override the preset.
+# Shape and training options with their defaults. A preset changes some of them (and no more:
+# it must keep making what tests/data/hf holds); a new fixture takes them from the command line.
 DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=16, batch=2,
                 tied=0, rope_theta=10000.0, rms_eps=1e-5, steps=5, lr=1e-3, seed=0)
 
