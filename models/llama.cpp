@@ -1,5 +1,6 @@
 #include "models/llama.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -168,7 +169,23 @@ LlamaAttention::LlamaAttention(const LlamaConfig& c, DType dtype, Device device)
                                                                 c.hidden_size, dtype, device))),
       config(c) {}
 
-Tensor LlamaAttention::forward(const Tensor& x) {
+namespace {
+
+// Attention of one new query position over every cached key (all visible: they precede it).
+// q [B, 1, Hq, D], k and v [B, T, Hkv, D] -> [B, 1, Hq, D]; scores and softmax in fp32.
+Tensor attend_one_position(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3), Hkv = k.size(2);
+  // Query head h reads KV head h / (Hq / Hkv), as transformers' repeat_kv.
+  Tensor qg = cast(reshape(q, {B, Hkv, Hq / Hkv, D}), DType::F32);
+  Tensor kt = cast(permute(k, {0, 2, 3, 1}), DType::F32);  // [B, Hkv, D, T]
+  Tensor vt = cast(permute(v, {0, 2, 1, 3}), DType::F32);  // [B, Hkv, T, D]
+  Tensor p = softmax(mul(matmul(qg, kt), 1.0 / std::sqrt(static_cast<double>(D))), -1);
+  return cast(reshape(matmul(p, vt), {B, 1, Hq, D}), q.dtype());
+}
+
+}  // namespace
+
+Tensor LlamaAttention::forward(const Tensor& x, KVCache::Layer* cache) {
   return with_forward_hooks(*this, [&] {
     const int64_t B = x.size(0), S = x.size(1), D = config.head_dim;
     Tensor q, k, v;
@@ -178,9 +195,25 @@ Tensor LlamaAttention::forward(const Tensor& x) {
       k = reshape(k_proj.forward(x), {B, S, config.num_key_value_heads, D});
       v = reshape(v_proj.forward(x), {B, S, config.num_key_value_heads, D});
     }
-    q = rope(q, config.rope_theta);
-    k = rope(k, config.rope_theta);
-    Tensor a = attention(q, k, v, /*causal=*/true);
+    const int64_t past = cache ? cache->length() : 0;
+    q = rope(q, config.rope_theta, past);
+    k = rope(k, config.rope_theta, past);
+    Tensor a;
+    if (past == 0) {
+      a = attention(q, k, v, /*causal=*/true);
+    } else {
+      if (S != 1)
+        throw std::invalid_argument("[llama] a KV cache holding " + std::to_string(past) +
+                                    " positions takes one new position at a time, got " +
+                                    std::to_string(S));
+      k = cat({cache->k, k}, 1);
+      v = cat({cache->v, v}, 1);
+      a = attend_one_position(q, k, v);
+    }
+    if (cache) {
+      cache->k = k;
+      cache->v = v;
+    }
     return o_proj.forward(reshape(a, {B, S, config.num_attention_heads * D}));
   });
 }
@@ -221,11 +254,11 @@ LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device d
           "post_attention_layernorm",
           std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {}
 
-Tensor LlamaDecoderLayer::forward(const Tensor& x) {
+Tensor LlamaDecoderLayer::forward(const Tensor& x, KVCache::Layer* cache) {
   return with_forward_hooks(*this, [&] {
     // h = x + attn(norm(x)); the residual add is fused into the post-attention norm.
-    auto [h, normed] =
-        post_attention_layernorm.add_forward(x, self_attn.forward(input_layernorm.forward(x)));
+    auto [h, normed] = post_attention_layernorm.add_forward(
+        x, self_attn.forward(input_layernorm.forward(x), cache));
     return add(h, mlp.forward(normed));
   });
 }
@@ -263,16 +296,21 @@ LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device dev
   }
 }
 
-Tensor LlamaForCausalLM::forward(const Tensor& ids) {
+Tensor LlamaForCausalLM::forward(const Tensor& ids, KVCache* cache) {
   if (ids.dim() != 2) throw std::invalid_argument("[llama] ids must be [B, S], got " + ids.str());
-  if (ids.size(1) > config.max_position_embeddings)
-    throw std::invalid_argument("[llama] sequence length " + std::to_string(ids.size(1)) +
+  const int64_t past = cache ? cache->length() : 0;
+  if (past + ids.size(1) > config.max_position_embeddings)
+    throw std::invalid_argument("[llama] sequence length " + std::to_string(past + ids.size(1)) +
                                 " exceeds max_position_embeddings " +
                                 std::to_string(config.max_position_embeddings));
+  if (cache) cache->layers.resize(model.layers.size());
   return with_forward_hooks(*this, [&] {
     Tensor x = model.embed_tokens.forward(ids);
-    for (LlamaDecoderLayer* layer : model.layers) {
-      if (checkpoint_layers_) {
+    for (size_t i = 0; i < model.layers.size(); ++i) {
+      LlamaDecoderLayer* layer = model.layers[i];
+      if (cache) {
+        x = layer->forward(x, &cache->layers[i]);
+      } else if (checkpoint_layers_) {
         x = checkpoint([layer](const std::vector<Tensor>& in) { return layer->forward(in[0]); },
                        {x});
       } else {

@@ -71,11 +71,23 @@ class RMSNorm : public Module {
   double eps;
 };
 
+// The keys and values of the positions generated so far, per layer (generation; no autograd).
+struct KVCache {
+  struct Layer {
+    Tensor k, v;  // [B, T, Hkv, D] after RoPE; undefined while empty
+    int64_t length() const { return k.defined() ? k.size(1) : 0; }
+  };
+  std::vector<Layer> layers;
+  int64_t length() const { return layers.empty() ? 0 : layers[0].length(); }
+};
+
 class LlamaAttention : public Module {
  public:
   LlamaAttention(const LlamaConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaAttention"; }
-  Tensor forward(const Tensor& x);  // [B, S, hidden] -> [B, S, hidden]
+  // [B, S, hidden] -> [B, S, hidden]. With a cache, x holds the positions after the cached ones
+  // (all of a prompt into an empty cache, then one token at a time), and k/v are appended to it.
+  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr);
   Linear &q_proj, &k_proj, &v_proj, &o_proj;
   const LlamaConfig config;
 };
@@ -95,7 +107,7 @@ class LlamaDecoderLayer : public Module {
  public:
   LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaDecoderLayer"; }
-  Tensor forward(const Tensor& x);
+  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr);
   LlamaAttention& self_attn;
   LlamaMLP& mlp;
   RMSNorm &input_layernorm, &post_attention_layernorm;
@@ -130,8 +142,9 @@ class LlamaForCausalLM : public Module {
   LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device device, uint64_t seed);
   std::string type_name() const override { return "LlamaForCausalLM"; }
 
-  // ids [B, S] -> logits [B, S, vocab]
-  Tensor forward(const Tensor& ids);
+  // ids [B, S] -> logits [B, S, vocab]. With a cache (generation), ids are the positions after
+  // the cached ones; the cache is sized on first use.
+  Tensor forward(const Tensor& ids, KVCache* cache = nullptr);
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
   static Tensor loss(const Tensor& logits, const Tensor& targets);
