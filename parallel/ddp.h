@@ -12,10 +12,12 @@
 // - step: global norm (no communication: the gradients are replicated), clipping, AdamW on fp32
 //   master weights, refresh of the 16-bit compute copies.
 //
-// It is stage 0 of the engine in parallel/zero.h.
+// It is stage 0 of the engine in parallel/zero.h, and so is the single process.
 #pragma once
 
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
 
 #include "parallel/zero.h"
 
@@ -25,6 +27,19 @@ class DdpStrategy : public FlatDataParallel {
  public:
   DdpStrategy(std::shared_ptr<ProcessGroup> pg, DType compute_dtype, double bucket_cap_mb = 25,
               bool find_unused_parameters = false);
+};
+
+// distributed_type NO: the same engine at stage 0 over one rank (no process group, so every
+// collective is skipped), with each parameter's own autograd gradient instead of flat buckets
+// (DataParallelOptions::flat_grads): no gradient memory between steps and no zeroing pass. fp32
+// master weights and optimizer state for every parameter; with a 16-bit compute dtype the model
+// holds compute copies that the optimizer writes in its update. Checkpoints as before the engine
+// took it over: optimizer state keyed by parameter names and no manifest.
+class SingleProcessStrategy : public FlatDataParallel {
+ public:
+  explicit SingleProcessStrategy(DType compute_dtype);
+  std::string name() const override { return "single"; }
+  nlohmann::json checkpoint_manifest() const override;
 };
 
 }  // namespace accel

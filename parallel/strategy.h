@@ -71,28 +71,6 @@ class Strategy {
   virtual std::string run_report_line() const { return ""; }
 };
 
-// One process: fp32 master weights and optimizer state for every parameter; with a 16-bit
-// compute dtype the model holds compute copies refreshed after each step.
-class SingleProcessStrategy : public Strategy {
- public:
-  explicit SingleProcessStrategy(DType compute_dtype) : compute_dtype_(compute_dtype) {}
-  std::string name() const override { return "single"; }
-  void setup(Module& model, const OptimizerOptions& opts) override;
-  StepResult step(double lr, double max_grad_norm, double grad_scale) override;
-  std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
-  std::vector<std::pair<std::string, Tensor>> optimizer_state() override;
-  int64_t optimizer_steps() const override;
-  void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
-                  const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
-                  int64_t optimizer_steps) override;
-
- private:
-  DType compute_dtype_;
-  std::vector<Parameter*> params_;
-  std::vector<Tensor> master_;  // fp32; the same tensors as params_ when computing in fp32
-  std::unique_ptr<Optimizer> optimizer_;
-};
-
 class ProcessGroup;
 struct Config;
 

@@ -44,6 +44,8 @@ FlatDataParallel::FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParalle
         "optimizer offload needs ZeRO (distributed_type DEEPSPEED with zero_stage >= 1)");
   if (options_.offload_params && st != 3)
     throw std::invalid_argument("deepspeed_config.offload_param_device cpu needs zero_stage 3");
+  if (!options_.flat_grads && (st != 0 || comm_.size() != 1))
+    throw std::logic_error("per-parameter gradients (flat_grads false) need stage 0 over one rank");
   if (!(options_.bucket_cap_mb > 0))
     throw std::invalid_argument("distributed.ddp_bucket_cap_mb must be > 0, got " +
                                 std::to_string(options_.bucket_cap_mb));
@@ -199,9 +201,11 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
         Tensor::zeros({layout.flat_numel}, DType::F32, device_, MemCategory::OptimizerState);
     for (const FlatSlot& s : layout.slots)
       flat_view(flat32, s.offset, s.shape).copy_(s.param->value);
-    comm_.broadcast(flat32, 0)->wait();
-    for (const FlatSlot& s : layout.slots)
-      s.param->value.copy_(flat_view(flat32, s.offset, s.shape));
+    if (world > 1) {
+      comm_.broadcast(flat32, 0)->wait();
+      for (const FlatSlot& s : layout.slots)
+        s.param->value.copy_(flat_view(flat32, s.offset, s.shape));
+    }
 
     g.flat = FlatParamGroup::make(gname, group_params[gi], world, cdt, device_, options_.layout);
     const bool fp32_here = cdt == DType::F32 && !options_.offload_optimizer;
@@ -236,16 +240,36 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
       }
     }
     flat32 = Tensor();
-    if (stage <= 1) g.flat->allocate_grad();
-    masters.push_back(g.master);
-    names.push_back(gname);
-    if (optimizer_writes_compute_)  // where the 16-bit compute weights of the master chunk live
-      copies.push_back(stage == 0 ? g.flat->full()
-                                  : (stage < 3 ? g.flat->full_chunk(rank) : g.shard));
+    if (stage <= 1 && options_.flat_grads) g.flat->allocate_grad();
+    if (stage >= 1) {
+      masters.push_back(g.master);
+      names.push_back(gname);
+      if (optimizer_writes_compute_)  // where the 16-bit compute weights of the master chunk live
+        copies.push_back(stage < 3 ? g.flat->full_chunk(rank) : g.shard);
+    }
     groups_.push_back(std::move(g));
+  }
+  model_slots_.resize(all.size());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const std::vector<FlatSlot>& slots = groups_[gi].flat->layout().slots;
+    for (size_t s = 0; s < slots.size(); ++s)
+      model_slots_[model_order_.at(slots[s].name)] = {static_cast<int>(gi), s};
+  }
+  if (stage == 0) {
+    // Stage 0 holds whole parameters: the optimizer takes each one (views of the flat buffers)
+    // in model order, so its state is keyed by parameter names and a parameter without a
+    // gradient can be left out of the update.
+    for (const SlotRef& r : model_slots_) {
+      const Group& g = groups_[r.group];
+      const FlatSlot& s = g.flat->layout().slots[r.slot];
+      masters.push_back(flat_view(g.master, s.offset, s.shape));
+      names.push_back(s.name);
+      if (optimizer_writes_compute_) copies.push_back(flat_view(g.flat->full(), s.offset, s.shape));
+    }
   }
   optimizer_ = std::make_unique<Optimizer>(opts, masters, names, std::move(copies));
   group_comm_.assign(groups_.size(), GroupComm{});
+  if (!options_.flat_grads) return;  // no collectives: no grad-ready hooks
 
   std::vector<std::vector<Tensor>> leaves;
   std::vector<std::vector<std::string>> leaf_names;
@@ -282,12 +306,14 @@ void FlatDataParallel::begin_micro_batch(bool last) {
   const int stage = options_.zero_stage;
   // Stages 0-1 keep full gradients and communicate only after the last micro-batch; 2-3 reduce
   // every micro-batch (their gradients are partitioned).
+  if (!readiness_) return;  // per-parameter gradients: nothing to prepare
   readiness_->set_active(stage >= 2 || last);
   if (stage <= 1)
     for (Group& g : groups_) g.flat->attach_grad_views();
 }
 
 void FlatDataParallel::end_micro_batch() {
+  if (!readiness_) return;
   if (readiness_->active()) {
     readiness_->finish(options_.find_unused_parameters);
     wait_pending(0);
@@ -362,10 +388,17 @@ void FlatDataParallel::wait_pending(size_t keep) {
 std::vector<Tensor> FlatDataParallel::owned_grads() const {
   std::vector<Tensor> out;
   const int stage = options_.zero_stage;
+  if (stage == 0) {
+    for (const SlotRef& r : model_slots_) {
+      const FlatParamGroup& f = *groups_[r.group].flat;
+      const FlatSlot& s = f.layout().slots[r.slot];
+      out.push_back(options_.flat_grads ? flat_view(f.grad(), s.offset, s.shape)
+                                        : f.params()[r.slot].grad());
+    }
+    return out;
+  }
   for (const Group& g : groups_) {
-    if (stage == 0)
-      out.push_back(g.flat->grad());
-    else if (stage == 1)
+    if (stage == 1)
       out.push_back(g.flat->grad_chunk(comm_.rank()));
     else if (g.shard_grad.defined())
       out.push_back(g.shard_grad);
@@ -403,20 +436,19 @@ std::string FlatDataParallel::first_non_finite_param(const std::vector<Tensor>& 
   const int stage = options_.zero_stage, rank = comm_.rank();
   const int64_t count = static_cast<int64_t>(model_order_.size());
   int64_t first = count;
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    const FlatLayout& l = groups_[gi].flat->layout();
-    for (size_t s = 0; s < l.slots.size(); ++s) {
-      const FlatSlot& slot = l.slots[s];
-      int64_t index = model_order_.at(slot.name);
-      if (index >= first) continue;
-      int64_t begin = slot.offset, size = slot.numel;
-      if (stage >= 1) {
-        FlatLayout::Range owned = l.owned(s, rank);
-        if (owned.size() == 0) continue;
-        begin = l.shard_offset(s, rank);
-        size = owned.size();
+  if (stage == 0) {  // grads are per parameter, in model order
+    for (int64_t i = 0; i < count && first == count; ++i)
+      if (grads[i].defined() && has_non_finite(grads[i])) first = i;
+  } else {  // grads are this rank's chunk of each group
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const FlatLayout& l = groups_[gi].flat->layout();
+      for (size_t s = 0; s < l.slots.size(); ++s) {
+        const int64_t index = model_order_.at(l.slots[s].name);
+        const FlatLayout::Range owned = l.owned(s, rank);
+        if (index >= first || owned.size() == 0) continue;
+        if (has_non_finite(flat_view(grads[gi], l.shard_offset(s, rank), {owned.size()})))
+          first = index;
       }
-      if (has_non_finite(flat_view(grads[gi], begin, {size}))) first = index;
     }
   }
   Tensor best = Tensor::from_vector(std::vector<double>{static_cast<double>(count - first)}, {1},
@@ -428,12 +460,15 @@ std::string FlatDataParallel::first_non_finite_param(const std::vector<Tensor>& 
 }
 
 StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_scale) {
-  if (readiness_->pending()) end_micro_batch();
+  if (readiness_ && readiness_->pending()) end_micro_batch();
   wait_pending(0);
   const int stage = options_.zero_stage;
   std::vector<Tensor> grads = owned_grads();
+  std::vector<Tensor> present;  // per-parameter gradients: parameters without one are skipped
+  for (const Tensor& t : grads)
+    if (t.defined()) present.push_back(t);
   StepResult r;
-  r.grad_norm = global_grad_norm(grads, comm_, /*sharded=*/stage >= 1, device_) * grad_scale;
+  r.grad_norm = global_grad_norm(present, comm_, /*sharded=*/stage >= 1, device_) * grad_scale;
   if (!std::isfinite(r.grad_norm)) {
     r.skipped = true;
     r.first_non_finite = first_non_finite_param(grads);
@@ -445,7 +480,9 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
     refresh_compute(/*after_update=*/true);
   }
   for (Group& g : groups_) {
-    if (stage <= 1)
+    if (!options_.flat_grads)
+      for (const Tensor& p : g.flat->params()) p.zero_grad();  // drops it, as autograd made it
+    else if (stage <= 1)
       g.flat->grad().zero_();
     else
       g.shard_grad = Tensor();  // the next reduction makes a new one
@@ -470,6 +507,13 @@ Tensor FlatDataParallel::gather_group_fp32(int gi) {
 std::vector<std::pair<std::string, Tensor>> FlatDataParallel::gather_fp32_weights() {
   NoGradGuard no_grad;
   std::vector<std::pair<std::string, Tensor>> out;
+  if (options_.zero_stage == 0) {  // the masters are whole: views of them, in model order
+    for (const SlotRef& r : model_slots_) {
+      const FlatSlot& s = groups_[r.group].flat->layout().slots[r.slot];
+      out.push_back({s.name, flat_view(groups_[r.group].master, s.offset, s.shape)});
+    }
+    return out;
+  }
   for (int gi = 0; gi < num_groups(); ++gi) {
     Tensor full32 = gather_group_fp32(gi);
     for (const FlatSlot& s : groups_[gi].flat->layout().slots)
@@ -497,18 +541,8 @@ std::vector<std::pair<std::string, Tensor>> FlatDataParallel::full_state_dict() 
 
 std::vector<std::pair<std::string, Tensor>> FlatDataParallel::optimizer_state() {
   std::vector<std::pair<std::string, Tensor>> st = optimizer_->state_tensors();
+  if (options_.zero_stage == 0) return st;  // per parameter: "<param>.exp_avg", ...
   std::vector<std::pair<std::string, Tensor>> out;
-  if (options_.zero_stage == 0) {
-    // Whole per-parameter tensors, named like the single-process strategy's.
-    for (const auto& [key, t] : st) {
-      size_t dot = key.find('.');
-      int gi = std::stoi(key.substr(5, dot - 5));
-      std::string suffix = key.substr(dot);
-      for (const FlatSlot& s : groups_[gi].flat->layout().slots)
-        out.push_back({s.name + suffix, flat_view(t, s.offset, s.shape)});
-    }
-    return out;
-  }
   for (const Group& g : groups_) out.push_back({g.flat->name() + ".master", g.master});
   out.insert(out.end(), st.begin(), st.end());
   return out;
@@ -563,19 +597,10 @@ void FlatDataParallel::load_state(
       l.extract_shard(full32, rank, g.master);
     }
   }
-  // Optimizer state under the optimizer's own names ("group<i>.<suffix>").
-  for (const auto& [key, t] : optimizer_->state_tensors()) {
-    size_t dot = key.find('.');
-    int gi = std::stoi(key.substr(5, dot - 5));
-    if (stage == 0) {
-      Tensor flat = Tensor::zeros(t.shape(), t.dtype(), t.device(), MemCategory::Other);
-      for (const FlatSlot& s : groups_[gi].flat->layout().slots)
-        flat_view(flat, s.offset, s.shape).copy_(tensor(s.name + key.substr(dot), s.shape));
-      group_state.push_back({key, flat});
-    } else {
-      group_state.push_back({key, tensor(key, t.shape())});
-    }
-  }
+  // Optimizer state under the optimizer's own names ("<param>.<suffix>" at stage 0,
+  // "group<i>.<suffix>" otherwise).
+  for (const auto& [key, t] : optimizer_->state_tensors())
+    group_state.push_back({key, tensor(key, t.shape())});
   optimizer_->load_state(group_state, optimizer_steps);
   refresh_compute(/*after_update=*/false);
 }

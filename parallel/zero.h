@@ -1,5 +1,6 @@
-// ZeRO stages 1-3 (distributed_type DEEPSPEED) and, as stage 0, DDP: one engine over the shared
-// core in parallel/sharding.h. What each stage keeps per rank (P parameters, N ranks, 16-bit
+// ZeRO stages 1-3 (distributed_type DEEPSPEED) and, as stage 0, DDP and the single process (one
+// rank, per-parameter gradients; parallel/ddp.h): one engine over the shared core in
+// parallel/sharding.h. What each stage keeps per rank (P parameters, N ranks, 16-bit
 // compute with fp32 Adam; MemCategory in brackets):
 //
 //   stage 0 (DDP)  compute params 2P [Params], grads 2P [Grads], fp32 master + Adam 12P
@@ -50,6 +51,11 @@ struct DataParallelOptions {
   // is a chunk of the unit's flat buffer); FSDP: Dim0 (every parameter split on dim 0; gathers
   // go through a rank-major wire buffer with a copy-out, reductions through a copy-in).
   FlatLayout::Mode layout = FlatLayout::Mode::Contiguous;
+  // Stage 0 over one rank only: false keeps each parameter's own autograd gradient (nothing to
+  // all-reduce, so no flat bucket, no grad-ready hooks, no zeroing pass; dropped after every step,
+  // so no gradient memory between steps; a parameter without one is skipped by the update). The
+  // single process (SingleProcessStrategy, parallel/ddp.h) sets it.
+  bool flat_grads = true;
 };
 
 // The outermost modules below `root` whose type_name() is one of `types`, in pre-order (= forward
@@ -71,9 +77,9 @@ class FlatDataParallel : public Strategy {
   // Stages 0-2: fp32 weights. Stage 3: compute-dtype weights with save_16bit_model, else none
   // (the weights are only in the shards; accel-checkpoint consolidate rebuilds them).
   std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
-  // Stage 0: "<param>.exp_avg" ... like the single process. Stages 1-3: this rank's chunks as
-  // "group<i>.master", "group<i>.exp_avg", "group<i>.exp_avg_sq" (or ".momentum_buffer"), laid
-  // out as checkpoint_manifest() describes.
+  // Stage 0: "<param>.exp_avg" ... (the optimizer runs per parameter, in model order). Stages 1-3:
+  // this rank's chunks as "group<i>.master", "group<i>.exp_avg", "group<i>.exp_avg_sq" (or
+  // ".momentum_buffer"), laid out as checkpoint_manifest() describes.
   std::vector<std::pair<std::string, Tensor>> optimizer_state() override;
   int64_t optimizer_steps() const override;
   void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
@@ -147,6 +153,8 @@ class FlatDataParallel : public Strategy {
   // The compute weights from the master weights (all-gathered at stages 1-2); after_update: the
   // optimizer already wrote this rank's part where optimizer_writes_compute_.
   void refresh_compute(bool after_update);
+  // The gradients the optimizer's tensors take: stage 0 per parameter in model order (undefined
+  // where a parameter has none), stages 1-3 this rank's chunk of every group.
   std::vector<Tensor> owned_grads() const;
   // The first parameter (model order) whose gradient holds NaN or Inf on any rank; collective.
   std::string first_non_finite_param(const std::vector<Tensor>& grads);
@@ -166,6 +174,11 @@ class FlatDataParallel : public Strategy {
   std::vector<GroupComm> group_comm_;
   std::unordered_map<std::string, int64_t> model_order_;  // parameter name -> model index
   std::vector<std::string> model_names_;                  // model index -> parameter name
+  struct SlotRef {
+    int group = 0;
+    size_t slot = 0;
+  };
+  std::vector<SlotRef> model_slots_;  // model index -> where the parameter sits
 };
 
 // distributed_type DEEPSPEED.

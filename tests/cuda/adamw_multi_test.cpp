@@ -104,7 +104,7 @@ TEST(CudaAdamWMulti, ManyTensorsWithCopiesMatchCpu) {
 }
 
 // With copies or without, per-tensor or multi: the GPU numbers are the same bits, and the copies
-// are what a separate copy_ after the update writes (today's SingleProcessStrategy path).
+// are what a separate copy_ after the update would write.
 TEST(CudaAdamWMulti, CopiesEqualUpdateThenCopyBitForBit) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const uint64_t seed = fresh_seed();
@@ -172,7 +172,7 @@ TEST(CudaAdamWMulti, MoreTensorsThanOneLaunchHolds) {
   }
 }
 
-// The Optimizer on the GPU with compute copies, as SingleProcessStrategy uses it.
+// The Optimizer on the GPU with compute copies, as the strategies use it.
 TEST(CudaAdamWMulti, OptimizerWithCopiesMatchesCpuOptimizer) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const uint64_t seed = fresh_seed();

@@ -11,7 +11,7 @@
 
 #include "models/fp8_linear.h"
 #include "models/llama.h"
-#include "parallel/strategy.h"
+#include "parallel/ddp.h"
 #include "tests/parallel/harness.h"
 
 namespace accel {

@@ -184,7 +184,7 @@ TEST(StrategyDdp, WorldSizeOneWithoutProcessGroupMatchesSingleProcess) {
 // bf16 compute with two micro-batches at world size 1: the paths only world size 1 takes (the
 // reduce-scatter skipped, ZeRO-3's shards kept as the flat buffers, the first micro-batch's
 // gradient adopted as the shard, the optimizer writing the bf16 compute copies) against the
-// single process, which adds the micro-batches' bf16 gradients in the same order.
+// single-process reference, which adds the micro-batches' bf16 gradients in the same order.
 TEST(StrategyDdp, WorldSizeOneBf16WithAccumulationMatchesSingleProcess) {
   RunSpec single;
   single.compute = DType::BF16;

@@ -488,7 +488,8 @@ struct Fp8Trainee {
 };
 
 // The trainer's order: model, apply_fp8, strategy, the fp8 layers handed to FSDP, setup. fsdp
-// false: the single process (bf16 compute, fp8 layers casting their weights dynamically).
+// false: the single-process reference (bf16 compute, fp8 layers casting their weights
+// dynamically).
 Fp8Trainee make_fp8_trainee(const FsdpCase& c, bool fsdp, bool all_gather,
                             std::shared_ptr<ProcessGroup> pg, uint64_t seed) {
   Fp8Trainee f;
@@ -496,8 +497,8 @@ Fp8Trainee make_fp8_trainee(const FsdpCase& c, bool fsdp, bool all_gather,
   f.t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(2), DType::F32, Device::cpu(), seed);
   f.t.model->set_activation_checkpointing(c.ac);
   f.fp8 = apply_fp8(*f.t.model, cfg.fp8, Device::cpu());
-  f.t.strategy = fsdp ? make_strategy(cfg, pg, DType::BF16)
-                      : std::make_unique<SingleProcessStrategy>(DType::BF16);
+  f.t.strategy =
+      fsdp ? make_strategy(cfg, pg, DType::BF16) : std::make_unique<ReferenceStrategy>(DType::BF16);
   if (auto* s = dynamic_cast<FsdpStrategy*>(f.t.strategy.get());
       s && s->fsdp_options().fp8_all_gather) {
     std::vector<std::pair<std::string, Fp8LinearContext*>> layers;

@@ -69,10 +69,17 @@ TEST(StrategyNonFinite, EveryRankNamesTheFirstBadParameterInModelOrder) {
 
 TEST(StrategyNonFinite, SingleProcessNamesTheFirstBadParameter) {
   RunSpec s;
+  s.strategy = "single";
   Trainee t = make_trainee(s, nullptr, s.seed);
+  Weights before;
+  for (const auto& [name, w] : full_weights(*t.strategy)) before.push_back({name, w.clone()});
   StepResult r = poisoned_step(s, t, 0, "model.layers.1.mlp.down_proj.weight");
   EXPECT_TRUE(r.skipped);
   EXPECT_EQ(r.first_non_finite, "model.layers.1.mlp.down_proj.weight");
+  EXPECT_EQ(compare_weights(full_weights(*t.strategy), before, 0.0), "") << "the skipped step";
+  StepResult good = poisoned_step(s, t, 0, "");
+  EXPECT_FALSE(good.skipped);
+  EXPECT_TRUE(good.first_non_finite.empty());
 }
 
 }  // namespace

@@ -1,12 +1,13 @@
 // Shared by the strategy tests: a tiny Llama, deterministic token batches split over ranks the way
-// the data loader splits them, a training loop that calls the strategy as the trainer does, and
-// tolerant comparisons against the single-process run.
+// the data loader splits them, a training loop that calls the strategy as the trainer does, an
+// independent reference for the single process, and tolerant comparisons against it.
 #pragma once
 
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,8 +34,90 @@ inline LlamaConfig tiny_llama(int64_t layers = 2, bool tied = false) {
   return c;
 }
 
+// The reference every strategy is compared with: one process, written without the engine
+// (parallel/zero.h) that the strategies, `single` included, share. Each parameter keeps its own
+// fp32 master and its autograd gradient; the norm, the non-finite check, clipping and the update
+// are done here directly on whole tensors. (It is what SingleProcessStrategy was before the engine
+// took the single process over, so it also writes that strategy's checkpoints: state by
+// parameter name, no manifest.)
+class ReferenceStrategy : public Strategy {
+ public:
+  explicit ReferenceStrategy(DType compute_dtype) : compute_dtype_(compute_dtype) {}
+  std::string name() const override { return "reference"; }
+
+  void setup(Module& model, const OptimizerOptions& opts) override {
+    params_ = model.parameters();
+    std::vector<std::string> names;
+    std::vector<Tensor> copies;
+    NoGradGuard no_grad;
+    for (Parameter* p : params_) {
+      master_.push_back(p->value);
+      names.push_back(p->name);
+      if (compute_dtype_ == DType::F32) continue;
+      Tensor copy =
+          Tensor::empty(p->value.shape(), compute_dtype_, p->value.device(), MemCategory::Params);
+      copy.copy_(p->value);
+      copy.set_requires_grad(true);
+      copy.set_name(p->name);
+      master_.back().set_requires_grad(false);
+      p->value = copy;
+      copies.push_back(copy);
+    }
+    optimizer_ = std::make_unique<Optimizer>(opts, master_, names, std::move(copies));
+  }
+
+  StepResult step(double lr, double max_grad_norm, double grad_scale) override {
+    std::vector<Tensor> grads, present;
+    for (Parameter* p : params_) {
+      grads.push_back(p->value.grad());
+      if (grads.back().defined()) present.push_back(grads.back());
+    }
+    StepResult r;
+    r.grad_norm = std::sqrt(sum_of_squares(present)) * grad_scale;
+    if (!std::isfinite(r.grad_norm)) {
+      r.skipped = true;
+      for (size_t i = 0; i < params_.size() && r.first_non_finite.empty(); ++i)
+        if (grads[i].defined() && has_non_finite(grads[i])) r.first_non_finite = params_[i]->name;
+    } else {
+      optimizer_->step(grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
+    }
+    for (Parameter* p : params_) p->value.zero_grad();
+    return r;
+  }
+
+  std::vector<std::pair<std::string, Tensor>> full_state_dict() override {
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (size_t i = 0; i < params_.size(); ++i) out.push_back({params_[i]->name, master_[i]});
+    return out;
+  }
+  std::vector<std::pair<std::string, Tensor>> optimizer_state() override {
+    return optimizer_->state_tensors();
+  }
+  int64_t optimizer_steps() const override { return optimizer_->step_count(); }
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
+                  const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                  int64_t optimizer_steps) override {
+    std::map<std::string, Tensor> by_name(full_weights.begin(), full_weights.end());
+    NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto it = by_name.find(params_[i]->name);
+      if (it == by_name.end()) throw std::runtime_error("no weight " + params_[i]->name);
+      master_[i].copy_(it->second);
+      if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
+    }
+    optimizer_->load_state(optimizer_state, optimizer_steps);
+  }
+
+ private:
+  DType compute_dtype_;
+  std::vector<Parameter*> params_;
+  std::vector<Tensor> master_;  // fp32; the model's own tensors when computing in fp32
+  std::unique_ptr<Optimizer> optimizer_;
+};
+
 struct RunSpec {
-  std::string strategy = "single";  // single | ddp | zero1 | zero2 | zero3
+  // reference (ReferenceStrategy above) | single | ddp | zero1 | zero2 | zero3
+  std::string strategy = "reference";
   int world = 1;
   int accum = 1;
   int steps = 10;
@@ -55,6 +138,7 @@ struct RunSpec {
 
 inline std::unique_ptr<Strategy> make_test_strategy(const RunSpec& s,
                                                     std::shared_ptr<ProcessGroup> pg) {
+  if (s.strategy == "reference") return std::make_unique<ReferenceStrategy>(s.compute);
   if (s.strategy == "single") return std::make_unique<SingleProcessStrategy>(s.compute);
   if (s.strategy == "ddp")
     return std::make_unique<DdpStrategy>(pg, s.compute, s.bucket_cap_mb, s.find_unused);
