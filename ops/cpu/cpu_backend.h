@@ -19,7 +19,7 @@ class CpuBackend final : public Backend {
   void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) override;
 
   // reduce.cpp
-  void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+  void reduce(ReduceKind op, const Tensor& out, const Tensor& x,
               const std::vector<int64_t>& dims) override;
   void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
                     const Tensor& grad_keepdim, int64_t dim) override;
@@ -75,6 +75,21 @@ class CpuBackend final : public Backend {
                 double momentum, double weight_decay, double grad_scale) override;
   double sum_of_squares(const std::vector<Tensor>& xs) override;
   bool has_non_finite(const Tensor& x) override;
+
+  // fp8_cast.cpp (the exact emulation; no fused kernels)
+  void fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
+                const Tensor& amax, const Tensor& scale_inv) override;
+  void fp8_amax(const Tensor& x, const Tensor& out) override;
+  void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
+                           float fp8_max, int margin) override;
+  void fp8_transpose(const Tensor& data_t, const Tensor& data) override;
+  void fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
+                          const Tensor& fp8_max, bool use_max, int margin, bool recompute) override;
+  void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) override;
+
+  // fp8_gemm.cpp
+  void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+                const Tensor& b_scale_inv, bool fast_accum) override;
 };
 
 }  // namespace accel

@@ -9,13 +9,13 @@ namespace accel {
 namespace {
 using namespace cpu;
 
-const char* reduce_name(ReduceOp op) {
+const char* reduce_name(ReduceKind op) {
   switch (op) {
-    case ReduceOp::Sum:
+    case ReduceKind::Sum:
       return "sum";
-    case ReduceOp::Max:
+    case ReduceKind::Max:
       return "max";
-    case ReduceOp::AbsMax:
+    case ReduceKind::AbsMax:
       return "amax";
   }
   return "reduce";
@@ -23,9 +23,9 @@ const char* reduce_name(ReduceOp op) {
 
 template <class Acc>
 struct Reducer {
-  ReduceOp op;
+  ReduceKind op;
   Acc init() const {
-    if (op == ReduceOp::Max) {
+    if (op == ReduceKind::Max) {
       if constexpr (std::is_floating_point_v<Acc>) return -std::numeric_limits<Acc>::infinity();
       return std::numeric_limits<Acc>::lowest();
     }
@@ -34,20 +34,20 @@ struct Reducer {
   // NaN propagates through max, as in torch.
   void add(Acc& acc, Acc v) const {
     switch (op) {
-      case ReduceOp::Sum:
+      case ReduceKind::Sum:
         acc += v;
         return;
-      case ReduceOp::AbsMax:
+      case ReduceKind::AbsMax:
         v = v < 0 ? -v : v;
         [[fallthrough]];
-      case ReduceOp::Max:
+      case ReduceKind::Max:
         if (acc != acc) return;
         if (!(v <= acc)) acc = v;
         return;
     }
   }
   void merge(Acc& acc, Acc v) const {
-    if (op == ReduceOp::Sum)
+    if (op == ReduceKind::Sum)
       acc += v;
     else if (acc == acc && !(v <= acc))
       acc = v;
@@ -56,7 +56,7 @@ struct Reducer {
 
 }  // namespace
 
-void CpuBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+void CpuBackend::reduce(ReduceKind op, const Tensor& out, const Tensor& x,
                         const std::vector<int64_t>& dims) {
   const char* name = reduce_name(op);
   const int nd = static_cast<int>(x.dim());

@@ -23,17 +23,17 @@ __device__ __forceinline__ double load_c<double>(const void* p, DType t, int64_t
 
 template <class C>
 struct ReduceAcc {
-  ReduceOp op;
+  ReduceKind op;
   __device__ __forceinline__ C init() const {
-    return op == ReduceOp::Sum ? C(0) : (op == ReduceOp::Max ? C(-INFINITY) : C(0));
+    return op == ReduceKind::Sum ? C(0) : (op == ReduceKind::Max ? C(-INFINITY) : C(0));
   }
   __device__ __forceinline__ C combine(C a, C b) const {
-    if (op == ReduceOp::Sum) return a + b;
+    if (op == ReduceKind::Sum) return a + b;
     if (a != a || b != b) return a != a ? a : b;  // NaN propagates, as torch
     return a > b ? a : b;
   }
   __device__ __forceinline__ C prepare(C v) const {
-    return op == ReduceOp::AbsMax ? (v < C(0) ? -v : v) : v;
+    return op == ReduceKind::AbsMax ? (v < C(0) ? -v : v) : v;
   }
 };
 
@@ -47,7 +47,7 @@ __device__ __forceinline__ C shfl_combine(const ReduceAcc<C>& r, C v) {
 // One warp per output element (kWarp) or one block per output element.
 template <class C, bool kWarp>
 __global__ void reduce_kernel(void* out, DType ot, const void* x, DType xt, StridedLayout outer,
-                              StridedLayout inner, int64_t n_out, int64_t n_in, ReduceOp op) {
+                              StridedLayout inner, int64_t n_out, int64_t n_in, ReduceKind op) {
   ReduceAcc<C> r{op};
   __shared__ C smem[32];
   const int lane = threadIdx.x & 31;
@@ -76,7 +76,7 @@ bool float_compute(DType t) { return t == DType::F32 || t == DType::BF16 || t ==
 
 }  // namespace
 
-void CudaBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+void CudaBackend::reduce(ReduceKind op, const Tensor& out, const Tensor& x,
                          const std::vector<int64_t>& dims) {
   require_cuda(x, "reduce", "input");
   require(out.is_contiguous() && out.dim() == x.dim(), "reduce", "out must be contiguous keepdim");
@@ -92,7 +92,7 @@ void CudaBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
   const int64_t n_in = shape_numel(inner_sizes);
   OpScope sc(out);
   if (n_in == 0) {  // empty reduction: the identity (sum 0; max of nothing is -inf)
-    ::accel::kernels::cuda::fill(out, op == ReduceOp::Max ? -INFINITY : 0.0);
+    ::accel::kernels::cuda::fill(out, op == ReduceKind::Max ? -INFINITY : 0.0);
     return;
   }
   StridedLayout outer = make_layouts(outer_sizes, {outer_strides}, "reduce")[0];
