@@ -120,8 +120,8 @@ class Backend {
   // out f32 [1] = max |x| over all elements (NaN ignored).
   virtual void fp8_amax(const Tensor& x, const Tensor& out) = 0;
   // scale = fp8_scale_for_amax(amax, fp8_max, margin, 1), scale_inv = 1 / scale (all f32 [1]).
-  virtual void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,
-                                   const Tensor& scale_inv, float fp8_max, int margin) = 0;
+  virtual void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
+                                   float fp8_max, int margin) = 0;
   // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv.
   virtual void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
                         const Tensor& b, const Tensor& b_scale_inv, bool fast_accum) = 0;
@@ -132,8 +132,7 @@ class Backend {
                                   const Tensor& scale_inv, const Tensor& fp8_max, bool use_max,
                                   int margin, bool recompute) = 0;
   // out = MX fake quantization of x [R, C] (blocks of 32 along block_dim), same dtype as x.
-  virtual void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt,
-                                 int block_dim) = 0;
+  virtual void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) = 0;
   // Fused elementwise op + cast (+ transpose, amax) in one pass, where a backend has the kernels
   // (CUDA): whether `inputs` with `cols` columns suit them (false: use the unfused ops).
   virtual bool fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) {

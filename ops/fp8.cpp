@@ -124,7 +124,8 @@ Fp8Tensor fp8_cast_dynamic(const Tensor& x, DType fmt, const Fp8CastOptions& opt
   Tensor amax = Tensor::zeros({1}, DType::F32, x.device());
   q.scale = Tensor::empty({1}, DType::F32, x.device());
   backend_for(x.device()).fp8_amax(xc, amax);
-  backend_for(x.device()).fp8_scale_from_amax(amax, q.scale, q.scale_inv, fp8_max_value(fmt), margin);
+  backend_for(x.device())
+      .fp8_scale_from_amax(amax, q.scale, q.scale_inv, fp8_max_value(fmt), margin);
   backend_for(x.device()).fp8_cast(xc, q.scale, q.data, q.data_t, Tensor(), Tensor());
   return q;
 }
@@ -297,7 +298,8 @@ void Fp8DelayedScaling::update() {
   const bool recompute = (updates_ - 1) % recipe_.interval == 0;
   if (num_slots() == 0) return;
   backend_for(device_).fp8_delayed_update(history_, scale_, scale_inv_, max_values_,
-               recipe_.amax_algo == AmaxAlgo::Max, recipe_.margin, recompute);
+                                          recipe_.amax_algo == AmaxAlgo::Max, recipe_.margin,
+                                          recompute);
 }
 
 std::vector<std::pair<std::string, Tensor>> Fp8DelayedScaling::state_tensors() {
@@ -558,9 +560,8 @@ namespace {
 
 // A cast's allocation (as fp8_cast makes it) and the target the fused kernels write.
 std::pair<Fp8Tensor, Fp8CastTarget> fused_target(const Tensor& like, DType fmt,
-                                                           const Fp8CastOptions& o,
-                                                           const Tensor& scale,
-                                                           const Tensor& amax) {
+                                                 const Fp8CastOptions& o, const Tensor& scale,
+                                                 const Tensor& amax) {
   Fp8Tensor q = make_fp8(like, fmt, o);
   q.scale = scale;
   return {q, Fp8CastTarget{scale, q.data, q.data_t, amax, q.scale_inv}};

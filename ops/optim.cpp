@@ -65,11 +65,4 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double
   backend_for(param.device()).sgd_step(param, grad, buf, lr, momentum, weight_decay, grad_scale);
 }
 
-double sum_of_squares(const std::vector<Tensor>& xs) {
-  if (xs.empty()) return 0.0;
-  return backend_for(xs[0].device()).sum_of_squares(xs);
-}
-
-bool has_non_finite(const Tensor& x) { return backend_for(x.device()).has_non_finite(x); }
-
 }  // namespace accel

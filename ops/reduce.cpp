@@ -101,4 +101,11 @@ Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
   return reshape(sum(x, dims, true), shape);
 }
 
+double sum_of_squares(const std::vector<Tensor>& xs) {
+  if (xs.empty()) return 0.0;
+  return backend_for(xs[0].device()).sum_of_squares(xs);
+}
+
+bool has_non_finite(const Tensor& x) { return backend_for(x.device()).has_non_finite(x); }
+
 }  // namespace accel

@@ -1,5 +1,5 @@
-// The CPU backend: one class, its methods implemented in files named after the op groups
-// (elementwise.cpp, reduce.cpp, matmul.cpp, nn.cpp, attention.cpp, random.cpp, optim.cpp).
+// The CPU backend: one class, its methods implemented in files named after the ops (the comment
+// above each group names the file; ops/README.md has the table).
 #pragma once
 
 #include "ops/backend.h"
@@ -28,16 +28,19 @@ class CpuBackend final : public Backend {
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
               double alpha, double beta) override;
 
-  // nn.cpp
+  // softmax.cpp
   void softmax(const Tensor& out, const Tensor& x, bool log) override;
+  // cross_entropy.cpp
   void cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
                      const Tensor& targets, int64_t ignore_index) override;
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits, const Tensor& lse,
                               const Tensor& targets, int64_t ignore_index,
                               const Tensor& scale) override;
+  // embedding.cpp
   void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) override;
   void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
                           const Tensor& ids) override;
+  // rms_norm.cpp
   void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& weight,
                 double eps) override;
   void add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd, const Tensor& x,
@@ -45,8 +48,10 @@ class CpuBackend final : public Backend {
   void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
                          const Tensor& x, const Tensor& weight, const Tensor& rstd,
                          const Tensor& grad_x_add) override;
+  // rope.cpp
   void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
             bool inverse) override;
+  // swiglu.cpp
   void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
   void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
                        const Tensor& gate, const Tensor& up) override;
@@ -73,6 +78,8 @@ class CpuBackend final : public Backend {
                         double grad_scale) override;
   void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                 double momentum, double weight_decay, double grad_scale) override;
+
+  // reduce.cpp
   double sum_of_squares(const std::vector<Tensor>& xs) override;
   bool has_non_finite(const Tensor& x) override;
 

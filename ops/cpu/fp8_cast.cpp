@@ -30,8 +30,8 @@ uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 }  // namespace
 
-void CpuBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
-          const Tensor& amax, const Tensor& scale_inv) {
+void CpuBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data,
+                          const Tensor& data_t, const Tensor& amax, const Tensor& scale_inv) {
   const int64_t R = x.size(0), C = x.size(1);
   const float s = *f32(scale);
   const DType fmt = data.defined() ? data.dtype() : data_t.dtype();
@@ -80,8 +80,8 @@ void CpuBackend::fp8_amax(const Tensor& x, const Tensor& out) {
   *f32(out) = m;
 }
 
-void CpuBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
-                     float fp8_max, int margin) {
+void CpuBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,
+                                     const Tensor& scale_inv, float fp8_max, int margin) {
   const float s = fp8_scale_for_amax(*f32(amax), fp8_max, margin, 1.0f);
   *f32(scale) = s;
   *f32(scale_inv) = 1.0f / s;
@@ -95,8 +95,9 @@ void CpuBackend::fp8_transpose(const Tensor& data_t, const Tensor& data) {
     for (int64_t c = 0; c < C; ++c) dst[c * R + r] = src[r * C + c];
 }
 
-void CpuBackend::fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
-                    const Tensor& fp8_max, bool use_max, int margin, bool recompute) {
+void CpuBackend::fp8_delayed_update(const Tensor& history, const Tensor& scale,
+                                    const Tensor& scale_inv, const Tensor& fp8_max, bool use_max,
+                                    int margin, bool recompute) {
   const int64_t L = history.size(0), n = history.size(1);
   float* h = f32(history);
   float* s = f32(scale);

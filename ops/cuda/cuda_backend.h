@@ -1,6 +1,6 @@
-// The CUDA backend (ops/backend.h) and the CUDA-only knobs around it. Kernels live in the files
-// named after the ops: elementwise.cu, reduce.cu, matmul.cpp, norm.cu, embedding.cu, attention.cu,
-// optim.cu. Every kernel runs on cuda::current_stream() of the tensors' device.
+// The CUDA backend (ops/backend.h) and the CUDA-only knobs around it. Each method lives in the file
+// named after its op, beside the CPU one (cuda/rope.cu, cpu/rope.cpp; ops/README.md has the
+// table). Every kernel runs on cuda::current_stream() of the tensors' device.
 #pragma once
 
 #include "ops/backend.h"

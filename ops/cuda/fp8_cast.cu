@@ -1,6 +1,6 @@
-// CUDA fp8 kernels other than the GEMM (the fp8_* methods of ops/backend.h): the fused cast + amax (+ transpose),
-// the amax reduction and scale computation of dynamic scaling, the byte transpose, the
-// delayed-scaling update of all slots in one launch, and the MX fake quantization.
+// CUDA fp8 kernels other than the GEMM (the fp8_* methods of ops/backend.h): the fused cast + amax
+// (+ transpose), the amax reduction and scale computation of dynamic scaling, the byte transpose,
+// the delayed-scaling update of all slots in one launch, and the MX fake quantization.
 //
 // Rounding: the casts use the hardware cvt.rn.satfinite (sm_89+) which rounds to nearest even and
 // saturates exactly as detail::encode(..., saturate=true) in runtime/dtype.h does on the CPU
@@ -515,8 +515,8 @@ bool CudaBackend::fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs
   return ok;
 }
 
-void CudaBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
-          const Tensor& amax, const Tensor& scale_inv) {
+void CudaBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data,
+                           const Tensor& data_t, const Tensor& amax, const Tensor& scale_inv) {
   OpScope scope(x);
   const Fp8CastTarget target{scale, data, data_t, amax, scale_inv};
   const int64_t R = x.size(0), C = x.size(1);
@@ -566,7 +566,8 @@ void CudaBackend::fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp
 }
 
 void CudaBackend::fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
-                          const Fp8CastTarget& to_gate, const Fp8CastTarget& to_up) {
+                                           const Fp8CastTarget& to_gate,
+                                           const Fp8CastTarget& to_up) {
   OpScope scope(gate);
   const int64_t R = gate.size(0), C = gate.size(1);
   const int64_t Rp = padded_rows(to_gate), Cp = padded_cols(to_gate);
@@ -607,8 +608,8 @@ void CudaBackend::fp8_amax(const Tensor& x, const Tensor& out) {
   ACCEL_CUDA_CHECK_LAUNCH("fp8_amax");
 }
 
-void CudaBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
-                     float fp8_max, int margin) {
+void CudaBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,
+                                      const Tensor& scale_inv, float fp8_max, int margin) {
   OpScope scope(amax);
   scale_from_amax_kernel<<<1, 1, 0, scope.stream>>>(fptr(amax), fptr(scale), fptr(scale_inv),
                                                     fp8_max, margin);
@@ -624,8 +625,9 @@ void CudaBackend::fp8_transpose(const Tensor& data_t, const Tensor& data) {
   ACCEL_CUDA_CHECK_LAUNCH("fp8_transpose");
 }
 
-void CudaBackend::fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
-                    const Tensor& fp8_max, bool use_max, int margin, bool recompute) {
+void CudaBackend::fp8_delayed_update(const Tensor& history, const Tensor& scale,
+                                     const Tensor& scale_inv, const Tensor& fp8_max, bool use_max,
+                                     int margin, bool recompute) {
   OpScope scope(history);
   const int64_t L = history.size(0), n = history.size(1);
   if (n == 0) return;

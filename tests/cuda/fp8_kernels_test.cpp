@@ -1,8 +1,6 @@
 // CUDA fp8 kernels against the CPU emulation: casts (fast tiled and generic paths, bit for bit),
 // dynamic scaling, transposes, the delayed-scaling update, MX fake quantization, the cuBLASLt fp8
 // GEMM, and the fp8 linear op. Skipped without a GPU.
-#include "ops/backend.h"
-
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -12,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "ops/backend.h"
 #include "ops/fp8.h"
 #include "tests/cuda/cuda_test_util.h"
 #ifdef ACCEL_WITH_CUDA
