@@ -1,3 +1,5 @@
+// adamw_step, adamw_step_multi, sgd_step: state checks, then the kernels (cpu/optim.cpp,
+// cuda/optim.cu). The Optimizer class over them is optimizer.cpp.
 #include "ops/common.h"
 
 namespace accel {
