@@ -9,10 +9,6 @@ using namespace cuda;
 
 constexpr int kThreads = 256;
 
-}  // namespace
-
-namespace {
-
 template <class T>
 __global__ void swiglu_kernel(T* __restrict__ out, const T* __restrict__ gate,
                               const T* __restrict__ up, int64_t n) {
