@@ -13,7 +13,16 @@ namespace accel {
 
 enum class UnaryOp { Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sigmoid, Silu, Gelu, Tanh, Square };
 enum class BinaryOp { Add, Sub, Mul, Div, Maximum, Greater, Equal };
-enum class ReduceOp { Sum, Max, AbsMax };
+// What a backend's reduce() computes over tensor dims (the collectives' accel::ReduceOp, in
+// parallel/process_group.h, is a different set: Sum, Avg, Max across ranks).
+enum class ReduceKind { Sum, Max, AbsMax };
+
+// Where a fused fp8 cast writes (allocated by ops/fp8.cpp): scale f32 [1] is read; data [Rp, Cp]
+// and data_t [Cp, Rp] (each optional, zero padding beyond the input) get the fp8 values; amax f32
+// [1] (optional) becomes max(amax, max |value|); scale_inv (optional) gets 1 / scale.
+struct Fp8CastTarget {
+  Tensor scale, data, data_t, amax, scale_inv;
+};
 
 class Backend {
  public:
@@ -30,7 +39,7 @@ class Backend {
   // out = cond ? a : b, all expanded to out's shape.
   virtual void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) = 0;
   // Reduce x over `dims` (sorted, unique); out has x's shape with those dims set to 1.
-  virtual void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+  virtual void reduce(ReduceKind op, const Tensor& out, const Tensor& x,
                       const std::vector<int64_t>& dims) = 0;
   // Gradient of max over one dim: grad_in[i] = (x[i] == out along dim, first one only) ? g : 0.
   virtual void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
@@ -101,6 +110,44 @@ class Backend {
   virtual void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                         double momentum, double weight_decay, double grad_scale) = 0;
   virtual double sum_of_squares(const std::vector<Tensor>& xs) = 0;
+
+  // fp8 (ops/fp8.h; arguments checked and allocated by ops/fp8.cpp, tensors contiguous). x [R, C]
+  // f32/bf16/f16; scale f32 [1]. data [Rp, Cp] and data_t [Cp, Rp] (each optional, zero padding
+  // beyond R, C) get sat(rne(x * scale)) in their fp8 dtype; amax (optional) becomes
+  // max(amax, max|x|); scale_inv (optional) gets 1 / scale.
+  virtual void fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data,
+                        const Tensor& data_t, const Tensor& amax, const Tensor& scale_inv) = 0;
+  // out f32 [1] = max |x| over all elements (NaN ignored).
+  virtual void fp8_amax(const Tensor& x, const Tensor& out) = 0;
+  // scale = fp8_scale_for_amax(amax, fp8_max, margin, 1), scale_inv = 1 / scale (all f32 [1]).
+  virtual void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
+                                   float fp8_max, int margin) = 0;
+  // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv.
+  virtual void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
+                        const Tensor& b, const Tensor& b_scale_inv, bool fast_accum) = 0;
+  // data_t [C, R] = data [R, C]^T, one-byte elements.
+  virtual void fp8_transpose(const Tensor& data_t, const Tensor& data) = 0;
+  // history [L, n], scale / scale_inv / fp8_max [n] f32: see Fp8DelayedScaling::update.
+  virtual void fp8_delayed_update(const Tensor& history, const Tensor& scale,
+                                  const Tensor& scale_inv, const Tensor& fp8_max, bool use_max,
+                                  int margin, bool recompute) = 0;
+  // out = MX fake quantization of x [R, C] (blocks of 32 along block_dim), same dtype as x.
+  virtual void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) = 0;
+  // Fused elementwise op + cast (+ transpose, amax) in one pass, where a backend has the kernels
+  // (CUDA): whether `inputs` with `cols` columns suit them (false: use the unfused ops).
+  virtual bool fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) {
+    (void)inputs;
+    (void)cols;
+    return false;
+  }
+  // Casts swiglu(gate, up), computed and rounded as the swiglu op does (bit-identical to swiglu
+  // followed by fp8_cast). Only where fp8_fused_cast_layout accepted the inputs.
+  virtual void fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp8CastTarget& out);
+  // Casts the gradients of swiglu for `grad` (as swiglu_backward computes and rounds them): d gate
+  // into to_gate, d up into to_up. Only where fp8_fused_cast_layout accepted the inputs.
+  virtual void fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                        const Fp8CastTarget& to_gate, const Fp8CastTarget& to_up);
+
   // Lets fp32 GEMMs run on TF32 tensor cores (training.allow_tf32); backends without such a mode
   // ignore it.
   virtual void set_allow_tf32(bool allow) { (void)allow; }

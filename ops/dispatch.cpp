@@ -6,6 +6,18 @@ Backend& backend_for(Device d) { return d.is_cpu() ? cpu_backend() : cuda_backen
 
 void set_allow_tf32(Device device, bool allow) { backend_for(device).set_allow_tf32(allow); }
 
+// Backends without fused fp8 kernels never accept a layout in fp8_fused_cast_layout, so ops/fp8.cpp
+// never calls these there.
+void Backend::fp8_swiglu_cast(const Tensor&, const Tensor&, const Fp8CastTarget&) {
+  throw std::logic_error(std::string("[fp8_swiglu_cast] the ") + name() +
+                         " backend has no fused fp8 kernels (check fp8_fused_cast_layout first)");
+}
+void Backend::fp8_swiglu_backward_cast(const Tensor&, const Tensor&, const Tensor&,
+                                       const Fp8CastTarget&, const Fp8CastTarget&) {
+  throw std::logic_error(std::string("[fp8_swiglu_backward_cast] the ") + name() +
+                         " backend has no fused fp8 kernels (check fp8_fused_cast_layout first)");
+}
+
 namespace detail {
 
 int64_t normalize_dim(const char* op, int64_t dim, int64_t ndim) {

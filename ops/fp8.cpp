@@ -6,19 +6,9 @@
 #include <stdexcept>
 
 #include "ops/common.h"
-#include "ops/fp8_kernels.h"
 
 namespace accel {
 using detail::op_error;
-
-// Runs the CPU or the CUDA version of a kernel for the device `dev`.
-#define FP8_DISPATCH(dev, fn, ...)        \
-  do {                                    \
-    if ((dev).is_cuda())                  \
-      fp8_kernels::cuda::fn(__VA_ARGS__); \
-    else                                  \
-      fp8_kernels::cpu::fn(__VA_ARGS__);  \
-  } while (0)
 
 namespace {
 
@@ -121,7 +111,7 @@ Fp8Tensor fp8_cast(const Tensor& x, DType fmt, const Tensor& scale, const Tensor
   Tensor xc = contiguous_raw(x);
   Fp8Tensor q = make_fp8(xc, fmt, opts);
   q.scale = scale;
-  FP8_DISPATCH(x.device(), cast, xc, scale, q.data, q.data_t, amax_accum, q.scale_inv);
+  backend_for(x.device()).fp8_cast(xc, scale, q.data, q.data_t, amax_accum, q.scale_inv);
   return q;
 }
 
@@ -133,9 +123,10 @@ Fp8Tensor fp8_cast_dynamic(const Tensor& x, DType fmt, const Fp8CastOptions& opt
   Fp8Tensor q = make_fp8(xc, fmt, opts);
   Tensor amax = Tensor::zeros({1}, DType::F32, x.device());
   q.scale = Tensor::empty({1}, DType::F32, x.device());
-  FP8_DISPATCH(x.device(), amax, xc, amax);
-  FP8_DISPATCH(x.device(), scale_from_amax, amax, q.scale, q.scale_inv, fp8_max_value(fmt), margin);
-  FP8_DISPATCH(x.device(), cast, xc, q.scale, q.data, q.data_t, Tensor(), Tensor());
+  backend_for(x.device()).fp8_amax(xc, amax);
+  backend_for(x.device())
+      .fp8_scale_from_amax(amax, q.scale, q.scale_inv, fp8_max_value(fmt), margin);
+  backend_for(x.device()).fp8_cast(xc, q.scale, q.data, q.data_t, Tensor(), Tensor());
   return q;
 }
 
@@ -144,7 +135,7 @@ Fp8Tensor fp8_with_transpose(const Fp8Tensor& q) {
   if (q.data_t.defined()) return q;
   Fp8Tensor r = q;
   r.data_t = Tensor::empty({q.data.size(1), q.data.size(0)}, q.data.dtype(), q.data.device());
-  FP8_DISPATCH(q.data.device(), transpose, r.data_t, q.data);
+  backend_for(q.data.device()).fp8_transpose(r.data_t, q.data);
   return r;
 }
 
@@ -165,7 +156,7 @@ Tensor fp8_amax(const Tensor& x) {
     op_error("fp8_amax",
              std::string("input must be f32, bf16 or f16, got ") + dtype_name(x.dtype()));
   Tensor out = Tensor::zeros({1}, DType::F32, x.device());
-  FP8_DISPATCH(x.device(), amax, contiguous_raw(x), out);
+  backend_for(x.device()).fp8_amax(contiguous_raw(x), out);
   return out;
 }
 
@@ -206,7 +197,7 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
                "scale_inv tensors must start on 16-byte boundaries (a view at an offset into "
                "a vector of scales is not; give each scale its own 16 bytes)");
   if (out.numel() == 0) return;
-  FP8_DISPATCH(a.device(), gemm, out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
 }
 
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
@@ -228,7 +219,7 @@ Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim) {
     op_error(op, "block_dim must be 0 or 1, got " + std::to_string(block_dim));
   Tensor xc = contiguous_raw(x);
   Tensor out = Tensor::empty(xc.shape(), xc.dtype(), xc.device());
-  FP8_DISPATCH(x.device(), mx_fake_quant, out, xc, fmt, block_dim);
+  backend_for(x.device()).fp8_mx_fake_quant(out, xc, fmt, block_dim);
   return out;
 }
 
@@ -306,8 +297,9 @@ void Fp8DelayedScaling::update() {
   ++updates_;
   const bool recompute = (updates_ - 1) % recipe_.interval == 0;
   if (num_slots() == 0) return;
-  FP8_DISPATCH(device_, delayed_update, history_, scale_, scale_inv_, max_values_,
-               recipe_.amax_algo == AmaxAlgo::Max, recipe_.margin, recompute);
+  backend_for(device_).fp8_delayed_update(history_, scale_, scale_inv_, max_values_,
+                                          recipe_.amax_algo == AmaxAlgo::Max, recipe_.margin,
+                                          recompute);
 }
 
 std::vector<std::pair<std::string, Tensor>> Fp8DelayedScaling::state_tensors() {
@@ -567,13 +559,12 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
 namespace {
 
 // A cast's allocation (as fp8_cast makes it) and the target the fused kernels write.
-std::pair<Fp8Tensor, fp8_kernels::CastTarget> fused_target(const Tensor& like, DType fmt,
-                                                           const Fp8CastOptions& o,
-                                                           const Tensor& scale,
-                                                           const Tensor& amax) {
+std::pair<Fp8Tensor, Fp8CastTarget> fused_target(const Tensor& like, DType fmt,
+                                                 const Fp8CastOptions& o, const Tensor& scale,
+                                                 const Tensor& amax) {
   Fp8Tensor q = make_fp8(like, fmt, o);
   q.scale = scale;
-  return {q, fp8_kernels::CastTarget{scale, q.data, q.data_t, amax, q.scale_inv}};
+  return {q, Fp8CastTarget{scale, q.data, q.data_t, amax, q.scale_inv}};
 }
 
 bool fused_mlp_applies(const Fp8LinearContext& c, const Fp8LinearContext& first) {
@@ -636,10 +627,10 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   // h = swiglu(g, u), cast for the down projection.
   const Fp8CastOptions h_opts{true, want_dwd, 16};
   Fp8Tensor qh;
-  if (fp8_kernels::cuda::fused_cast_layout({&g, &u}, F)) {
+  if (backend_for(g.device()).fp8_fused_cast_layout({&g, &u}, F)) {
     auto [q, target] =
         fused_target(g, fwd, h_opts, d.scale(down.slot_input), amax_of(down.slot_input));
-    fp8_kernels::cuda::swiglu_cast(g, u, target);
+    backend_for(g.device()).fp8_swiglu_cast(g, u, target);
     qh = q;
   } else {
     NoGradGuard no_grad;
@@ -675,10 +666,10 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
       Fp8Tensor qdg, qdu;
       const bool both =
           (g_opts.rowwise || g_opts.columnwise) && (u_opts.rowwise || u_opts.columnwise);
-      if (both && fp8_kernels::cuda::fused_cast_layout({&dh, &g, &u}, F)) {
+      if (both && backend_for(g.device()).fp8_fused_cast_layout({&dh, &g, &u}, F)) {
         auto [q1, t1] = fused_target(g, bwd, g_opts, ds.scale(slot_gg), amax_b(slot_gg));
         auto [q2, t2] = fused_target(u, bwd, u_opts, ds.scale(slot_gu), amax_b(slot_gu));
-        fp8_kernels::cuda::swiglu_backward_cast(dh, g, u, t1, t2);
+        backend_for(g.device()).fp8_swiglu_backward_cast(dh, g, u, t1, t2);
         qdg = q1;
         qdu = q2;
       } else {

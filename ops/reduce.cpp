@@ -32,7 +32,7 @@ Shape drop_shape(const Shape& s, const std::vector<int64_t>& dims) {
   return out;
 }
 
-Tensor run_reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims) {
+Tensor run_reduce(ReduceKind op, const Tensor& x, const std::vector<int64_t>& dims) {
   Tensor out = Tensor::empty(keep_shape(x.shape(), dims), x.dtype(), x.device());
   backend_for(x.device()).reduce(op, out, x, dims);
   return out;
@@ -41,7 +41,7 @@ Tensor run_reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims
 
 Tensor sum(const Tensor& x, std::vector<int64_t> dims, bool keepdim) {
   dims = normalize_dims("sum", std::move(dims), x.dim());
-  Tensor out = run_reduce(ReduceOp::Sum, x, dims);
+  Tensor out = run_reduce(ReduceKind::Sum, x, dims);
   if (!keepdim)
     out = out.as_strided(drop_shape(x.shape(), dims),
                          contiguous_strides(drop_shape(x.shape(), dims)), 0);
@@ -61,7 +61,7 @@ Tensor mean(const Tensor& x, std::vector<int64_t> dims, bool keepdim) {
 Tensor max(const Tensor& x, int64_t dim, bool keepdim) {
   dim = detail::normalize_dim("max", dim, x.dim());
   if (x.shape()[dim] == 0) op_error("max", "cannot reduce over an empty dim of " + x.str());
-  Tensor out = run_reduce(ReduceOp::Max, x, {dim});
+  Tensor out = run_reduce(ReduceKind::Max, x, {dim});
   Tensor out_keep = out;
   if (!keepdim)
     out = out.as_strided(drop_shape(x.shape(), {dim}),
@@ -77,7 +77,7 @@ Tensor max(const Tensor& x, int64_t dim, bool keepdim) {
 
 Tensor amax(const Tensor& x, std::vector<int64_t> dims, bool keepdim) {
   dims = normalize_dims("amax", std::move(dims), x.dim());
-  Tensor out = run_reduce(ReduceOp::AbsMax, x, dims);
+  Tensor out = run_reduce(ReduceKind::AbsMax, x, dims);
   if (!keepdim)
     out = out.as_strided(drop_shape(x.shape(), dims),
                          contiguous_strides(drop_shape(x.shape(), dims)), 0);
@@ -100,5 +100,12 @@ Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
   }
   return reshape(sum(x, dims, true), shape);
 }
+
+double sum_of_squares(const std::vector<Tensor>& xs) {
+  if (xs.empty()) return 0.0;
+  return backend_for(xs[0].device()).sum_of_squares(xs);
+}
+
+bool has_non_finite(const Tensor& x) { return backend_for(x.device()).has_non_finite(x); }
 
 }  // namespace accel

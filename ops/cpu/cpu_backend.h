@@ -1,5 +1,5 @@
-// The CPU backend: one class, its methods implemented in files named after the op groups
-// (elementwise.cpp, reduce.cpp, matmul.cpp, nn.cpp, attention.cpp, random.cpp, optim.cpp).
+// The CPU backend: one class, its methods implemented in files named after the ops (the comment
+// above each group names the file; ops/README.md has the table).
 #pragma once
 
 #include "ops/backend.h"
@@ -19,7 +19,7 @@ class CpuBackend final : public Backend {
   void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) override;
 
   // reduce.cpp
-  void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+  void reduce(ReduceKind op, const Tensor& out, const Tensor& x,
               const std::vector<int64_t>& dims) override;
   void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
                     const Tensor& grad_keepdim, int64_t dim) override;
@@ -28,16 +28,19 @@ class CpuBackend final : public Backend {
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
               double alpha, double beta) override;
 
-  // nn.cpp
+  // softmax.cpp
   void softmax(const Tensor& out, const Tensor& x, bool log) override;
+  // cross_entropy.cpp
   void cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
                      const Tensor& targets, int64_t ignore_index) override;
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits, const Tensor& lse,
                               const Tensor& targets, int64_t ignore_index,
                               const Tensor& scale) override;
+  // embedding.cpp
   void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) override;
   void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
                           const Tensor& ids) override;
+  // rms_norm.cpp
   void rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& weight,
                 double eps) override;
   void add_rms_norm(const Tensor& sum, const Tensor& out, const Tensor& rstd, const Tensor& x,
@@ -45,8 +48,10 @@ class CpuBackend final : public Backend {
   void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
                          const Tensor& x, const Tensor& weight, const Tensor& rstd,
                          const Tensor& grad_x_add) override;
+  // rope.cpp
   void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
             bool inverse) override;
+  // swiglu.cpp
   void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
   void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
                        const Tensor& gate, const Tensor& up) override;
@@ -73,8 +78,25 @@ class CpuBackend final : public Backend {
                         double grad_scale) override;
   void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                 double momentum, double weight_decay, double grad_scale) override;
+
+  // reduce.cpp
   double sum_of_squares(const std::vector<Tensor>& xs) override;
   bool has_non_finite(const Tensor& x) override;
+
+  // fp8_cast.cpp (the exact emulation; no fused kernels)
+  void fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
+                const Tensor& amax, const Tensor& scale_inv) override;
+  void fp8_amax(const Tensor& x, const Tensor& out) override;
+  void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
+                           float fp8_max, int margin) override;
+  void fp8_transpose(const Tensor& data_t, const Tensor& data) override;
+  void fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
+                          const Tensor& fp8_max, bool use_max, int margin, bool recompute) override;
+  void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) override;
+
+  // fp8_gemm.cpp
+  void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+                const Tensor& b_scale_inv, bool fast_accum) override;
 };
 
 }  // namespace accel

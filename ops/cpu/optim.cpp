@@ -1,4 +1,4 @@
-// Optimizer kernels and gradient statistics. AdamW and SGD follow torch.optim's single-tensor
+// Optimizer kernels. AdamW and SGD follow torch.optim's single-tensor
 // code path operation by operation (each torch op rounds to the parameter dtype, and so do we).
 #include <cmath>
 
@@ -142,58 +142,6 @@ void CpuBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor&
       }
     });
   });
-}
-
-double CpuBackend::sum_of_squares(const std::vector<Tensor>& xs) {
-  double total = 0.0;
-  for (const Tensor& x : xs) {
-    if (!x.defined() || x.numel() == 0) continue;
-    dispatch_float(x.dtype(), "sum_of_squares", [&](auto tr) {
-      using Tr = decltype(tr);
-      const auto* xp = ptr<Tr>(x);
-      std::vector<double> partial(static_cast<size_t>(max_threads()) + 1, 0.0);
-      StridedWalk<1> walk(x.shape(), {&x.strides()});
-      const int64_t n = x.numel();
-      const int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, n / kGrain));
-      const int64_t per = (n + chunks - 1) / chunks;
-      parallel_for(chunks, 0, [&](int64_t cb, int64_t ce) {
-        for (int64_t c = cb; c < ce; ++c) {
-          double s = 0.0;
-          walk.run(c * per, std::min(n, (c + 1) * per),
-                   [&](int64_t, const std::array<int64_t, 1>& off) {
-                     const double v = Tr::load(xp[off[0]]);
-                     s += v * v;
-                   });
-          partial[c] = s;
-        }
-      });
-      for (double s : partial) total += s;
-    });
-  }
-  return total;
-}
-
-bool CpuBackend::has_non_finite(const Tensor& x) {
-  if (!x.defined() || x.numel() == 0 || !is_floating(x.dtype())) return false;
-  bool found = false;
-  dispatch_float(x.dtype(), "has_non_finite", [&](auto tr) {
-    using Tr = decltype(tr);
-    const auto* xp = ptr<Tr>(x);
-    StridedWalk<1> walk(x.shape(), {&x.strides()});
-    const int64_t n = x.numel();
-    const int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, n / kGrain));
-    const int64_t per = (n + chunks - 1) / chunks;
-    std::vector<char> hit(static_cast<size_t>(chunks), 0);
-    parallel_for(chunks, 0, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        walk.run(c * per, std::min(n, (c + 1) * per),
-                 [&](int64_t, const std::array<int64_t, 1>& off) {
-                   if (!std::isfinite(static_cast<double>(Tr::load(xp[off[0]])))) hit[c] = 1;
-                 });
-    });
-    for (char h : hit) found = found || h;
-  });
-  return found;
 }
 
 }  // namespace accel

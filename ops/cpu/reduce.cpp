@@ -1,4 +1,5 @@
-// Reductions over a set of dims (sum in double / int64, max, max |x|) and the gradient of max.
+// Reductions over a set of dims (sum in double / int64, max, max |x|), the gradient of max, the
+// sum of squares over a list of tensors (fp64) and the non-finite check.
 #include <cmath>
 #include <limits>
 
@@ -9,13 +10,13 @@ namespace accel {
 namespace {
 using namespace cpu;
 
-const char* reduce_name(ReduceOp op) {
+const char* reduce_name(ReduceKind op) {
   switch (op) {
-    case ReduceOp::Sum:
+    case ReduceKind::Sum:
       return "sum";
-    case ReduceOp::Max:
+    case ReduceKind::Max:
       return "max";
-    case ReduceOp::AbsMax:
+    case ReduceKind::AbsMax:
       return "amax";
   }
   return "reduce";
@@ -23,9 +24,9 @@ const char* reduce_name(ReduceOp op) {
 
 template <class Acc>
 struct Reducer {
-  ReduceOp op;
+  ReduceKind op;
   Acc init() const {
-    if (op == ReduceOp::Max) {
+    if (op == ReduceKind::Max) {
       if constexpr (std::is_floating_point_v<Acc>) return -std::numeric_limits<Acc>::infinity();
       return std::numeric_limits<Acc>::lowest();
     }
@@ -34,20 +35,20 @@ struct Reducer {
   // NaN propagates through max, as in torch.
   void add(Acc& acc, Acc v) const {
     switch (op) {
-      case ReduceOp::Sum:
+      case ReduceKind::Sum:
         acc += v;
         return;
-      case ReduceOp::AbsMax:
+      case ReduceKind::AbsMax:
         v = v < 0 ? -v : v;
         [[fallthrough]];
-      case ReduceOp::Max:
+      case ReduceKind::Max:
         if (acc != acc) return;
         if (!(v <= acc)) acc = v;
         return;
     }
   }
   void merge(Acc& acc, Acc v) const {
-    if (op == ReduceOp::Sum)
+    if (op == ReduceKind::Sum)
       acc += v;
     else if (acc == acc && !(v <= acc))
       acc = v;
@@ -56,7 +57,7 @@ struct Reducer {
 
 }  // namespace
 
-void CpuBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+void CpuBackend::reduce(ReduceKind op, const Tensor& out, const Tensor& x,
                         const std::vector<int64_t>& dims) {
   const char* name = reduce_name(op);
   const int nd = static_cast<int>(x.dim());
@@ -171,6 +172,60 @@ void CpuBackend::max_backward(const Tensor& grad_in, const Tensor& x, const Tens
       }
     });
   });
+}
+
+// ---- sum of squares (the gradient norm), non-finite check ----
+
+double CpuBackend::sum_of_squares(const std::vector<Tensor>& xs) {
+  double total = 0.0;
+  for (const Tensor& x : xs) {
+    if (!x.defined() || x.numel() == 0) continue;
+    dispatch_float(x.dtype(), "sum_of_squares", [&](auto tr) {
+      using Tr = decltype(tr);
+      const auto* xp = ptr<Tr>(x);
+      std::vector<double> partial(static_cast<size_t>(max_threads()) + 1, 0.0);
+      StridedWalk<1> walk(x.shape(), {&x.strides()});
+      const int64_t n = x.numel();
+      const int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, n / kGrain));
+      const int64_t per = (n + chunks - 1) / chunks;
+      parallel_for(chunks, 0, [&](int64_t cb, int64_t ce) {
+        for (int64_t c = cb; c < ce; ++c) {
+          double s = 0.0;
+          walk.run(c * per, std::min(n, (c + 1) * per),
+                   [&](int64_t, const std::array<int64_t, 1>& off) {
+                     const double v = Tr::load(xp[off[0]]);
+                     s += v * v;
+                   });
+          partial[c] = s;
+        }
+      });
+      for (double s : partial) total += s;
+    });
+  }
+  return total;
+}
+
+bool CpuBackend::has_non_finite(const Tensor& x) {
+  if (!x.defined() || x.numel() == 0 || !is_floating(x.dtype())) return false;
+  bool found = false;
+  dispatch_float(x.dtype(), "has_non_finite", [&](auto tr) {
+    using Tr = decltype(tr);
+    const auto* xp = ptr<Tr>(x);
+    StridedWalk<1> walk(x.shape(), {&x.strides()});
+    const int64_t n = x.numel();
+    const int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, n / kGrain));
+    const int64_t per = (n + chunks - 1) / chunks;
+    std::vector<char> hit(static_cast<size_t>(chunks), 0);
+    parallel_for(chunks, 0, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        walk.run(c * per, std::min(n, (c + 1) * per),
+                 [&](int64_t, const std::array<int64_t, 1>& off) {
+                   if (!std::isfinite(static_cast<double>(Tr::load(xp[off[0]])))) hit[c] = 1;
+                 });
+    });
+    for (char h : hit) found = found || h;
+  });
+  return found;
 }
 
 }  // namespace accel

@@ -1,6 +1,6 @@
-// The CUDA backend (ops/backend.h) and the CUDA-only knobs around it. Kernels live in the files
-// named after the ops: elementwise.cu, reduce.cu, matmul.cpp, norm.cu, embedding.cu, attention.cu,
-// optim.cu. Every kernel runs on cuda::current_stream() of the tensors' device.
+// The CUDA backend (ops/backend.h) and the CUDA-only knobs around it. Each method lives in the file
+// named after its op, beside the CPU one (cuda/rope.cu, cpu/rope.cpp; ops/README.md has the
+// table). Every kernel runs on cuda::current_stream() of the tensors' device.
 #pragma once
 
 #include "ops/backend.h"
@@ -18,7 +18,7 @@ class CudaBackend final : public Backend {
   void pow_scalar(const Tensor& out, const Tensor& x, double e) override;
   void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override;
   void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) override;
-  void reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+  void reduce(ReduceKind op, const Tensor& out, const Tensor& x,
               const std::vector<int64_t>& dims) override;
   void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
                     const Tensor& grad_keepdim, int64_t dim) override;
@@ -64,6 +64,24 @@ class CudaBackend final : public Backend {
                 double momentum, double weight_decay, double grad_scale) override;
   double sum_of_squares(const std::vector<Tensor>& xs) override;
   bool has_non_finite(const Tensor& x) override;
+
+  // fp8_cast.cu
+  void fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
+                const Tensor& amax, const Tensor& scale_inv) override;
+  void fp8_amax(const Tensor& x, const Tensor& out) override;
+  void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
+                           float fp8_max, int margin) override;
+  void fp8_transpose(const Tensor& data_t, const Tensor& data) override;
+  void fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
+                          const Tensor& fp8_max, bool use_max, int margin, bool recompute) override;
+  void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) override;
+  bool fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) override;
+  void fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp8CastTarget& out) override;
+  void fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                const Fp8CastTarget& to_gate, const Fp8CastTarget& to_up) override;
+  // fp8_gemm.cpp
+  void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+                const Tensor& b_scale_inv, bool fast_accum) override;
 };
 
 namespace cuda {

@@ -1,9 +1,9 @@
-// Elementwise kernels: unary, scalar, binary, where, swiglu (fwd/bwd) and the Philox generators.
+// Elementwise kernels: unary, scalar, binary, where (swiglu.cu and random.cu hold those ops).
 // Contiguous float tensors take a vectorized path (16 bytes per thread and access); everything
 // else (broadcast views, integer dtypes) takes a strided path with run-time dtypes, computing in
 // float for the float dtypes and in double for f64 and the integers.
 #include "ops/cuda/common.cuh"
-#include "runtime/random.h"
+#include "ops/cuda/vec.cuh"
 
 namespace accel {
 namespace {
@@ -168,23 +168,6 @@ __global__ void where_strided(void* out, int size, StridedLayout ol, Operand c, 
 }
 
 // ---- vectorized contiguous paths ------------------------------------------------------------
-template <class T>
-struct Vec {
-  static constexpr int N = 16 / sizeof(T);
-  T v[N];
-};
-
-template <class T>
-__device__ __forceinline__ Vec<T> load_vec(const T* p, int64_t i) {
-  Vec<T> r;
-  *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(p + i);
-  return r;
-}
-template <class T>
-__device__ __forceinline__ void store_vec(T* p, int64_t i, const Vec<T>& r) {
-  *reinterpret_cast<uint4*>(p + i) = *reinterpret_cast<const uint4*>(r.v);
-}
-
 template <class T, class F>
 __global__ void map1_vec(T* __restrict__ out, const T* __restrict__ a, int64_t n, F f) {
   constexpr int N = Vec<T>::N;
@@ -244,7 +227,6 @@ bool all_zero_strides(const Tensor& t) {
   return true;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 bool is_float_compute(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 
 Operand operand(const Tensor& t, const StridedLayout& l) {
@@ -372,152 +354,6 @@ void CudaBackend::where(const Tensor& out, const Tensor& cond, const Tensor& a, 
       out.data_ptr(), static_cast<int>(out.element_size()), l[0], operand(cond, l[1]),
       operand(a, l[2]), operand(b, l[3]), n);
   ACCEL_CUDA_CHECK_LAUNCH("where");
-}
-
-// ---- swiglu -----------------------------------------------------------------------------------
-namespace {
-
-template <class T>
-__global__ void swiglu_kernel(T* __restrict__ out, const T* __restrict__ gate,
-                              const T* __restrict__ up, int64_t n) {
-  constexpr int N = Vec<T>::N;
-  const int64_t nv = n / N;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    Vec<T> g = load_vec(gate, i * N), u = load_vec(up, i * N), o;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float gv = to_f(g.v[k]);
-      o.v[k] = from_f<T>(rnd<T>(gv / (1.0f + expf(-gv))) * to_f(u.v[k]));
-    }
-    store_vec(out, i * N, o);
-  }
-  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    float gv = to_f(gate[i]);
-    out[i] = from_f<T>(rnd<T>(gv / (1.0f + expf(-gv))) * to_f(up[i]));
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void swiglu_grad(float g, float u, float d, T& gg, T& gu) {
-  float s = 1.0f / (1.0f + expf(-g));
-  gg = from_f<T>(d * u * s * (1.0f + g * (1.0f - s)));
-  gu = from_f<T>(d * g * s);
-}
-
-template <class T>
-__global__ void swiglu_backward_kernel(T* __restrict__ grad_gate, T* __restrict__ grad_up,
-                                       const T* __restrict__ grad_out, const T* __restrict__ gate,
-                                       const T* __restrict__ up, int64_t n) {
-  constexpr int N = Vec<T>::N;
-  const int64_t nv = n / N;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    Vec<T> g = load_vec(gate, i * N), u = load_vec(up, i * N), d = load_vec(grad_out, i * N);
-    Vec<T> gg, gu;
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-      swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), gg.v[k], gu.v[k]);
-    store_vec(grad_gate, i * N, gg);
-    store_vec(grad_up, i * N, gu);
-  }
-  for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    swiglu_grad(to_f(gate[i]), to_f(up[i]), to_f(grad_out[i]), grad_gate[i], grad_up[i]);
-}
-
-void require_vec_ready(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts) {
-    require_cuda(*t, op, "operand");
-    require(t->is_contiguous() && aligned16(t->data_ptr()), op,
-            "operands must be contiguous and 16-byte aligned, got " + t->str());
-  }
-}
-
-}  // namespace
-
-void CudaBackend::swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) {
-  require(gate.shape() == out.shape() && up.shape() == out.shape() && gate.dtype() == out.dtype() &&
-              up.dtype() == out.dtype(),
-          "swiglu", "gate, up and out must share shape and dtype");
-  Tensor gc = gate.is_contiguous() && aligned16(gate.data_ptr()) ? gate : gate.clone();
-  Tensor uc = up.is_contiguous() && aligned16(up.data_ptr()) ? up : up.clone();
-  require_vec_ready("swiglu", {&out, &gc, &uc});
-  const int64_t n = out.numel();
-  if (n == 0) return;
-  OpScope sc(out);
-  dispatch_float(out.dtype(), "swiglu", [&](auto t) {
-    using T = decltype(t);
-    swiglu_kernel<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
-        static_cast<T*>(out.data_ptr()), static_cast<const T*>(gc.data_ptr()),
-        static_cast<const T*>(uc.data_ptr()), n);
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("swiglu");
-}
-
-void CudaBackend::swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
-                                  const Tensor& grad_out, const Tensor& gate, const Tensor& up) {
-  require(grad_gate.shape() == gate.shape() && grad_up.shape() == gate.shape() &&
-              grad_out.shape() == gate.shape() && up.shape() == gate.shape() &&
-              grad_gate.dtype() == gate.dtype() && grad_up.dtype() == gate.dtype() &&
-              grad_out.dtype() == gate.dtype() && up.dtype() == gate.dtype(),
-          "swiglu", "backward: shapes and dtypes must all match gate " + gate.str());
-  auto ready = [](const Tensor& t) {
-    return t.is_contiguous() && aligned16(t.data_ptr()) ? t : t.clone();
-  };
-  Tensor gc = ready(gate), uc = ready(up), dc = ready(grad_out);
-  require_vec_ready("swiglu", {&grad_gate, &grad_up, &gc, &uc, &dc});
-  const int64_t n = gate.numel();
-  if (n == 0) return;
-  OpScope sc(gate);
-  dispatch_float(gate.dtype(), "swiglu", [&](auto t) {
-    using T = decltype(t);
-    swiglu_backward_kernel<T><<<grid_for(n / Vec<T>::N + 1, kThreads), kThreads, 0, sc.stream>>>(
-        static_cast<T*>(grad_gate.data_ptr()), static_cast<T*>(grad_up.data_ptr()),
-        static_cast<const T*>(dc.data_ptr()), static_cast<const T*>(gc.data_ptr()),
-        static_cast<const T*>(uc.data_ptr()), n);
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("swiglu_backward");
-}
-
-// ---- random -----------------------------------------------------------------------------------
-namespace {
-__global__ void rand_kernel(void* out, DType t, int64_t n, uint64_t seed, uint64_t offset, double a,
-                            double b, bool normal) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float r = normal ? philox::normal(seed, offset, i) : philox::uniform(seed, offset, i);
-    if (t == DType::F64) {
-      store_from_double(out, t, i, normal ? a + b * double(r) : a + (b - a) * double(r));
-    } else {
-      // In float like the CPU backend, without FMA contraction so the results are identical.
-      const float lo = static_cast<float>(a), span = static_cast<float>(normal ? b : b - a);
-      store_f(out, t, i, __fadd_rn(lo, __fmul_rn(span, r)));
-    }
-  }
-}
-
-void launch_rand(const char* op, const Tensor& out, uint64_t seed, uint64_t offset, double a,
-                 double b, bool normal) {
-  require(out.is_contiguous(), op, "out must be contiguous");
-  if (!is_floating(out.dtype())) unsupported_dtype(op, out.dtype());
-  const int64_t n = out.numel();
-  if (n == 0) return;
-  OpScope sc(out);
-  rand_kernel<<<grid_for(n, kThreads), kThreads, 0, sc.stream>>>(out.data_ptr(), out.dtype(), n,
-                                                                 seed, offset, a, b, normal);
-  check(cudaGetLastError(), op, __FILE__, __LINE__);
-}
-}  // namespace
-
-void CudaBackend::rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
-                               double high) {
-  launch_rand("rand_uniform", out, seed, offset, low, high, false);
-}
-void CudaBackend::rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
-                              double stddev) {
-  launch_rand("rand_normal", out, seed, offset, mean, stddev, true);
 }
 
 }  // namespace accel

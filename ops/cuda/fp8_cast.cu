@@ -1,6 +1,6 @@
-// CUDA fp8 kernels other than the GEMM (ops/fp8_kernels.h): the fused cast + amax (+ transpose),
-// the amax reduction and scale computation of dynamic scaling, the byte transpose, the
-// delayed-scaling update of all slots in one launch, and the MX fake quantization.
+// CUDA fp8 kernels other than the GEMM (the fp8_* methods of ops/backend.h): the fused cast + amax
+// (+ transpose), the amax reduction and scale computation of dynamic scaling, the byte transpose,
+// the delayed-scaling update of all slots in one launch, and the MX fake quantization.
 //
 // Rounding: the casts use the hardware cvt.rn.satfinite (sm_89+) which rounds to nearest even and
 // saturates exactly as detail::encode(..., saturate=true) in runtime/dtype.h does on the CPU
@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "ops/cuda/common.cuh"
-#include "ops/fp8_kernels.h"
+#include "ops/fp8.h"
 
-namespace accel::fp8_kernels::cuda {
+namespace accel {
 namespace {
 
 using accel::cuda::block_max;
@@ -469,29 +469,29 @@ int resident_blocks(K kernel, int threads) {
   return std::max(1, n);
 }
 
-CastOut cast_out(const CastTarget& t) {
+CastOut cast_out(const Fp8CastTarget& t) {
   return {fptr(t.scale), bptr(t.data), bptr(t.data_t), fptr(t.amax), fptr(t.scale_inv)};
 }
 
 // The fast layout of cast_transpose_kernel for inputs of C columns and targets padded to
 // [Rp, Cp]: C, Cp multiples of 8, Rp of 16, 16-byte aligned inputs and data_t, 8-byte data.
 bool tile_layout(int64_t C, int64_t Rp, int64_t Cp, const std::vector<const void*>& inputs,
-                 size_t input_align, const std::vector<const CastTarget*>& targets) {
+                 size_t input_align, const std::vector<const Fp8CastTarget*>& targets) {
   bool ok = Rp > 0 && Cp > 0 && C % 8 == 0 && Cp % 8 == 0 && Rp % 16 == 0;
   for (const void* p : inputs) ok = ok && aligned(p, input_align);
-  for (const CastTarget* t : targets)
+  for (const Fp8CastTarget* t : targets)
     ok = ok && (!t->data.defined() || aligned(t->data.data_ptr(), 8)) &&
          (!t->data_t.defined() || aligned(t->data_t.data_ptr(), 16));
   return ok;
 }
 
-int64_t padded_rows(const CastTarget& t) {
+int64_t padded_rows(const Fp8CastTarget& t) {
   return t.data.defined() ? t.data.size(0) : t.data_t.size(1);
 }
-int64_t padded_cols(const CastTarget& t) {
+int64_t padded_cols(const Fp8CastTarget& t) {
   return t.data.defined() ? t.data.size(1) : t.data_t.size(0);
 }
-DType target_format(const CastTarget& t) {
+DType target_format(const Fp8CastTarget& t) {
   return t.data.defined() ? t.data.dtype() : t.data_t.dtype();
 }
 
@@ -508,17 +508,17 @@ void launch_tiles(const P& producer, int64_t R, int64_t C, int64_t Rp, int64_t C
 
 }  // namespace
 
-bool fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) {
+bool CudaBackend::fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) {
   bool ok = cols % 8 == 0;
   for (const Tensor* t : inputs)
     ok = ok && t->is_contiguous() && t->device().is_cuda() && aligned(t->data_ptr(), 16);
   return ok;
 }
 
-void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
-          const Tensor& amax, const Tensor& scale_inv) {
+void CudaBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data,
+                           const Tensor& data_t, const Tensor& amax, const Tensor& scale_inv) {
   OpScope scope(x);
-  const CastTarget target{scale, data, data_t, amax, scale_inv};
+  const Fp8CastTarget target{scale, data, data_t, amax, scale_inv};
   const int64_t R = x.size(0), C = x.size(1);
   const int64_t Rp = padded_rows(target), Cp = padded_cols(target);
   const bool fast =
@@ -543,14 +543,14 @@ void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor
   ACCEL_CUDA_CHECK_LAUNCH("fp8_cast");
 }
 
-void swiglu_cast(const Tensor& gate, const Tensor& up, const CastTarget& out) {
+void CudaBackend::fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp8CastTarget& out) {
   OpScope scope(gate);
   const int64_t R = gate.size(0), C = gate.size(1);
   const int64_t Rp = padded_rows(out), Cp = padded_cols(out);
   if (!tile_layout(C, Rp, Cp, {gate.data_ptr(), up.data_ptr()}, 16, {&out}) ||
       gate.dtype() == DType::F32)
     throw std::logic_error(
-        "[fp8_swiglu_cast] layout outside the fused kernel's (see fused_cast_layout)");
+        "[fp8_swiglu_cast] layout outside the fused kernel's (see fp8_fused_cast_layout)");
   accel::cuda::dispatch_float(gate.dtype(), "fp8_swiglu_cast", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) {
@@ -565,8 +565,9 @@ void swiglu_cast(const Tensor& gate, const Tensor& up, const CastTarget& out) {
   ACCEL_CUDA_CHECK_LAUNCH("fp8_swiglu_cast");
 }
 
-void swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
-                          const CastTarget& to_gate, const CastTarget& to_up) {
+void CudaBackend::fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                           const Fp8CastTarget& to_gate,
+                                           const Fp8CastTarget& to_up) {
   OpScope scope(gate);
   const int64_t R = gate.size(0), C = gate.size(1);
   const int64_t Rp = padded_rows(to_gate), Cp = padded_cols(to_gate);
@@ -575,7 +576,7 @@ void swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& 
       padded_rows(to_up) != Rp || padded_cols(to_up) != Cp ||
       target_format(to_up) != target_format(to_gate) || gate.dtype() == DType::F32)
     throw std::logic_error(
-        "[fp8_swiglu_backward_cast] layout outside the fused kernel's (see fused_cast_layout)");
+        "[fp8_swiglu_backward_cast] layout outside the fused kernel's (see fp8_fused_cast_layout)");
   accel::cuda::dispatch_float(gate.dtype(), "fp8_swiglu_backward_cast", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) {
@@ -595,7 +596,7 @@ void swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& 
   ACCEL_CUDA_CHECK_LAUNCH("fp8_swiglu_backward_cast");
 }
 
-void amax(const Tensor& x, const Tensor& out) {
+void CudaBackend::fp8_amax(const Tensor& x, const Tensor& out) {
   OpScope scope(x);
   const int64_t n = x.numel();
   if (n == 0) return;
@@ -607,15 +608,15 @@ void amax(const Tensor& x, const Tensor& out) {
   ACCEL_CUDA_CHECK_LAUNCH("fp8_amax");
 }
 
-void scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
-                     float fp8_max, int margin) {
+void CudaBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,
+                                      const Tensor& scale_inv, float fp8_max, int margin) {
   OpScope scope(amax);
   scale_from_amax_kernel<<<1, 1, 0, scope.stream>>>(fptr(amax), fptr(scale), fptr(scale_inv),
                                                     fp8_max, margin);
   ACCEL_CUDA_CHECK_LAUNCH("fp8_scale_from_amax");
 }
 
-void transpose(const Tensor& data_t, const Tensor& data) {
+void CudaBackend::fp8_transpose(const Tensor& data_t, const Tensor& data) {
   OpScope scope(data);
   const int64_t R = data.size(0), C = data.size(1);
   if (R == 0 || C == 0) return;
@@ -624,8 +625,9 @@ void transpose(const Tensor& data_t, const Tensor& data) {
   ACCEL_CUDA_CHECK_LAUNCH("fp8_transpose");
 }
 
-void delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
-                    const Tensor& fp8_max, bool use_max, int margin, bool recompute) {
+void CudaBackend::fp8_delayed_update(const Tensor& history, const Tensor& scale,
+                                     const Tensor& scale_inv, const Tensor& fp8_max, bool use_max,
+                                     int margin, bool recompute) {
   OpScope scope(history);
   const int64_t L = history.size(0), n = history.size(1);
   if (n == 0) return;
@@ -634,7 +636,7 @@ void delayed_update(const Tensor& history, const Tensor& scale, const Tensor& sc
   ACCEL_CUDA_CHECK_LAUNCH("fp8_delayed_update");
 }
 
-void mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) {
+void CudaBackend::fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) {
   OpScope scope(x);
   const int64_t R = x.size(0), C = x.size(1);
   const int64_t blocks = (block_dim == 1 ? R * ((C + 31) / 32) : C * ((R + 31) / 32));
@@ -651,4 +653,4 @@ void mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim)
   ACCEL_CUDA_CHECK_LAUNCH("fp8_mx_fake_quant");
 }
 
-}  // namespace accel::fp8_kernels::cuda
+}  // namespace accel

@@ -16,10 +16,9 @@
 
 #include "ops/cuda/cublaslt.h"
 #include "ops/cuda/cuda_backend.h"
-#include "ops/fp8_kernels.h"
 #include "runtime/cuda/context.h"
 
-namespace accel::fp8_kernels::cuda {
+namespace accel {
 namespace {
 
 using accel::cuda::DeviceGuard;
@@ -103,8 +102,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-void gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-          const Tensor& b_scale_inv, bool fast_accum) {
+void CudaBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
+                           const Tensor& b, const Tensor& b_scale_inv, bool fast_accum) {
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   if (K % 16 != 0)
     throw std::invalid_argument("[fp8_gemm] the contraction dimension K=" + std::to_string(K) +
@@ -138,4 +137,4 @@ void gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const T
   lt::matmul(device, plan, ops);
 }
 
-}  // namespace accel::fp8_kernels::cuda
+}  // namespace accel

@@ -1,6 +1,4 @@
-// Reductions: reduce over dims, max backward, softmax / log_softmax, chunk-free cross-entropy
-// (one pass for the row statistics, one for the gradient; never an fp32 copy of the logits),
-// sum of squares (fp64) and the non-finite check.
+// Reductions: reduce over dims, max backward, sum of squares (fp64) and the non-finite check.
 #include <cfloat>
 
 #include "ops/cuda/common.cuh"
@@ -23,17 +21,17 @@ __device__ __forceinline__ double load_c<double>(const void* p, DType t, int64_t
 
 template <class C>
 struct ReduceAcc {
-  ReduceOp op;
+  ReduceKind op;
   __device__ __forceinline__ C init() const {
-    return op == ReduceOp::Sum ? C(0) : (op == ReduceOp::Max ? C(-INFINITY) : C(0));
+    return op == ReduceKind::Sum ? C(0) : (op == ReduceKind::Max ? C(-INFINITY) : C(0));
   }
   __device__ __forceinline__ C combine(C a, C b) const {
-    if (op == ReduceOp::Sum) return a + b;
+    if (op == ReduceKind::Sum) return a + b;
     if (a != a || b != b) return a != a ? a : b;  // NaN propagates, as torch
     return a > b ? a : b;
   }
   __device__ __forceinline__ C prepare(C v) const {
-    return op == ReduceOp::AbsMax ? (v < C(0) ? -v : v) : v;
+    return op == ReduceKind::AbsMax ? (v < C(0) ? -v : v) : v;
   }
 };
 
@@ -47,7 +45,7 @@ __device__ __forceinline__ C shfl_combine(const ReduceAcc<C>& r, C v) {
 // One warp per output element (kWarp) or one block per output element.
 template <class C, bool kWarp>
 __global__ void reduce_kernel(void* out, DType ot, const void* x, DType xt, StridedLayout outer,
-                              StridedLayout inner, int64_t n_out, int64_t n_in, ReduceOp op) {
+                              StridedLayout inner, int64_t n_out, int64_t n_in, ReduceKind op) {
   ReduceAcc<C> r{op};
   __shared__ C smem[32];
   const int lane = threadIdx.x & 31;
@@ -76,7 +74,7 @@ bool float_compute(DType t) { return t == DType::F32 || t == DType::BF16 || t ==
 
 }  // namespace
 
-void CudaBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
+void CudaBackend::reduce(ReduceKind op, const Tensor& out, const Tensor& x,
                          const std::vector<int64_t>& dims) {
   require_cuda(x, "reduce", "input");
   require(out.is_contiguous() && out.dim() == x.dim(), "reduce", "out must be contiguous keepdim");
@@ -92,7 +90,7 @@ void CudaBackend::reduce(ReduceOp op, const Tensor& out, const Tensor& x,
   const int64_t n_in = shape_numel(inner_sizes);
   OpScope sc(out);
   if (n_in == 0) {  // empty reduction: the identity (sum 0; max of nothing is -inf)
-    ::accel::kernels::cuda::fill(out, op == ReduceOp::Max ? -INFINITY : 0.0);
+    ::accel::kernels::cuda::fill(out, op == ReduceKind::Max ? -INFINITY : 0.0);
     return;
   }
   StridedLayout outer = make_layouts(outer_sizes, {outer_strides}, "reduce")[0];
@@ -156,243 +154,6 @@ void CudaBackend::max_backward(const Tensor& grad_in, const Tensor& x, const Ten
       grad_keepdim.data_ptr(), l[0], l[1], l[2], l[3], n_pos, x.shape()[dim], x.strides()[dim],
       grad_in.strides()[dim]);
   ACCEL_CUDA_CHECK_LAUNCH("max_backward");
-}
-
-// ---- softmax and cross-entropy -----------------------------------------------------------------
-namespace {
-
-// Online max / sum-of-exp pair, merged across threads.
-struct MaxSum {
-  float m, s;
-};
-template <class T>
-__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
-  if (a.m == -INFINITY) return b;
-  if (b.m == -INFINITY) return a;
-  float m = fmaxf(a.m, b.m);
-  return {m, a.s * exp_for<T>(a.m - m) + b.s * exp_for<T>(b.m - m)};
-}
-template <class T>
-__device__ __forceinline__ MaxSum add_value(MaxSum a, float v) {
-  if (v > a.m) return {v, a.s * exp_for<T>(a.m - v) + 1.0f};
-  return {a.m, a.s + exp_for<T>(v - a.m)};
-}
-
-// Row statistics over `len` values of row (block-wide), result in every thread.
-template <class T>
-__device__ MaxSum row_max_sum(const T* __restrict__ row, int64_t len) {
-  __shared__ MaxSum sm[32];
-  MaxSum acc{-INFINITY, 0.0f};
-  constexpr int N = 16 / sizeof(T);
-  const bool vec = (reinterpret_cast<uintptr_t>(row) & 15) == 0;
-  int64_t done = 0;
-  if (vec) {
-    const int64_t nv = len / N;
-    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-      T buf[N];
-      *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(row)[i];
-      float mloc = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < N; ++k) mloc = fmaxf(mloc, to_f(buf[k]));
-      float sloc = 0.f;
-#pragma unroll
-      for (int k = 0; k < N; ++k) sloc += exp_for<T>(to_f(buf[k]) - mloc);
-      acc = merge<T>(acc, MaxSum{mloc, sloc});
-    }
-    done = nv * N;
-  }
-  for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x)
-    acc = add_value<T>(acc, to_f(row[i]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
-    acc = merge<T>(acc, other);
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) sm[warp] = acc;
-  __syncthreads();
-  acc = lane < int(blockDim.x >> 5) ? sm[lane] : MaxSum{-INFINITY, 0.0f};
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
-    acc = merge<T>(acc, other);
-  }
-  return acc;
-}
-
-template <class T>
-__global__ void softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t rows,
-                               int64_t len, bool log) {
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * len;
-    T* orow = out + r * len;
-    MaxSum ms = row_max_sum(xr, len);
-    const float lse = ms.m + logf(ms.s);
-    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
-      float v = to_f(xr[i]);
-      orow[i] = from_f<T>(log ? v - lse : expf(v - lse));
-    }
-  }
-}
-
-// One block per row: an online max/sum pass; loss = lse - x[target], lse kept for the backward.
-// A target outside [0, V) that is not ignore_index gives a NaN loss (no host sync for a check).
-template <class T, class I>
-__global__ void cross_entropy_kernel(float* __restrict__ loss, float* __restrict__ lse_out,
-                                     const T* __restrict__ logits, const I* __restrict__ targets,
-                                     int64_t rows, int64_t len, int64_t ignore_index) {
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = logits + r * len;
-    const int64_t t = static_cast<int64_t>(targets[r]);
-    if (t == ignore_index) {
-      if (threadIdx.x == 0) {
-        loss[r] = 0.0f;
-        if (lse_out) lse_out[r] = 0.0f;
-      }
-      continue;
-    }
-    const bool bad = t < 0 || t >= len;
-    MaxSum ms = row_max_sum(xr, len);
-    const float lse = ms.m + logf(ms.s);
-    if (threadIdx.x == 0) {
-      loss[r] = bad ? NAN : lse - to_f(xr[t]);
-      if (lse_out) lse_out[r] = lse;
-    }
-  }
-}
-
-// grad = (exp(x - lse) - onehot) * scale[0]; 0 on ignored rows, NaN on rows with a bad target.
-template <class T, class I>
-__global__ void cross_entropy_backward_kernel(T* __restrict__ grad, const T* __restrict__ logits,
-                                              const float* __restrict__ lse_in,
-                                              const I* __restrict__ targets,
-                                              const float* __restrict__ scale, int64_t rows,
-                                              int64_t len, int64_t ignore_index) {
-  constexpr int N = 16 / sizeof(T);
-  const float k = *scale;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = logits + r * len;
-    T* gr = grad + r * len;
-    const int64_t t = static_cast<int64_t>(targets[r]);
-    const bool ignored = t == ignore_index, bad = !ignored && (t < 0 || t >= len);
-    const float lse = lse_in[r];
-    auto value = [&](float x, int64_t i) {
-      if (ignored) return 0.0f;
-      float p = exp_for<T>(x - lse);
-      if (i == t) p -= 1.0f;
-      return bad ? NAN : p * k;
-    };
-    const bool vec =
-        ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(gr)) & 15) == 0;
-    int64_t done = 0;
-    if (vec) {
-      const int64_t nv = len / N;
-      for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-        T buf[N];
-        *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(xr)[i];
-#pragma unroll
-        for (int e = 0; e < N; ++e) buf[e] = from_f<T>(value(to_f(buf[e]), i * N + e));
-        reinterpret_cast<uint4*>(gr)[i] = *reinterpret_cast<uint4*>(buf);
-      }
-      done = nv * N;
-    }
-    for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x)
-      gr[i] = from_f<T>(value(to_f(xr[i]), i));
-  }
-}
-
-int row_grid(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, 65535 * 16)); }
-
-}  // namespace
-
-void CudaBackend::softmax(const Tensor& out, const Tensor& x, bool log) {
-  const char* op = log ? "log_softmax" : "softmax";
-  require_cuda(x, op, "input");
-  require(x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
-              out.dtype() == x.dtype(),
-          op, "needs contiguous x and out of one shape and dtype");
-  if (x.numel() == 0) return;
-  const int64_t len = x.dim() == 0 ? 1 : x.shape().back();
-  const int64_t rows = x.numel() / len;
-  OpScope sc(x);
-  dispatch_float(x.dtype(), op, [&](auto t) {
-    using T = decltype(t);
-    softmax_kernel<T><<<row_grid(rows), len >= 2048 ? 512 : 128, 0, sc.stream>>>(
-        static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), rows, len, log);
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("softmax");
-}
-
-namespace {
-void check_ce_rows(const Tensor& logits, const Tensor& targets, const Tensor& per_row,
-                   const char* what) {
-  require_cuda(logits, "cross_entropy", "logits");
-  require_cuda(targets, "cross_entropy", "targets");
-  require(logits.dim() == 2 && logits.is_contiguous(), "cross_entropy",
-          "logits must be contiguous [N, V], got " + logits.str());
-  const int64_t n = logits.shape()[0];
-  require(targets.numel() == n && targets.is_contiguous() && per_row.numel() == n &&
-              per_row.is_contiguous() && per_row.dtype() == DType::F32,
-          "cross_entropy",
-          std::string("targets must be contiguous [N] and ") + what + " contiguous f32 [N]");
-  if (targets.dtype() != DType::I64 && targets.dtype() != DType::I32)
-    unsupported_dtype("cross_entropy targets", targets.dtype());
-}
-
-int ce_threads(int64_t v) { return v >= 4096 ? 512 : 128; }
-}  // namespace
-
-void CudaBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
-                                const Tensor& targets, int64_t ignore_index) {
-  check_ce_rows(logits, targets, loss_per_row, "loss");
-  if (lse.defined())
-    require(lse.numel() == loss_per_row.numel() && lse.is_contiguous() && lse.dtype() == DType::F32,
-            "cross_entropy", "lse must be contiguous f32 [N]");
-  const int64_t n = logits.shape()[0], v = logits.shape()[1];
-  if (n == 0) return;
-  OpScope sc(logits);
-  dispatch_float(logits.dtype(), "cross_entropy", [&](auto t) {
-    using T = decltype(t);
-    float* loss = static_cast<float*>(loss_per_row.data_ptr());
-    float* lse_out = lse.defined() ? static_cast<float*>(lse.data_ptr()) : nullptr;
-    const T* x = static_cast<const T*>(logits.data_ptr());
-    if (targets.dtype() == DType::I64)
-      cross_entropy_kernel<T, int64_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          loss, lse_out, x, static_cast<const int64_t*>(targets.data_ptr()), n, v, ignore_index);
-    else
-      cross_entropy_kernel<T, int32_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          loss, lse_out, x, static_cast<const int32_t*>(targets.data_ptr()), n, v, ignore_index);
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("cross_entropy");
-}
-
-void CudaBackend::cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits,
-                                         const Tensor& lse, const Tensor& targets,
-                                         int64_t ignore_index, const Tensor& scale) {
-  check_ce_rows(logits, targets, lse, "lse");
-  require(grad_logits.shape() == logits.shape() && grad_logits.is_contiguous() &&
-              grad_logits.dtype() == logits.dtype(),
-          "cross_entropy", "grad_logits must be contiguous and match logits");
-  require(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == logits.device(),
-          "cross_entropy", "backward: scale must be one f32 element on the logits' device");
-  const int64_t n = logits.shape()[0], v = logits.shape()[1];
-  if (n == 0) return;
-  OpScope sc(logits);
-  dispatch_float(logits.dtype(), "cross_entropy", [&](auto t) {
-    using T = decltype(t);
-    T* g = static_cast<T*>(grad_logits.data_ptr());
-    const T* x = static_cast<const T*>(logits.data_ptr());
-    const float* l = static_cast<const float*>(lse.data_ptr());
-    const float* k = static_cast<const float*>(scale.data_ptr());
-    if (targets.dtype() == DType::I64)
-      cross_entropy_backward_kernel<T, int64_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          g, x, l, static_cast<const int64_t*>(targets.data_ptr()), k, n, v, ignore_index);
-    else
-      cross_entropy_backward_kernel<T, int32_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          g, x, l, static_cast<const int32_t*>(targets.data_ptr()), k, n, v, ignore_index);
-  });
-  ACCEL_CUDA_CHECK_LAUNCH("cross_entropy_backward");
 }
 
 // ---- sum of squares, non-finite check

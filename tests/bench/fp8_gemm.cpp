@@ -10,7 +10,6 @@
 
 #include "ops/backend.h"
 #include "ops/fp8.h"
-#include "ops/fp8_kernels.h"
 #include "runtime/tensor.h"
 #ifdef ACCEL_WITH_CUDA
 #include "runtime/cuda/context.h"
@@ -104,19 +103,19 @@ void swiglu_cast_rows(int64_t R, int64_t C) {
     q.data = Tensor::empty({R, C}, fmt, gpu);
     q.data_t = Tensor::empty({C, R}, fmt, gpu);
     q.scale_inv = Tensor::empty({1}, DType::F32, gpu);
-    return fp8_kernels::CastTarget{scale, q.data, q.data_t, amax, q.scale_inv};
+    return Fp8CastTarget{scale, q.data, q.data_t, amax, q.scale_inv};
   };
   Fp8Tensor h, dg, du;
-  const fp8_kernels::CastTarget th = target(DType::E4M3, h), tg = target(DType::E5M2, dg),
-                                tu = target(DType::E5M2, du);
-  const double fwd = time_ms([&] { fp8_kernels::cuda::swiglu_cast(gate, up, th); });
+  const Fp8CastTarget th = target(DType::E4M3, h), tg = target(DType::E5M2, dg),
+                      tu = target(DType::E5M2, du);
+  const double fwd = time_ms([&] { cuda_backend().fp8_swiglu_cast(gate, up, th); });
   const double fwd_unfused = time_ms([&] {
     Tensor hb = Tensor::empty({R, C}, DType::BF16, gpu);
     cuda_backend().swiglu(hb, gate, up);
     fp8_cast(hb, DType::E4M3, scale, amax, both);
   });
   const double bwd =
-      time_ms([&] { fp8_kernels::cuda::swiglu_backward_cast(grad, gate, up, tg, tu); });
+      time_ms([&] { cuda_backend().fp8_swiglu_backward_cast(grad, gate, up, tg, tu); });
   const double bwd_unfused = time_ms([&] {
     Tensor a = Tensor::empty({R, C}, DType::BF16, gpu), b = Tensor::empty({R, C}, DType::BF16, gpu);
     cuda_backend().swiglu_backward(a, b, grad, gate, up);

@@ -1,8 +1,6 @@
 // CUDA fp8 kernels against the CPU emulation: casts (fast tiled and generic paths, bit for bit),
 // dynamic scaling, transposes, the delayed-scaling update, MX fake quantization, the cuBLASLt fp8
 // GEMM, and the fp8 linear op. Skipped without a GPU.
-#include "ops/fp8_kernels.h"
-
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -12,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "ops/backend.h"
 #include "ops/fp8.h"
 #include "tests/cuda/cuda_test_util.h"
 #ifdef ACCEL_WITH_CUDA
@@ -120,7 +119,7 @@ TEST(CudaFp8, CastManyTilesIntoPoisonedOutputsMatchesCpu) {
       Tensor data_t = col ? poisoned_fp8({Cp, Rp}, fmt) : Tensor();
       Tensor amax_gpu = Tensor::full({1}, 0.25, DType::F32, gpu());
       Tensor scale_inv = Tensor::full({1}, NAN, DType::F32, gpu());
-      fp8_kernels::cuda::cast(xg, s_cpu.to(gpu()), data, data_t, amax_gpu, scale_inv);
+      cuda_backend().fp8_cast(xg, s_cpu.to(gpu()), data, data_t, amax_gpu, scale_inv);
       if (row) expect_same_codes(data, want.data, "data");
       if (col) expect_same_codes(data_t, want.data_t, "data_t");
       EXPECT_EQ(amax_gpu.item(), amax_cpu.item());

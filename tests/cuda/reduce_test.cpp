@@ -17,7 +17,7 @@ TEST_P(CudaReduce, ReduceOverDims) {
   std::mt19937_64 rng(seed);
   Tensor x = random_tensor({6, 5, 700}, t, rng);
   const std::vector<std::vector<int64_t>> dim_sets = {{2}, {0}, {1}, {0, 2}, {0, 1, 2}};
-  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::AbsMax})
+  for (ReduceKind op : {ReduceKind::Sum, ReduceKind::Max, ReduceKind::AbsMax})
     for (const auto& dims : dim_sets) {
       Shape os = x.shape();
       for (int64_t d : dims) os[d] = 1;
@@ -26,7 +26,7 @@ TEST_P(CudaReduce, ReduceOverDims) {
       Tensor got = poisoned(os, t);
       cuda_backend().reduce(op, got, x.to(gpu()), dims);
       // Sums of 21000 values: order differences scale with the magnitude of the inputs.
-      expect_close(got, want, tol_for(t).rtol, op == ReduceOp::Sum ? 2e-4 * 30 : 0,
+      expect_close(got, want, tol_for(t).rtol, op == ReduceKind::Sum ? 2e-4 * 30 : 0,
                    "reduce op " + std::to_string(int(op)) + " over " + std::to_string(dims.size()) +
                        " dims");
     }
@@ -40,7 +40,7 @@ TEST_P(CudaReduce, MaxBackward) {
   std::mt19937_64 rng(seed);
   Tensor x = random_tensor({4, 33, 9}, t, rng);
   Tensor mx = cpu_out({4, 1, 9}, t);
-  cpu_backend().reduce(ReduceOp::Max, mx, x, {1});
+  cpu_backend().reduce(ReduceKind::Max, mx, x, {1});
   Tensor g = random_tensor({4, 1, 9}, t, rng);
   Tensor want = cpu_out(x.shape(), t);
   cpu_backend().max_backward(want, x, mx, g, 1);

@@ -1,37 +1,22 @@
-// The CPU emulation of the fp8 kernels (ops/fp8_kernels.h): exact e4m3/e5m2 rounding through
-// runtime/dtype.h (the same encoder the CUDA tests compare against), GEMMs in fp32 on the decoded
-// values. The products of two fp8 values are exact in fp32, so only the summation order differs
-// from a tensor-core fp8 GEMM.
+// The CPU emulation of the fp8 casts (the fp8_* methods of ops/backend.h; the GEMM is in
+// fp8_gemm.cpp): exact e4m3/e5m2 rounding through runtime/dtype.h (the same encoder the CUDA tests
+// compare against).
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <mutex>
 
-#include "ops/backend.h"
+#include "ops/cpu/cpu_backend.h"
 #include "ops/cpu/cpu_common.h"
-#include "ops/fp8_kernels.h"
+#include "ops/fp8.h"
 
-namespace accel::fp8_kernels::cpu {
+namespace accel {
 namespace {
 
-using accel::cpu::dispatch_float;
-using accel::cpu::parallel_for;
+using cpu::dispatch_float;
+using cpu::parallel_for;
 
 uint8_t encode_fp8(float v, DType fmt) {
   return fmt == DType::E4M3 ? f32_to_e4m3(v) : f32_to_e5m2(v);
-}
-
-// Decoded values of all 256 codes of a format.
-const std::array<float, 256>& decode_table(DType fmt) {
-  static std::array<float, 256> e4m3, e5m2;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    for (int i = 0; i < 256; ++i) {
-      e4m3[i] = e4m3_to_f32(static_cast<uint8_t>(i));
-      e5m2[i] = e5m2_to_f32(static_cast<uint8_t>(i));
-    }
-  });
-  return fmt == DType::E4M3 ? e4m3 : e5m2;
 }
 
 // max over |v| that skips NaN (a NaN compares false).
@@ -45,8 +30,8 @@ uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 }  // namespace
 
-void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
-          const Tensor& amax, const Tensor& scale_inv) {
+void CpuBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data,
+                          const Tensor& data_t, const Tensor& amax, const Tensor& scale_inv) {
   const int64_t R = x.size(0), C = x.size(1);
   const float s = *f32(scale);
   const DType fmt = data.defined() ? data.dtype() : data_t.dtype();
@@ -84,7 +69,7 @@ void cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor
   if (scale_inv.defined()) *f32(scale_inv) = 1.0f / s;
 }
 
-void amax(const Tensor& x, const Tensor& out) {
+void CpuBackend::fp8_amax(const Tensor& x, const Tensor& out) {
   float m = 0.0f;
   dispatch_float(x.dtype(), "fp8_amax", [&](auto tr) {
     using Tr = decltype(tr);
@@ -95,36 +80,14 @@ void amax(const Tensor& x, const Tensor& out) {
   *f32(out) = m;
 }
 
-void scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
-                     float fp8_max, int margin) {
+void CpuBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,
+                                     const Tensor& scale_inv, float fp8_max, int margin) {
   const float s = fp8_scale_for_amax(*f32(amax), fp8_max, margin, 1.0f);
   *f32(scale) = s;
   *f32(scale_inv) = 1.0f / s;
 }
 
-void gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-          const Tensor& b_scale_inv, bool fast_accum) {
-  (void)fast_accum;  // fp32 accumulation either way
-  auto decode = [](const Tensor& q) {
-    Tensor f = Tensor::empty(q.shape(), DType::F32);
-    const auto& table = decode_table(q.dtype());
-    const uint8_t* src = bytes(q);
-    float* dst = f32(f);
-    for (int64_t i = 0; i < q.numel(); ++i) dst[i] = table[src[i]];
-    return f;
-  };
-  Tensor fa = decode(a), fb = decode(b);
-  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
-  Tensor acc = out.dtype() == DType::F32 ? out : Tensor::empty({M, N}, DType::F32);
-  // cuBLASLt scales the accumulated product: D = (scale_a * scale_b) * (A . B).
-  const float alpha = *f32(a_scale_inv) * *f32(b_scale_inv);
-  cpu_backend().matmul(acc.as_strided({1, M, N}, {M * N, N, 1}, acc.offset()),
-                       fa.as_strided({1, M, K}, {M * K, K, 1}, 0),
-                       fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, alpha, 0.0);
-  if (!acc.same(out)) out.copy_(acc);
-}
-
-void transpose(const Tensor& data_t, const Tensor& data) {
+void CpuBackend::fp8_transpose(const Tensor& data_t, const Tensor& data) {
   const int64_t R = data.size(0), C = data.size(1);
   const uint8_t* src = bytes(data);
   uint8_t* dst = bytes(data_t);
@@ -132,8 +95,9 @@ void transpose(const Tensor& data_t, const Tensor& data) {
     for (int64_t c = 0; c < C; ++c) dst[c * R + r] = src[r * C + c];
 }
 
-void delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
-                    const Tensor& fp8_max, bool use_max, int margin, bool recompute) {
+void CpuBackend::fp8_delayed_update(const Tensor& history, const Tensor& scale,
+                                    const Tensor& scale_inv, const Tensor& fp8_max, bool use_max,
+                                    int margin, bool recompute) {
   const int64_t L = history.size(0), n = history.size(1);
   float* h = f32(history);
   float* s = f32(scale);
@@ -162,7 +126,7 @@ void delayed_update(const Tensor& history, const Tensor& scale, const Tensor& sc
   }
 }
 
-void mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) {
+void CpuBackend::fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) {
   const int64_t R = x.size(0), C = x.size(1);
   const float fmax = fp8_max_value(fmt);
   constexpr int64_t kBlock = 32;
@@ -191,4 +155,4 @@ void mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim)
   });
 }
 
-}  // namespace accel::fp8_kernels::cpu
+}  // namespace accel

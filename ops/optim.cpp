@@ -1,3 +1,5 @@
+// adamw_step, adamw_step_multi, sgd_step: state checks, then the kernels (cpu/optim.cpp,
+// cuda/optim.cu). The Optimizer class over them is optimizer.cpp.
 #include "ops/common.h"
 
 namespace accel {
@@ -64,12 +66,5 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double
   check_state("sgd_step", param, grad, buf);
   backend_for(param.device()).sgd_step(param, grad, buf, lr, momentum, weight_decay, grad_scale);
 }
-
-double sum_of_squares(const std::vector<Tensor>& xs) {
-  if (xs.empty()) return 0.0;
-  return backend_for(xs[0].device()).sum_of_squares(xs);
-}
-
-bool has_non_finite(const Tensor& x) { return backend_for(x.device()).has_non_finite(x); }
 
 }  // namespace accel
