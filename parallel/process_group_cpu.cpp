@@ -175,7 +175,6 @@ void reduce_many(DType d, void* dst, const std::vector<const void*>& srcs, int64
 
 constexpr uint32_t kMsgMagic = 0x31474b41;  // "AKG1"
 constexpr char kPeerHello[8] = {'A', 'C', 'C', 'E', 'L', 'P', 'G', '1'};
-constexpr uint32_t kMaxTokenBytes = 4096;
 
 struct MsgHeader {
   uint32_t magic = kMsgMagic;
@@ -425,7 +424,7 @@ void Transport::connect_mesh(const std::string& my_address) {
             if (e || std::memcmp(in->hello, kPeerHello, sizeof(kPeerHello)) != 0) return reject();
             uint32_t f[4];
             std::memcpy(f, in->hello + sizeof(kPeerHello), 16);
-            if (f[3] > kMaxTokenBytes) return reject();
+            if (f[3] > kMaxJobTokenBytes) return reject();
             in->token.resize(f[3]);
             asio::async_read(in->sock, asio::buffer(in->token),
                              [&, in, reject, f0 = f[0], f1 = f[1], f2 = f[2]](
