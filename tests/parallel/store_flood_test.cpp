@@ -1,13 +1,15 @@
-// A connection flood against the rendezvous store of a running 3-rank accel-train job (issue 26,
+// Connection floods. The rendezvous store of a running 3-rank accel-train job (issue 26,
 // item 4): thousands of connections that never authenticate, some announcing 4 MiB frames, some
 // sending garbage, from before the ranks start until the job ends. The job must finish with the
 // losses of an undisturbed run, and rank 0's memory and descriptors must stay bounded (its
 // descriptor limit is lowered below the flood's size, as a flood of ~18,000 connections once used
-// up the real one and failed the next checkpoint save).
+// up the real one and failed the next checkpoint save). And a rank's mesh listener while the CPU
+// process group is being built.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -269,6 +271,62 @@ TEST(StoreFlood, AJobUnderAConnectionFloodKeepsItsLossesAndBoundedMemory) {
       flood.connected.load(), took, flooded.rank0_peak_kib, quiet.rank0_peak_kib,
       flooded.rank0_max_fds, quiet.rank0_max_fds);
   fs::remove_all(base);
+}
+
+// Strangers connecting to rank 0's mesh listener while it waits for rank 1: at most a fixed
+// number of their handshakes is kept, and rank 1 still joins.
+TEST(MeshFlood, IdleStrangersOnAMeshListenerAreCapped) {
+  const int port = accel::testing::pick_free_port();
+  auto exits = accel::testing::run_ranks(2, [&](int rank) {
+    if (rank == 0) {
+      auto w = accel::testing::make_world(0, 2, port);
+      accel::Tensor t = accel::Tensor::ones({8});
+      w.pg->all_reduce(t)->wait();
+      RANK_CHECK(t.to_vector()[7] == 2, "all_reduce");
+      return 0;
+    }
+    accel::StoreOptions so;
+    so.port = port;
+    so.token = "test-token";
+    so.timeout = 20s;
+    accel::TcpStore store(so);
+    // Rank 0's listener, as it registered it ("cpu<N>/addr/0", N counts groups per process).
+    std::string addr;
+    for (auto deadline = Clock::now() + 20s; addr.empty() && Clock::now() < deadline;) {
+      for (int n = 0; n < 100 && addr.empty(); ++n)
+        addr = store.try_get("cpu" + std::to_string(n) + "/addr/0").value_or("");
+      if (addr.empty()) std::this_thread::sleep_for(10ms);
+    }
+    RANK_CHECK(!addr.empty(), "rank 0 never registered its listener");
+    const int mesh_port = std::stoi(addr.substr(addr.find(' ') + 1));
+    const int n = 1000;
+    std::vector<int> fds;
+    for (int i = 0; i < n; ++i) fds.push_back(connect_to(mesh_port));
+    // Count the ones rank 0 still keeps; the unfixed listener kept every one.
+    int open = n;
+    std::vector<bool> closed(n, false);
+    for (auto deadline = Clock::now() + 3s; open > 64 && Clock::now() < deadline;
+         std::this_thread::sleep_for(20ms)) {
+      open = 0;
+      for (int i = 0; i < n; ++i) {
+        if (!closed[i] && fds[i] >= 0) {
+          pollfd p{fds[i], POLLIN, 0};
+          char c;
+          closed[i] = poll(&p, 1, 0) > 0 && recv(fds[i], &c, 1, 0) <= 0;
+        }
+        open += fds[i] >= 0 && !closed[i];
+      }
+    }
+    RANK_CHECK(open <= 64, "%d of %d strangers still connected", open, n);
+    auto w = accel::testing::make_world(1, 2, port);
+    accel::Tensor t = accel::Tensor::ones({8});
+    w.pg->all_reduce(t)->wait();
+    RANK_CHECK(t.to_vector()[7] == 2, "all_reduce");
+    for (int fd : fds)
+      if (fd >= 0) close(fd);
+    return 0;
+  });
+  accel::testing::expect_all_ok(exits);
 }
 
 }  // namespace
