@@ -257,9 +257,10 @@ TEST(StoreFlood, AJobUnderAConnectionFloodKeepsItsLossesAndBoundedMemory) {
   EXPECT_EQ(flooded.losses, quiet.losses) << flooded.output;
   EXPECT_TRUE(
       fs::exists(base / "flooded" / "out" / "checkpoints" / "step_300" / "trainer_state.json"));
-  // A few MiB for the connections waiting to authenticate (at most 64, each with a small hello
-  // buffer) beside the undisturbed run's peak; the unfixed server took 4 MiB per connection.
-  EXPECT_LT(flooded.rank0_peak_kib, quiet.rank0_peak_kib + 32 * 1024)
+  // The connections waiting to authenticate need well under 1 MiB (at most 64, each with a
+  // hello-sized buffer); the margin is for the sampling, which can miss up to ~32 MiB of the last
+  // moments of a run. The unfixed server took 4 MiB per connection: +1 GiB here.
+  EXPECT_LT(flooded.rank0_peak_kib, quiet.rank0_peak_kib + 128 * 1024)
       << "rank 0 peak RSS " << flooded.rank0_peak_kib << " KiB under the flood, "
       << quiet.rank0_peak_kib << " KiB without";
   EXPECT_LT(flooded.rank0_max_fds, quiet.rank0_max_fds + 100)
