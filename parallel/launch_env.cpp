@@ -1,11 +1,21 @@
 #include "parallel/launch_env.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "parallel/store.h"
 
 extern char** environ;
 
@@ -219,16 +229,63 @@ LaunchEnv detect_launch_env(const Environment& env, const std::string& main_proc
         " may span several machines, but the store address is unknown: set main_process_ip in "
         "the config (or MASTER_ADDR) to an address of the machine running rank 0");
   }
-  if (get_int(env, "MASTER_PORT", 0)) {
-    out.master_port = parse_int(env.at("MASTER_PORT"), "MASTER_PORT", 1);
-  } else {
-    out.master_port = main_process_port > 0 ? main_process_port : 29500;
+  StoreAddress given = local_store_address(env, main_process_ip, main_process_port);
+  out.master_port = given.port > 0 ? given.port : 29500;
+  if (const std::string* fd = lookup(env, "ACCEL_STORE_FD")) {
+    if (out.rank != 0)
+      throw std::invalid_argument("launch environment: ACCEL_STORE_FD is set for rank " +
+                                  std::to_string(out.rank) +
+                                  "; only the local launcher sets it, for rank 0: unset it");
+    out.store_listen_fd = parse_int(*fd, "ACCEL_STORE_FD", 0);
   }
-  if (out.master_port > 65535)
-    throw std::invalid_argument("launch environment: store port " +
-                                std::to_string(out.master_port) +
-                                " is out of range (MASTER_PORT / main_process_port)");
   return out;
+}
+
+StoreAddress local_store_address(const Environment& env, const std::string& main_process_ip,
+                                 int main_process_port) {
+  StoreAddress a;
+  if (const std::string* addr = lookup(env, "MASTER_ADDR"); addr && !addr->empty())
+    a.host = *addr;
+  else
+    a.host = main_process_ip.empty() ? "127.0.0.1" : main_process_ip;
+  if (get_int(env, "MASTER_PORT", 0)) {
+    a.port = parse_int(env.at("MASTER_PORT"), "MASTER_PORT", 1);
+    a.port_source = "MASTER_PORT";
+  } else if (main_process_port > 0) {
+    a.port = main_process_port;
+    a.port_source = "main_process_port";
+  }
+  if (a.port > 65535)
+    throw std::invalid_argument("launch environment: store port " + std::to_string(a.port) +
+                                " is out of range (" + a.port_source + ")");
+  return a;
+}
+
+std::optional<int> cpu_threads_per_rank(const Environment& env, int local_ranks, int cores) {
+  if (const std::string* v = lookup(env, "OMP_NUM_THREADS"); v && !v->empty()) return std::nullopt;
+  if (local_ranks <= 1) return std::nullopt;
+  return std::max(1, cores / local_ranks);
+}
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+void share_cpu_cores(const LaunchEnv& launch) {
+  const int cores = available_cores();
+  auto threads = cpu_threads_per_rank(current_environment(), launch.local_world_size, cores);
+  if (!threads) return;
+#ifdef _OPENMP
+  omp_set_num_threads(*threads);
+#endif
+  if (launch.rank == 0)
+    std::fprintf(stderr,
+                 "launch: %d OpenMP thread%s per rank (%d cores / %d ranks on this machine); set "
+                 "OMP_NUM_THREADS to choose\n",
+                 *threads, *threads == 1 ? "" : "s", cores, launch.local_world_size);
 }
 
 void check_world_size(int launched, int configured) {
@@ -272,9 +329,17 @@ std::chrono::milliseconds seconds_var(const Environment& env, const char* name,
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != v->size() || !(s > 0) || !std::isfinite(s))
-    throw std::invalid_argument(std::string(name) + "='" + *v +
-                                "' is not a positive number of seconds");
+  // A long value is cut in the message.
+  const std::string shown = v->size() > 40 ? v->substr(0, 40) + "..." : *v;
+  if (used == 0 || used != v->size() || !std::isfinite(s))
+    throw std::invalid_argument(std::string(name) + "='" + shown + "' is not a number of seconds");
+  const double lo = kMinUserTimeout.count() / 1000.0, hi = kMaxTimeout.count() / 1000.0;
+  if (!(s >= lo && s <= hi)) {
+    char range[96];
+    std::snprintf(range, sizeof range, "from %g to %.0f seconds (30 days)", lo, hi);
+    throw std::invalid_argument(std::string(name) + "='" + shown + "' is out of range: give " +
+                                range);
+  }
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(s * 1000.0)));
 }
 }  // namespace

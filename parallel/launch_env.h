@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace accel {
@@ -22,6 +23,9 @@ struct LaunchEnv {
                             // or "" when no launcher variables were found
   std::string master_addr;  // where rank 0 serves the store (empty when world_size == 1)
   int master_port = 0;
+  // Rank 0 under the local launcher: the listening socket the launcher bound for the store
+  // (ACCEL_STORE_FD), -1 otherwise. See StoreOptions::listen_fd.
+  int store_listen_fd = -1;
   bool distributed() const { return world_size > 1; }
 };
 
@@ -38,6 +42,26 @@ inline LaunchEnv detect_launch_env(const std::string& main_process_ip = "",
                                    int main_process_port = 0) {
   return detect_launch_env(current_environment(), main_process_ip, main_process_port);
 }
+
+// Where the local launcher has rank 0 serve the store: MASTER_ADDR, else main_process_ip, else
+// 127.0.0.1; MASTER_PORT, else main_process_port, else 0 (the launcher binds a free port itself).
+struct StoreAddress {
+  std::string host;
+  int port = 0;
+  std::string port_source;  // which setting gave the port, for messages; "" when 0
+};
+StoreAddress local_store_address(const Environment& env, const std::string& main_process_ip,
+                                 int main_process_port);
+
+// Each rank's share of this machine's cores for OpenMP when `local_ranks` ranks share it:
+// cores / local_ranks, at least 1; nothing when OMP_NUM_THREADS is set or there is one local rank.
+std::optional<int> cpu_threads_per_rank(const Environment& env, int local_ranks, int cores);
+// The cores this process may run on (its CPU affinity).
+int available_cores();
+// Under mpirun/srun/torchrun-style launches: sets this rank's OpenMP thread count to its share
+// (cpu_threads_per_rank) and says so once, on rank 0. The local launcher sets OMP_NUM_THREADS for
+// its ranks instead, so this does nothing there.
+void share_cpu_cores(const LaunchEnv& launch);
 
 // Throws std::invalid_argument saying both numbers when the launcher started a different number of
 // processes than the config's num_processes.
@@ -56,7 +80,8 @@ struct Timeouts {
   std::chrono::milliseconds rendezvous{std::chrono::seconds(300)};  // store connect, get, barrier
   std::chrono::milliseconds collective{std::chrono::seconds(600)};  // one collective / p2p op
 };
-// `defaults` overridden by ACCEL_RENDEZVOUS_TIMEOUT and ACCEL_COLLECTIVE_TIMEOUT (seconds, > 0).
+// `defaults` overridden by ACCEL_RENDEZVOUS_TIMEOUT and ACCEL_COLLECTIVE_TIMEOUT (seconds, from
+// kMinUserTimeout to kMaxTimeout; others are refused naming the variable).
 Timeouts timeouts_from_env(const Environment& env, Timeouts defaults = {});
 
 }  // namespace accel

@@ -15,19 +15,30 @@ constexpr int kExitAfterPeerFailure = 75;
 struct LocalLaunchOptions {
   std::string master_addr = "127.0.0.1";  // where rank 0 will serve the store
   int master_port = 0;                    // 0: a free port on master_addr
+  std::string port_source;                // the setting master_port came from, for messages
   // After a rank fails or a signal arrives the others get SIGTERM, then SIGKILL after this long.
   std::chrono::milliseconds grace{std::chrono::seconds(10)};
   std::string executable = "/proc/self/exe";  // what each rank runs (with this process's argv)
 };
 
+// The store address for the local launcher from the environment and the config's
+// main_process_ip/main_process_port (local_store_address in launch_env.h).
+LocalLaunchOptions local_launch_options(const std::string& main_process_ip, int main_process_port);
+
 // Starts `nprocs` ranks of `executable` with the same argv and the environment plus RANK,
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and ACCEL_JOB_TOKEN (kept when
-// already set, else fresh random bytes). Forwards SIGINT/SIGTERM/SIGHUP to the ranks. When a rank
+// already set, else fresh random bytes), and OMP_NUM_THREADS = each rank's share of the cores
+// unless it is set. The launcher binds and listens on the store's port itself (master_port, or a
+// free one) before starting the ranks and hands the socket to rank 0 (ACCEL_STORE_FD), so no other
+// process can take the port in between. Forwards SIGINT/SIGTERM/SIGHUP to the ranks. When a rank
 // exits non-zero or is killed, stops the others and reports which rank it was on stderr (a rank
 // that failed on its own rather than one that exited with kExitAfterPeerFailure). Each
-// rank dies with the launcher (PR_SET_PDEATHSIG), so none is left orphaned.
+// rank dies with the launcher (PR_SET_PDEATHSIG), so none is left orphaned. When every rank that
+// exited stopped because of another and some are still running 2 s later, those are named as
+// probably stalled.
 // Returns the exit code for the launcher: 0 when every rank exited 0, the failed rank's code
-// (128 + signal when killed) otherwise, 128 + signal when the launcher itself was signalled.
+// (128 + signal when killed) otherwise (kExitAfterPeerFailure for a stall), 128 + signal when the
+// launcher itself was signalled.
 int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions& options = {});
 
 // Whether accel-train should call run_local_ranks: no launcher started this process as part of

@@ -48,7 +48,9 @@ CommCounter CommStats::total() const {
 
 ProcessGroup::ProcessGroup(int rank, int size, std::vector<int> world_ranks,
                            ProcessGroupOptions options)
-    : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), options_(options) {}
+    : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), options_(options) {
+  check_timeout(options_.timeout, "process group: timeout");
+}
 
 CommStats ProcessGroup::stats() const {
   CommStats s;

@@ -175,7 +175,7 @@ void reduce_many(DType d, void* dst, const std::vector<const void*>& srcs, int64
 
 constexpr uint32_t kMsgMagic = 0x31474b41;  // "AKG1"
 constexpr char kPeerHello[8] = {'A', 'C', 'C', 'E', 'L', 'P', 'G', '1'};
-constexpr uint32_t kMaxTokenBytes = 4096;
+constexpr size_t kMaxPendingPeers = 64;  // handshakes in progress on a rank's mesh listener
 
 struct MsgHeader {
   uint32_t magic = kMsgMagic;
@@ -406,26 +406,38 @@ void Transport::connect_mesh(const std::string& my_address) {
     char hello[sizeof(kPeerHello) + 16];
     std::vector<char> token;
     uint8_t ack = 1;
+    bool finished = false;  // refused, or handed to peers_
     explicit Incoming(asio::io_context& io) : sock(io) {}
   };
-  std::vector<std::shared_ptr<Incoming>> incoming;
+  // Accepted connections still in their handshake, oldest first, and the one being accepted last.
+  // As for the store, strangers arriving faster than they are refused are capped: a new one closes
+  // the oldest unfinished handshake (a real peer that loses it reconnects).
+  std::deque<std::shared_ptr<Incoming>> incoming;
   std::function<void()> accept_one = [&] {
     auto in = std::make_shared<Incoming>(ioc_);
     incoming.push_back(in);
     acceptor.async_accept(in->sock, [&, in](boost::system::error_code aec) {
       if (aec) return;
+      while (!incoming.empty() && incoming.front()->finished) incoming.pop_front();
+      if (incoming.size() > kMaxPendingPeers) {
+        boost::system::error_code ignored;
+        incoming.front()->sock.close(ignored);  // its pending read fails and refuses it
+        incoming.front()->finished = true;
+        incoming.pop_front();
+      }
       accept_one();
       asio::async_read(
           in->sock, asio::buffer(in->hello), [&, in](boost::system::error_code e, size_t) {
             // A stranger, a duplicate or garbage: refuse it and keep accepting.
             auto reject = [in] {
+              in->finished = true;
               boost::system::error_code ignored;
               in->sock.close(ignored);
             };
             if (e || std::memcmp(in->hello, kPeerHello, sizeof(kPeerHello)) != 0) return reject();
             uint32_t f[4];
             std::memcpy(f, in->hello + sizeof(kPeerHello), 16);
-            if (f[3] > kMaxTokenBytes) return reject();
+            if (f[3] > kMaxJobTokenBytes) return reject();
             in->token.resize(f[3]);
             asio::async_read(in->sock, asio::buffer(in->token),
                              [&, in, reject, f0 = f[0], f1 = f[1], f2 = f[2]](
@@ -443,6 +455,7 @@ void Transport::connect_mesh(const std::string& my_address) {
                                asio::async_write(
                                    in->sock, asio::buffer(&in->ack, 1),
                                    [&, in, from](boost::system::error_code e3, size_t) {
+                                     in->finished = true;
                                      if (e3 || peers_[from]) return;
                                      peers_[from] =
                                          std::make_unique<Peer>(from, std::move(in->sock));
@@ -462,6 +475,7 @@ void Transport::connect_mesh(const std::string& my_address) {
     asio::steady_timer retry;
     std::shared_ptr<std::vector<char>> hello;
     uint8_t ack = 0;
+    int handshake_failures = 0;
     std::string last_error = "not tried";
     Outgoing(asio::io_context& io, int t, tcp::endpoint e) : to(t), ep(e), sock(io), retry(io) {}
   };
@@ -484,22 +498,29 @@ void Transport::connect_mesh(const std::string& my_address) {
     outgoing.push_back(
         std::make_shared<Outgoing>(ioc_, j, tcp::endpoint(asio::ip::make_address(host), port)));
   }
-  std::function<void(std::shared_ptr<Outgoing>)> connect_one = [&](std::shared_ptr<Outgoing> o) {
+  std::function<void(std::shared_ptr<Outgoing>)> connect_one;
+  auto retry_later = [&](const std::shared_ptr<Outgoing>& o) {
+    boost::system::error_code ignored;
+    o->sock.close(ignored);
+    o->retry.expires_after(Millis(20));
+    o->retry.async_wait([&, o](boost::system::error_code te) {
+      if (!te) connect_one(o);
+    });
+  };
+  // A handshake the peer cut off is tried again a few times: its listener may have dropped this
+  // connection among strangers. A peer with another token keeps refusing and is reported.
+  constexpr int kHandshakeAttempts = 50;
+  connect_one = [&](std::shared_ptr<Outgoing> o) {
     o->sock.async_connect(o->ep, [&, o](boost::system::error_code e) {
       if (e) {
         o->last_error = e.message();
-        boost::system::error_code ignored;
-        o->sock.close(ignored);
-        o->retry.expires_after(Millis(20));
-        o->retry.async_wait([&, o](boost::system::error_code te) {
-          if (!te) connect_one(o);
-        });
-        return;
+        return retry_later(o);
       }
       o->hello = make_hello(o->to);
       asio::async_write(
           o->sock, asio::buffer(*o->hello), [&, o](boost::system::error_code we, size_t) {
             if (we) {
+              if (++o->handshake_failures < kHandshakeAttempts) return retry_later(o);
               error = "could not send the handshake to rank " + std::to_string(o->to) + ": " +
                       we.message();
               return;
@@ -507,6 +528,7 @@ void Transport::connect_mesh(const std::string& my_address) {
             asio::async_read(
                 o->sock, asio::buffer(&o->ack, 1), [&, o](boost::system::error_code re, size_t) {
                   if (re || o->ack != 1) {
+                    if (++o->handshake_failures < kHandshakeAttempts) return retry_later(o);
                     error = "rank " + std::to_string(o->to) +
                             " closed the connection during the handshake: it has a different "
                             "ACCEL_JOB_TOKEN, or it exited";

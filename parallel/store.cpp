@@ -1,9 +1,13 @@
 // TCP key-value store. Wire format: every frame is a 4-byte little-endian length and that many
-// bytes. The first client frame is the hello ("ACCELKV1" + token); the server answers one status
-// byte (+ message) and closes the connection on a wrong token. After that each request is
-// [op u8][fields] and each response [status u8][fields]; strings are [u32 length][bytes].
+// bytes. The first client frame is the hello ("ACCELKV1" + token, at most kMaxHelloBytes); the
+// server answers one status byte (+ message) and closes the connection on a wrong token. After
+// that each request is [op u8][fields] and each response [status u8][fields]; strings are
+// [u32 length][bytes].
 #include "parallel/store.h"
 
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <boost/asio.hpp>
 #include <cmath>
 #include <cstring>
@@ -27,15 +31,25 @@ std::string describe_ranks(const std::vector<int>& ranks) {
 }
 
 std::string describe_duration(Millis d) {
+  if (d < Millis(100)) return std::to_string(d.count()) + " ms";
   std::ostringstream os;
   double s = static_cast<double>(d.count()) / 1000.0;
   os << (s < 10 ? std::round(s * 10) / 10 : std::round(s)) << " s";
   return os.str();
 }
 
+void check_timeout(Millis t, const std::string& what) {
+  if (t.count() <= 0 || t > kMaxTimeout)
+    throw std::invalid_argument(what + " of " + std::to_string(t.count()) +
+                                " ms is out of range: it must be above 0 and at most " +
+                                describe_duration(kMaxTimeout) + " (30 days)");
+}
+
 namespace {
 
 constexpr char kHello[8] = {'A', 'C', 'C', 'E', 'L', 'K', 'V', '1'};
+// The only frame a connection may send before it has authenticated.
+constexpr uint32_t kMaxHelloBytes = sizeof(kHello) + kMaxJobTokenBytes;
 
 enum class Op : uint8_t { Set = 1, Get = 2, Add = 3, Check = 4, Wait = 5, Delete = 6 };
 
@@ -147,9 +161,49 @@ struct TcpStore::Server {
   std::thread thread;
   std::map<std::string, std::string> data;
   std::set<std::shared_ptr<Conn>> conns;
+  std::list<std::shared_ptr<Conn>> pending;  // not authenticated yet, oldest first
   std::list<std::weak_ptr<Conn>> waiters;
 
   explicit Server(StoreOptions o) : opts(std::move(o)) {
+    if (opts.max_pending_connections < 1)
+      throw std::invalid_argument("rendezvous store: max_pending_connections must be at least 1");
+    if (opts.listen_fd >= 0) {
+      adopt_listener();
+    } else {
+      bind_listener();
+    }
+    accept();
+    thread = std::thread([this] { ioc.run(); });
+  }
+
+  // Serves on the socket the local launcher bound and listened on (it passed it as an inherited
+  // descriptor); it must be listening on the port the other ranks were told.
+  void adopt_listener() {
+    const int fd = opts.listen_fd;
+    int listening = 0;
+    socklen_t n = sizeof listening;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0 || !listening ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+        (ss.ss_family != AF_INET && ss.ss_family != AF_INET6))
+      throw DistributedError("rendezvous store: descriptor " + std::to_string(fd) +
+                             " (ACCEL_STORE_FD, set by the local launcher) is not a listening TCP "
+                             "socket; unset ACCEL_STORE_FD unless the local launcher started "
+                             "this process");
+    boost::system::error_code ec;
+    acceptor.assign(ss.ss_family == AF_INET6 ? tcp::v6() : tcp::v4(), fd, ec);
+    if (ec)
+      throw DistributedError("rendezvous store: cannot use descriptor " + std::to_string(fd) +
+                             " (ACCEL_STORE_FD): " + ec.message());
+    if (opts.port != 0 && port() != opts.port)
+      throw DistributedError(
+          "rendezvous store: the socket the launcher passed (ACCEL_STORE_FD) "
+          "listens on port " +
+          std::to_string(port()) + ", not MASTER_PORT=" + std::to_string(opts.port));
+  }
+
+  void bind_listener() {
     boost::system::error_code ec;
     tcp::resolver resolver(ioc);
     auto results = resolver.resolve(opts.host, std::to_string(opts.port), ec);
@@ -167,8 +221,6 @@ struct TcpStore::Server {
           " (main_process_ip/MASTER_ADDR must be an address of the machine running rank 0, and "
           "main_process_port/MASTER_PORT a free port)");
     acceptor.listen(asio::socket_base::max_listen_connections);
-    accept();
-    thread = std::thread([this] { ioc.run(); });
   }
 
   ~Server() {
@@ -186,8 +238,15 @@ struct TcpStore::Server {
   void accept() {
     acceptor.async_accept([this](boost::system::error_code ec, tcp::socket sock) {
       if (!ec) {
+        // Strangers may connect faster than the handshake timeout closes them: keep a fixed
+        // number waiting and drop the oldest, which has had the longest to say hello.
+        if (static_cast<int>(pending.size()) >= opts.max_pending_connections) {
+          auto oldest = pending.front();
+          close(oldest);
+        }
         auto c = std::make_shared<Conn>(this, std::move(sock));
         conns.insert(c);
+        pending.push_back(c);
         boost::system::error_code ignored;
         c->sock.set_option(tcp::no_delay(true), ignored);
         c->timer.expires_after(opts.handshake_timeout);
@@ -214,14 +273,17 @@ struct TcpStore::Server {
     c->sock.close(ec);
     c->wait_keys.clear();
     conns.erase(c);
+    if (!c->authed) pending.remove(c);
   }
 
   void read_frame(const std::shared_ptr<Conn>& c) {
     asio::async_read(c->sock, asio::buffer(c->len_buf, 4),
                      [this, c](boost::system::error_code ec, size_t) {
                        if (ec) return close(c);
+                       // Nothing is allocated for a stranger beyond a hello's size.
                        uint32_t len = decode_u32(c->len_buf);
-                       if (len == 0 || len > opts.max_frame_bytes) return close(c);
+                       uint32_t limit = c->authed ? opts.max_frame_bytes : kMaxHelloBytes;
+                       if (len == 0 || len > limit) return close(c);
                        c->body.resize(len);
                        asio::async_read(c->sock, asio::buffer(c->body),
                                         [this, c](boost::system::error_code ec2, size_t) {
@@ -256,6 +318,7 @@ struct TcpStore::Server {
           return respond(c, w, /*close_after=*/true);
         }
         c->authed = true;
+        pending.remove(c);
         c->timer.cancel();
         w.u8(0);
         return respond(c, w);
@@ -327,7 +390,7 @@ struct TcpStore::Server {
           }
           c->wait_keys = std::move(keys);
           waiters.push_back(c);
-          c->timer.expires_after(Millis(std::min<uint64_t>(timeout_ms, 1ull << 40)));
+          c->timer.expires_after(Millis(std::min<uint64_t>(timeout_ms, kMaxTimeout.count())));
           c->timer.async_wait([this, c](boost::system::error_code e) {
             if (e || c->closed || c->wait_keys.empty()) return;
             c->wait_keys.clear();
@@ -409,17 +472,27 @@ struct TcpStore::Client {
 
   void fail(const std::string& why) {
     broken = why;
-    boost::system::error_code ec;
-    sock.close(ec);
-    // Drain the handlers the close cancelled so the next use of ioc starts clean.
-    ioc.restart();
-    ioc.poll();
+    reset_socket();
     throw DistributedError(why);
   }
 
+  // Drops the socket and the handlers its close cancelled, so the next use of ioc starts clean.
+  void reset_socket() {
+    boost::system::error_code ignored;
+    sock.close(ignored);
+    ioc.restart();
+    ioc.poll();
+  }
+
+  // Connects and authenticates, retrying until the deadline: rank 0 may not listen yet, and under
+  // a flood of strangers the server may drop this connection before it read the hello.
   void connect(const std::string& token, Millis timeout) {
     auto deadline = Clock::now() + timeout;
     std::string last_error = "no attempt";
+    Writer hello;
+    hello.raw(kHello, sizeof(kHello));
+    hello.raw(token.data(), token.size());
+    const std::vector<char>& hello_frame = hello.frame();
     while (true) {
       boost::system::error_code ec;
       tcp::resolver resolver(ioc);
@@ -432,46 +505,45 @@ struct TcpStore::Client {
           done = true;
         });
         if (!run_until(done, deadline)) {
-          boost::system::error_code ignored;
-          sock.close(ignored);
-          ioc.restart();
-          ioc.poll();
+          reset_socket();
           break;
         }
-        if (!cec) break;
-        last_error = cec.message();
+        if (!cec) {
+          boost::system::error_code ignored;
+          sock.set_option(tcp::no_delay(true), ignored);
+          std::vector<char> reply;
+          boost::system::error_code xec = transfer(hello_frame, deadline, reply);
+          if (!xec) {
+            if (reply.empty() || reply[0] != 0)
+              fail(server_name() +
+                   " rejected this process's job token: every rank must have the same "
+                   "ACCEL_JOB_TOKEN (see docs/launch.md)");
+            return;
+          }
+          last_error = "handshake cut off: " + xec.message();
+        } else {
+          last_error = cec.message();
+        }
       } else {
         last_error = "cannot resolve: " + ec.message();
       }
-      boost::system::error_code ignored;
-      sock.close(ignored);
+      reset_socket();
       if (Clock::now() + Millis(50) >= deadline) break;
       std::this_thread::sleep_for(Millis(50));
     }
-    if (!sock.is_open())
-      throw DistributedError("could not connect to " + server_name() + " within " +
-                             describe_duration(timeout) + " (last error: " + last_error +
-                             "); check that rank 0 started and that main_process_ip/MASTER_ADDR "
-                             "and main_process_port/MASTER_PORT are the same on every rank");
-    boost::system::error_code ignored;
-    sock.set_option(tcp::no_delay(true), ignored);
-    Writer w;
-    w.raw(kHello, sizeof(kHello));
-    w.raw(token.data(), token.size());
-    std::vector<char> reply = exchange(w.frame(), deadline, "the handshake");
-    if (reply.empty() || reply[0] != 0)
-      fail(server_name() +
-           " rejected this process's job token: every rank must have the same "
-           "ACCEL_JOB_TOKEN (see docs/launch.md)");
+    throw DistributedError("could not connect to " + server_name() + " within " +
+                           describe_duration(timeout) + " (last error: " + last_error +
+                           "); check that rank 0 started and that main_process_ip/MASTER_ADDR "
+                           "and main_process_port/MASTER_PORT are the same on every rank");
   }
 
-  std::vector<char> exchange(const std::vector<char>& frame, Clock::time_point deadline,
-                             const std::string& what) {
-    if (!broken.empty()) throw DistributedError(broken);
+  // Writes one frame and reads the answer frame into `body`. On an error or at the deadline
+  // (asio::error::timed_out) the socket is closed.
+  boost::system::error_code transfer(const std::vector<char>& frame, Clock::time_point deadline,
+                                     std::vector<char>& body) {
     bool wrote = false, got_len = false, got_body = false;
     boost::system::error_code err;
     unsigned char len_buf[4];
-    std::vector<char> body;
     asio::async_write(sock, asio::buffer(frame), [&](boost::system::error_code ec, size_t) {
       if (ec && !err) err = ec;
       wrote = true;
@@ -497,17 +569,29 @@ struct TcpStore::Client {
     });
     while (!(wrote && got_len && got_body) && !err) {
       if (ioc.stopped()) ioc.restart();
-      if (Clock::now() >= deadline)
-        fail("no answer from " + server_name() + " for " + what +
-             " before the timeout; rank 0 may be stalled");
+      if (Clock::now() >= deadline) {
+        err = asio::error::timed_out;
+        break;
+      }
       ioc.run_one_until(deadline);
     }
-    if (err) {
-      if (err == asio::error::message_size)
-        fail("bad frame from " + server_name() + " during " + what);
+    if (err) reset_socket();  // also runs the handlers still pending on this frame's locals
+    return err;
+  }
+
+  std::vector<char> exchange(const std::vector<char>& frame, Clock::time_point deadline,
+                             const std::string& what) {
+    if (!broken.empty()) throw DistributedError(broken);
+    std::vector<char> body;
+    boost::system::error_code err = transfer(frame, deadline, body);
+    if (err == asio::error::timed_out)
+      fail("no answer from " + server_name() + " for " + what +
+           " before the timeout; rank 0 may be stalled");
+    if (err == asio::error::message_size)
+      fail("bad frame from " + server_name() + " during " + what);
+    if (err)
       fail("lost the connection to " + server_name() + " during " + what + " (" + err.message() +
            "): rank 0 exited, crashed or closed the connection");
-    }
     return body;
   }
 
@@ -532,6 +616,12 @@ struct TcpStore::Client {
 TcpStore::TcpStore(StoreOptions options) : options_(std::move(options)) {
   if (options_.token.empty())
     throw std::invalid_argument("rendezvous store: empty job token (set ACCEL_JOB_TOKEN)");
+  if (options_.token.size() > kMaxJobTokenBytes)
+    throw std::invalid_argument("rendezvous store: the job token (ACCEL_JOB_TOKEN) has " +
+                                std::to_string(options_.token.size()) + " bytes; at most " +
+                                std::to_string(kMaxJobTokenBytes) + " are allowed");
+  check_timeout(options_.timeout, "rendezvous store: timeout");
+  check_timeout(options_.handshake_timeout, "rendezvous store: handshake_timeout");
   port_ = options_.port;
   if (options_.is_server) {
     server_ = std::make_unique<Server>(options_);
@@ -550,6 +640,7 @@ std::unique_ptr<TcpStore> TcpStore::connect_again(std::optional<Millis> timeout)
   StoreOptions o = options_;
   if (timeout) o.timeout = *timeout;
   o.is_server = false;
+  o.listen_fd = -1;
   o.port = port_;
   return std::make_unique<TcpStore>(o);
 }
@@ -615,7 +706,7 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, std::optional<Millis> timeout) {
-  Millis t = timeout.value_or(options_.timeout);
+  Millis t = std::clamp(timeout.value_or(options_.timeout), Millis(0), kMaxTimeout);
   Writer w;
   w.u8(static_cast<uint8_t>(Op::Wait));
   w.u64(static_cast<uint64_t>(std::max<int64_t>(0, t.count())));

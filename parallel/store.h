@@ -5,6 +5,9 @@
 // Security model (trusted network, no encryption): the server binds to the configured address only;
 // every connection must present the per-job token in its first frame or it is closed; frames are
 // length-prefixed and bounded; a malformed frame closes that one connection and nothing else.
+// Before the handshake a connection may send only a small hello frame, and only a bounded number
+// of such connections is kept (the oldest is dropped for a new one), so a flood of strangers costs
+// rank 0 a fixed amount of memory and descriptors; clients retry a handshake that was cut off.
 #pragma once
 
 #include <chrono>
@@ -26,9 +29,22 @@ class DistributedError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// "rank 2" / "ranks 2, 5"; "1.5 s". Shared by the messages of the store and the process groups.
+// The longest timeout the store and the process groups accept (30 days): their deadlines are
+// steady_clock time points, which overflow some centuries out. The shortest a user may configure
+// (distributed.timeout_s, ACCEL_*_TIMEOUT) is kMinUserTimeout; tests use shorter ones directly.
+constexpr Millis kMaxTimeout{30LL * 24 * 3600 * 1000};
+constexpr Millis kMinUserTimeout{100};
+// Throws std::invalid_argument naming `what` unless 0 < t <= kMaxTimeout.
+void check_timeout(Millis t, const std::string& what);
+
+// "rank 2" / "ranks 2, 5"; "1.5 s", "20 ms". Shared by the messages of the store and the process
+// groups.
 std::string describe_ranks(const std::vector<int>& ranks);
 std::string describe_duration(Millis d);
+
+// Longest job token accepted (the hello frame is bounded by it). Shared with the process group's
+// peer handshake.
+constexpr size_t kMaxJobTokenBytes = 4096;
 
 struct StoreOptions {
   std::string host = "127.0.0.1";       // the server binds here; clients connect here
@@ -39,6 +55,11 @@ struct StoreOptions {
   uint32_t max_frame_bytes = 4u << 20;  // largest request/response frame either side accepts
   Millis handshake_timeout{
       10000};  // server: a connection that has not authenticated by then closes
+  // Server: connections that have not authenticated yet, at most; a new one drops the oldest.
+  int max_pending_connections = 64;
+  // Server: a listening socket to serve on instead of binding host:port (the local launcher binds
+  // it before starting the ranks, so the port cannot be taken in between); -1 for none.
+  int listen_fd = -1;
 };
 
 // A synchronous client (thread-safe: calls are serialized) plus, when is_server, the server

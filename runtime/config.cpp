@@ -971,9 +971,10 @@ std::vector<Field> build_schema() {
   // ---- distributed ----
   add(f_enum("distributed.backend", ACCEL_REF(distributed.backend), {"auto", "nccl", "cpu"},
              "Collectives: nccl for GPU tensors, cpu (TCP) for host tensors, auto by device."));
-  add(f_double("distributed.timeout_s", ACCEL_REF(distributed.timeout_s), 0, kInf, true,
+  // Bounds: parallel/store.h's kMinUserTimeout and kMaxTimeout (30 days; deadlines overflow).
+  add(f_double("distributed.timeout_s", ACCEL_REF(distributed.timeout_s), 0.1, 2592000, false,
                "Seconds a collective or rendezvous may wait before the run fails naming the "
-               "missing rank."));
+               "missing rank (0.1 to 2592000, 30 days)."));
   add(f_double("distributed.ddp_bucket_cap_mb", ACCEL_REF(distributed.ddp_bucket_cap_mb), 0, kInf,
                true, "Gradient bucket size (MiB) for DDP/ZeRO reductions."));
   add(f_bool("distributed.find_unused_parameters", ACCEL_REF(distributed.find_unused_parameters),

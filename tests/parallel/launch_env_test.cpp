@@ -4,7 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "parallel/launcher.h"
+#include "parallel/store.h"
+#include "runtime/config.h"
 
 namespace accel {
 namespace {
@@ -187,6 +191,89 @@ TEST(LaunchEnv, Timeouts) {
               timeouts_from_env(Environment{{"ACCEL_COLLECTIVE_TIMEOUT", "-1"}});
             }).find("ACCEL_COLLECTIVE_TIMEOUT='-1'"),
             std::string::npos);
+}
+
+// Huge values overflowed the deadlines (every rank failed at once "within 1e+10 s"); tiny ones
+// read "0 s". Both are refused, naming the variable and the range.
+TEST(LaunchEnv, TimeoutsOutOfRangeAreRefused) {
+  for (const char* v : {"1e10", "2592001", "0.0001", "0", "inf", "nan"}) {
+    std::string msg = error_of([&] {
+      timeouts_from_env(Environment{{"ACCEL_COLLECTIVE_TIMEOUT", v}});
+    });
+    EXPECT_NE(msg.find("ACCEL_COLLECTIVE_TIMEOUT='" + std::string(v) + "'"), std::string::npos)
+        << msg;
+  }
+  std::string msg = error_of([] {
+    timeouts_from_env(Environment{{"ACCEL_RENDEZVOUS_TIMEOUT", "1e10"}});
+  });
+  EXPECT_NE(msg.find("out of range: give from 0.1 to 2592000 seconds"), std::string::npos) << msg;
+  // The ends of the range are fine.
+  EXPECT_EQ(timeouts_from_env(Environment{{"ACCEL_COLLECTIVE_TIMEOUT", "0.1"}}).collective.count(),
+            100);
+  EXPECT_EQ(
+      timeouts_from_env(Environment{{"ACCEL_COLLECTIVE_TIMEOUT", "2592000"}}).collective.count(),
+      2592000000LL);
+  // A long value is not echoed whole.
+  msg = error_of([] {
+    timeouts_from_env(Environment{{"ACCEL_COLLECTIVE_TIMEOUT", std::string(5000, '9')}});
+  });
+  EXPECT_LT(msg.size(), 300u) << msg;
+  // The library refuses what would overflow too, and short durations read in ms, not "0 s".
+  EXPECT_NE(
+      error_of([] { check_timeout(Millis(kMaxTimeout.count() + 1), "x"); }).find("out of range"),
+      std::string::npos);
+  EXPECT_EQ(describe_duration(Millis(20)), "20 ms");
+  EXPECT_EQ(describe_duration(Millis(1500)), "1.5 s");
+}
+
+TEST(LaunchEnv, DistributedTimeoutInTheConfigIsBounded) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = dir + "/timeout_config.yaml";
+  { std::ofstream(path) << "training: {max_steps: 1}\n"; }
+  EXPECT_DOUBLE_EQ(load_config(path, {"distributed.timeout_s=0.1"}).distributed.timeout_s, 0.1);
+  for (const char* v : {"1e10", "2592001", "0.01", "0"}) {
+    std::string msg =
+        error_of([&] { load_config(path, {"distributed.timeout_s=" + std::string(v)}); });
+    EXPECT_NE(msg.find("distributed.timeout_s"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("2592000"), std::string::npos) << msg;
+  }
+}
+
+TEST(LaunchEnv, LocalStoreAddress) {
+  StoreAddress a = local_store_address(Environment{}, "", 0);
+  EXPECT_EQ(a.host, "127.0.0.1");
+  EXPECT_EQ(a.port, 0);  // the launcher picks one
+  a = local_store_address(Environment{}, "127.0.0.2", 29123);
+  EXPECT_EQ(a.host, "127.0.0.2");
+  EXPECT_EQ(a.port, 29123);
+  EXPECT_EQ(a.port_source, "main_process_port");
+  a = local_store_address(Environment{{"MASTER_ADDR", "127.0.0.3"}, {"MASTER_PORT", "29124"}},
+                          "127.0.0.2", 29123);  // the environment beats the config
+  EXPECT_EQ(a.host, "127.0.0.3");
+  EXPECT_EQ(a.port, 29124);
+  EXPECT_EQ(a.port_source, "MASTER_PORT");
+}
+
+TEST(LaunchEnv, StoreSocketFromTheLocalLauncher) {
+  Environment env{
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"}, {"ACCEL_STORE_FD", "7"}};
+  EXPECT_EQ(detect_launch_env(env).store_listen_fd, 7);
+  EXPECT_EQ(
+      detect_launch_env(Environment{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"}})
+          .store_listen_fd,
+      -1);
+  env["RANK"] = "1";
+  EXPECT_NE(error_of([&] { detect_launch_env(env); }).find("ACCEL_STORE_FD is set for rank 1"),
+            std::string::npos);
+}
+
+TEST(LaunchEnv, CpuThreadsPerRank) {
+  EXPECT_EQ(cpu_threads_per_rank(Environment{}, 2, 2), 1);
+  EXPECT_EQ(cpu_threads_per_rank(Environment{}, 4, 64), 16);
+  EXPECT_EQ(cpu_threads_per_rank(Environment{}, 8, 2), 1);  // at least one
+  EXPECT_EQ(cpu_threads_per_rank(Environment{}, 1, 8), std::nullopt);
+  EXPECT_EQ(cpu_threads_per_rank(Environment{{"OMP_NUM_THREADS", "3"}}, 2, 8), std::nullopt);
+  EXPECT_GE(available_cores(), 1);
 }
 
 TEST(LaunchEnv, WhenToSpawnLocalRanks) {

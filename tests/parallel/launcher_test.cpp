@@ -2,12 +2,16 @@
 // (bin/accel_parallel_worker).
 #include "parallel/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/launch_env.h"
 #include "tests/parallel/harness.h"
 
 namespace accel {
@@ -171,6 +176,9 @@ TEST(LocalLauncher, ForwardsSigtermAndLeavesNoRanksBehind) {
   std::string out = output(c);
   ASSERT_TRUE(WIFEXITED(status)) << out;
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << out;
+  // It says what it did with the signal.
+  EXPECT_TRUE(has(out, "local launcher: got SIGTERM; forwarding it to the 3 running ranks")) << out;
+  EXPECT_TRUE(has(out, "every rank has stopped after SIGTERM")) << out;
   for (pid_t p : pids) EXPECT_TRUE(process_gone(p)) << "rank pid " << p << " still running";
 }
 
@@ -187,6 +195,82 @@ TEST(LocalLauncher, RanksDieWithAKilledLauncher) {
     while (!process_gone(p) && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
     EXPECT_TRUE(process_gone(p)) << "orphaned rank pid " << p;
   }
+}
+
+// Rank 2 stalls (alive, silent): the others time out and exit as followers. The launcher must
+// name the rank that was still running, not the follower it reaped first.
+TEST(LocalLauncher, NamesAStalledRankNotAFollower) {
+  Child c = start({kWorker, "--spawn", "3", "--mode", "stall", "--victim", "2"},
+                  {"ACCEL_COLLECTIVE_TIMEOUT=1"});
+  int status = finish(c, 60s);
+  std::string out = output(c);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), kExitAfterPeerFailure) << out;
+  EXPECT_TRUE(has(out, "rank 2 still running 2 s after rank")) << out;
+  EXPECT_TRUE(has(out, "failed: rank 2 of 3 stalled")) << out;
+  EXPECT_FALSE(has(out, "failed: rank 0 of 3")) << out;
+  EXPECT_FALSE(has(out, "failed: rank 1 of 3")) << out;
+}
+
+// Without OMP_NUM_THREADS every rank would start one OpenMP thread per core (2 ranks on 2 cores
+// ran 17x slower); the launcher gives each its share and says so once.
+TEST(LocalLauncher, GivesEachRankItsShareOfTheCores) {
+  const int share = std::max(1, available_cores() / 2);
+  Child c = start({kWorker, "--spawn", "2", "--mode", "threads"}, {"OMP_NUM_THREADS="});
+  int status = finish(c, 60s);
+  std::string out = output(c);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(has(out, "rank " + std::to_string(r) + " threads " + std::to_string(share) +
+                             " OMP_NUM_THREADS=" + std::to_string(share) + "\n"))
+        << out;
+  EXPECT_TRUE(
+      has(out, "local launcher: OMP_NUM_THREADS=" + std::to_string(share) + " for each of 2 ranks"))
+      << out;
+  // A value the user chose is kept, silently.
+  c = start({kWorker, "--spawn", "2", "--mode", "threads"}, {"OMP_NUM_THREADS=3"});
+  status = finish(c, 60s);
+  out = output(c);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_TRUE(has(out, "rank 1 threads 3 OMP_NUM_THREADS=3\n")) << out;
+  EXPECT_FALSE(has(out, "for each of 2 ranks")) << out;
+}
+
+// The configured port is used, and it is held from before the first rank starts until rank 0
+// serves it: no rank finds it free (bind-and-close left a window where anyone could take it).
+TEST(LocalLauncher, HoldsTheStorePortFromTheStart) {
+  const int port = testing::pick_free_port();
+  Child c = start({kWorker, "--spawn", "3", "--mode", "port", "--port", std::to_string(port)},
+                  {"MASTER_PORT=", "MASTER_ADDR="});
+  int status = finish(c, 60s);
+  std::string out = output(c);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_TRUE(has(out, "rank 2 of 3 OK")) << out;
+  // Automatic port: the same holds.
+  c = start({kWorker, "--spawn", "2", "--mode", "port"}, {"MASTER_PORT=", "MASTER_ADDR="});
+  status = finish(c, 60s);
+  out = output(c);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_TRUE(has(out, "rank 1 of 2 OK")) << out;
+}
+
+TEST(LocalLauncher, ATakenPortIsAnErrorNamingTheSetting) {
+  const int port = testing::pick_free_port();
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(fd, 4), 0);
+  Child c = start({kWorker, "--spawn", "2", "--mode", "check", "--port", std::to_string(port)},
+                  {"MASTER_PORT=", "MASTER_ADDR="});
+  int status = finish(c, 30s);
+  std::string out = output(c);
+  close(fd);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << out;
+  EXPECT_TRUE(has(out, "cannot listen on 127.0.0.1:" + std::to_string(port))) << out;
+  EXPECT_TRUE(has(out, "main_process_port")) << out;
 }
 
 TEST(LocalLauncher, WorldSizeMismatchSaysBothNumbers) {
@@ -238,6 +322,23 @@ TEST_F(Mpirun, EveryCollectiveUnderOpenMpi) {
                                " OK (launcher: Open MPI, local rank " + std::to_string(r)))
           << out;
   }
+}
+
+// mpirun does not bind ranks here (--bind-to none), so each would use every core: each rank
+// takes its share itself.
+TEST_F(Mpirun, EachRankTakesItsShareOfTheCores) {
+  const int share = std::max(1, available_cores() / 2);
+  auto args = cmd(2);
+  for (std::string a : {std::string("--bind-to"), std::string("none"), kWorker,
+                        std::string("--mode"), std::string("threads")})
+    args.push_back(a);
+  Child c = start(args, {"ACCEL_JOB_TOKEN=", "RANK=", "WORLD_SIZE=", "OMP_NUM_THREADS="});
+  int status = finish(c, 90s);
+  std::string out = output(c);
+  ASSERT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(has(out, "rank " + std::to_string(r) + " threads " + std::to_string(share))) << out;
+  EXPECT_TRUE(has(out, "launch: " + std::to_string(share) + " OpenMP thread")) << out;
 }
 
 TEST_F(Mpirun, DeadRankFailsTheJobNamingIt) {

@@ -8,15 +8,26 @@
 // default 3, after the first barrier, first closing its connections and lingering --linger-ms when
 // given, as a rank with a slow exit does; the others run an all_reduce that must fail), sleep
 // (write pid files to --pidfile-dir, then sleep until signalled), world (check_world_size against
-// --expect).
+// --expect), stall (rank --victim sleeps after the first barrier; the others run an all_reduce that
+// times out), threads (print the OpenMP thread count and OMP_NUM_THREADS), port (before joining,
+// check that MASTER_PORT cannot be bound: the local launcher holds it from the start; then check).
+// --port: the store port (main_process_port) for mpirun runs and for the local launcher.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <string>
 #include <thread>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "parallel/launch_env.h"
 #include "parallel/launcher.h"
@@ -64,6 +75,20 @@ int check(ProcessGroup& pg, const LaunchEnv& env) {
   return 0;
 }
 
+// True when binding host:port fails because the port is taken (SO_REUSEADDR, as a server would).
+bool port_is_taken(const std::string& host, int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+  bool taken = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 && errno == EADDRINUSE;
+  close(fd);
+  return taken;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -95,7 +120,7 @@ int main(int argc, char** argv) {
   try {
     LaunchEnv env = detect_launch_env("", port);
     if (spawn > 1 && should_spawn_local_ranks(env.world_size, spawn, 1)) {
-      LocalLaunchOptions lo;
+      LocalLaunchOptions lo = local_launch_options("", port);
       lo.grace = std::chrono::seconds(2);
       return run_local_ranks(spawn, argc, argv, lo);
     }
@@ -103,12 +128,33 @@ int main(int argc, char** argv) {
       check_world_size(env.world_size, expect);
       return 0;
     }
+    share_cpu_cores(env);
+    if (mode == "threads") {
+      const char* omp = std::getenv("OMP_NUM_THREADS");
+#ifdef _OPENMP
+      const int threads = omp_get_max_threads();
+#else
+      const int threads = 1;
+#endif
+      std::printf("rank %d threads %d OMP_NUM_THREADS=%s\n", env.rank, threads, omp ? omp : "");
+      std::fflush(stdout);
+      return 0;
+    }
+    if (mode == "port") {
+      if (!port_is_taken(env.master_addr, env.master_port)) {
+        std::fprintf(stderr, "rank %d: MASTER_PORT %d was free before the store started\n",
+                     env.rank, env.master_port);
+        return 1;
+      }
+      mode = "check";
+    }
     Timeouts to = timeouts_from_env(current_environment(),
                                     {std::chrono::seconds(20), std::chrono::seconds(20)});
     StoreOptions so;
     so.host = env.master_addr;
     so.port = env.master_port;
     so.is_server = env.rank == 0;
+    so.listen_fd = env.store_listen_fd;
     so.token = resolve_job_token(current_environment()).token;
     so.timeout = to.rendezvous;
     auto store = std::make_shared<TcpStore>(so);
@@ -127,6 +173,16 @@ int main(int argc, char** argv) {
         return victim_code;
       }
       Tensor t = Tensor::ones({1 << 16});
+      pg->all_reduce(t)->wait();
+      std::fprintf(stderr, "rank %d: all_reduce succeeded without rank %d\n", env.rank, victim);
+      return 0;
+    }
+    if (mode == "stall") {
+      if (env.rank == victim) {
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+        return 0;
+      }
+      Tensor t = Tensor::ones({16});
       pg->all_reduce(t)->wait();
       std::fprintf(stderr, "rank %d: all_reduce succeeded without rank %d\n", env.rank, victim);
       return 0;

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <thread>
 
 #include "tests/parallel/harness.h"
@@ -69,6 +70,15 @@ struct RawConn {
     uint32_t len = static_cast<uint32_t>(payload.size());
     std::string f(reinterpret_cast<const char*>(&len), 4);
     send_bytes(f + payload);
+  }
+  // True when the peer has closed the connection (reading and dropping any answer).
+  bool closed_now() {
+    char buf[256];
+    while (true) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 0) <= 0) return false;
+      if (recv(fd, buf, sizeof buf, 0) <= 0) return true;
+    }
   }
   // True when the peer closes the connection within `t` (reading and dropping any answer).
   bool closed_within(std::chrono::milliseconds t) {
@@ -215,6 +225,68 @@ TEST(Store, MalformedFramesCloseOnlyTheirConnection) {
     EXPECT_TRUE(c.closed_within(2s));
   }
   EXPECT_EQ(good->get("k"), "v");
+}
+
+// Before the handshake only a hello-sized frame is accepted: a stranger announcing a 4 MiB frame
+// (within the frame limit) is dropped at once instead of making the server allocate 4 MiB and
+// wait for the body until the handshake timeout.
+TEST(Store, AStrangerCannotAnnounceABigFrame) {
+  TcpStore server(server_options());
+  RawConn c("127.0.0.1", server.port());
+  c.send_bytes(std::string("\x00\x00\x40\x00", 4));  // 4 MiB
+  EXPECT_TRUE(c.closed_within(1s));
+  // A hello of the largest token is still fine.
+  StoreOptions o = client_options(server.port(), std::string(kMaxJobTokenBytes, 't'));
+  EXPECT_NE(error_of([&] { TcpStore t(o); }).find("rejected this process's job token"),
+            std::string::npos);
+  o.token = std::string(kMaxJobTokenBytes + 1, 't');
+  EXPECT_NE(error_of([&] { TcpStore t(o); }).find("at most 4096"), std::string::npos);
+}
+
+// Connections that have not authenticated are capped (the oldest goes first), so a flood of
+// idle connections cannot use up the server's descriptors; the job's clients carry on and new
+// ones still get in.
+TEST(Store, IdleStrangersAreCappedAndClientsStillGetIn) {
+  TcpStore server(server_options());
+  auto before = server.connect_again();
+  before->set("k", "v");
+  const int n = 1000;
+  std::vector<std::unique_ptr<RawConn>> idle;
+  for (int i = 0; i < n; ++i) idle.push_back(std::make_unique<RawConn>("127.0.0.1", server.port()));
+  auto after = server.connect_again();  // a new client during the flood
+  EXPECT_EQ(after->get("k"), "v");
+  // The server drops the surplus as it accepts them; the unfixed one kept all until the 10 s
+  // handshake timeout.
+  std::vector<bool> closed(n, false);
+  int open = n;
+  for (auto deadline = std::chrono::steady_clock::now() + 3s;
+       open > StoreOptions{}.max_pending_connections && std::chrono::steady_clock::now() < deadline;
+       std::this_thread::sleep_for(20ms)) {
+    open = 0;
+    for (int i = 0; i < n; ++i) {
+      if (!closed[i]) closed[i] = idle[i]->fd < 0 || idle[i]->closed_now();
+      open += !closed[i];
+    }
+  }
+  EXPECT_LE(open, StoreOptions{}.max_pending_connections) << open << " of " << n << " still open";
+  EXPECT_EQ(before->get("k"), "v");
+}
+
+// A client whose handshake is cut off (the server dropped it among strangers) connects again.
+TEST(Store, ClientsRetryAHandshakeThatWasCutOff) {
+  StoreOptions so = server_options();
+  so.max_pending_connections = 1;
+  TcpStore server(so);
+  std::atomic<bool> stop{false};
+  std::thread flood([&] {
+    while (!stop) RawConn c("127.0.0.1", server.port());
+  });
+  std::string error;
+  for (int i = 0; i < 20 && error.empty(); ++i)
+    error = error_of([&] { server.connect_again()->set("x", "1"); });
+  stop = true;
+  flood.join();
+  EXPECT_EQ(error, "(no exception)");
 }
 
 TEST(Store, ListensOnTheConfiguredAddressOnly) {

@@ -163,6 +163,7 @@ Distributed init_distributed(const Config& cfg, Device device) {
   d.env = detect_launch_env(cfg.main_process_ip, cfg.main_process_port);
   check_world_size(d.env.world_size, static_cast<int>(cfg.num_processes));
   if (!d.env.distributed()) return d;
+  share_cpu_cores(d.env);
   Environment env = current_environment();
   Timeouts t = timeouts_from_env(
       env,
@@ -172,6 +173,7 @@ Distributed init_distributed(const Config& cfg, Device device) {
   so.host = d.env.master_addr;
   so.port = d.env.master_port;
   so.is_server = d.env.rank == 0;
+  so.listen_fd = d.env.store_listen_fd;
   so.token = resolve_job_token(env).token;
   so.timeout = t.rendezvous;
   d.store = std::make_shared<TcpStore>(so);
@@ -598,7 +600,8 @@ int run_training(const TrainOptions& options, int argc, char** argv) {
     if (!options.print_config &&
         should_spawn_local_ranks(env.world_size, static_cast<int>(cfg.num_processes),
                                  static_cast<int>(cfg.num_machines)))
-      return run_local_ranks(static_cast<int>(cfg.num_processes), argc, argv);
+      return run_local_ranks(static_cast<int>(cfg.num_processes), argc, argv,
+                             local_launch_options(cfg.main_process_ip, cfg.main_process_port));
     return train(options);
   } catch (const ConfigError& e) {
     std::fprintf(stderr, "accel-train: configuration error: %s\n", e.what());
