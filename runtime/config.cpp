@@ -1525,6 +1525,19 @@ void validate_config(const Config& c) {
           "partitioned at stage 3), but zero_stage is " +
               std::to_string(c.deepspeed.zero_stage));
   }
+  // Without optimizer files a checkpoint's weights must be whole: sharded ones live there.
+  if (!c.checkpoint.save_optimizer && (c.checkpoint.every_steps > 0 || c.checkpoint.at_end)) {
+    if (dt == "DEEPSPEED" && c.deepspeed.zero_stage == 3 && !c.deepspeed.zero3_save_16bit_model)
+      err("checkpoint.save_optimizer",
+          "checkpoint.save_optimizer is false, but ZeRO-3 keeps the weights only in the optimizer "
+          "shards: set deepspeed_config.zero3_save_16bit_model: true (16-bit weights in "
+          "model.safetensors) or checkpoint.save_optimizer: true");
+    if (dt == "FSDP" && c.fsdp.fsdp_state_dict_type == "SHARDED_STATE_DICT")
+      err("checkpoint.save_optimizer",
+          "checkpoint.save_optimizer is false, but fsdp_state_dict_type SHARDED_STATE_DICT keeps "
+          "the weights only in the optimizer shards: set fsdp_config.fsdp_state_dict_type: "
+          "FULL_STATE_DICT or checkpoint.save_optimizer: true");
+  }
   if (c.use_cpu && dt == "MULTI_GPU")
     err("use_cpu", "use_cpu is true but distributed_type is MULTI_GPU (" +
                        origin(c, "distributed_type") + "): use MULTI_CPU for CPU processes");
