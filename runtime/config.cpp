@@ -875,7 +875,8 @@ std::vector<Field> build_schema() {
              "lm_head shares the embedding matrix."));
   add(f_str("model.init_from", ACCEL_REF(model.init_from),
             "A Hugging Face model folder (config.json + safetensors): its shape replaces the "
-            "model.* shape keys and its weights initialize the model."));
+            "model.* shape keys and its weights initialize the model (F32, or BF16/F16 widened "
+            "to fp32; other dtypes are refused)."));
 
   // ---- training ----
   {
@@ -961,7 +962,8 @@ std::vector<Field> build_schema() {
   add(f_int("checkpoint.keep_last", ACCEL_REF(checkpoint.keep_last), 0, kMax,
             "Keep the newest N checkpoints (0 = keep all)."));
   add(f_bool("checkpoint.save_optimizer", ACCEL_REF(checkpoint.save_optimizer),
-             "Include optimizer state (needed to resume exactly)."));
+             "Include optimizer state (needed to resume; without it, start a new run from the "
+             "checkpoint with model.init_from)."));
   add(f_bool("checkpoint.at_end", ACCEL_REF(checkpoint.at_end), "Save after the last step."));
 
   // ---- logging ----
