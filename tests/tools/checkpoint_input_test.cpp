@@ -270,6 +270,9 @@ TEST_F(CheckpointInput, ResumeFromAnOlderStepRefusesUnlessTheNewerAreMovedAside)
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in2)), {}), old_state);
   EXPECT_TRUE(fs::exists(old4 / "trainer_state.json"));  // the new run's
   EXPECT_FALSE(fs::exists(ckpt("base", 2)));             // keep_last 1
+  r = train("other", "--move-newer-checkpoints-aside");  // without --resume it means nothing
+  EXPECT_EQ(r.code, 2) << r.output;
+  expect_has(r, {"--resume"});
   auto found = accel::find_checkpoint((dir_ / "base").string(), "auto");
   ASSERT_TRUE(found.has_value());
   EXPECT_EQ(fs::path(*found).filename(), "step_4");
