@@ -338,11 +338,49 @@ Tensor shift_labels(const Tensor& labels) {
   return Tensor::from_vector(out, {B, S}, DType::I64, labels.device());
 }
 
+bool is_loadable_weight_dtype(const std::string& safetensors_dtype) {
+  return safetensors_dtype == "F32" || safetensors_dtype == "BF16" || safetensors_dtype == "F16";
+}
+
+void check_offered_weights(Module& model, const std::map<std::string, OfferedWeight>& offered,
+                           const std::string& source, const std::string& advice,
+                           bool allow_tied_lm_head) {
+  std::set<std::string> needed;
+  for (Parameter* p : model.parameters()) {
+    needed.insert(p->name);
+    auto it = offered.find(p->name);
+    if (it == offered.end())
+      throw std::runtime_error(source + ": checkpoint has no tensor '" + p->name +
+                               "' that the model needs; " + advice);
+    const OfferedWeight& w = it->second;
+    if (w.shape != p->value.shape())
+      throw std::runtime_error(w.file + ": tensor '" + p->name + "' has shape " +
+                               shape_str(w.shape) + " but the model expects " +
+                               shape_str(p->value.shape()) + "; " + advice);
+    if (!is_loadable_weight_dtype(w.dtype))
+      throw std::runtime_error(w.file + ": tensor '" + p->name + "' has dtype " + w.dtype +
+                               ", but a weight must be F32, BF16 or F16 (the 16-bit ones are "
+                               "widened to fp32); other dtypes are not converted. The file was "
+                               "not written as this model's weights, or it was altered");
+  }
+  for (const auto& [name, w] : offered)
+    if (!needed.count(name) && !(allow_tied_lm_head && name == "lm_head.weight"))
+      throw std::runtime_error(w.file + ": tensor '" + name + "' does not belong to this model; " +
+                               advice);
+}
+
 void load_hf_weights(Module& model, const std::string& dir) {
-  std::map<std::string, std::string> file_of;  // tensor name -> file
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;  // by file
+  std::map<std::string, SafetensorsReader*> reader_of;                // tensor name -> its file
+  auto open = [&](const std::string& file) -> SafetensorsReader* {
+    auto& r = readers[file];
+    if (!r) r = std::make_unique<SafetensorsReader>(file);
+    return r.get();
+  };
   fs::path index = fs::path(dir) / "model.safetensors.index.json";
   fs::path single = fs::path(dir) / "model.safetensors";
   if (fs::exists(index)) {
+    std::map<std::string, std::string> file_of;
     std::ifstream in(index);
     nlohmann::json j;
     try {
@@ -353,34 +391,36 @@ void load_hf_weights(Module& model, const std::string& dir) {
       throw std::runtime_error(index.string() + ": bad index (" + e.what() +
                                "); expected {\"weight_map\": {tensor: file}}");
     }
+    for (const auto& [name, file] : file_of) {
+      SafetensorsReader* r = open(file);
+      if (!r->contains(name))
+        throw std::runtime_error(index.string() + ": lists tensor '" + name + "' in " + file +
+                                 ", which does not hold it");
+      reader_of[name] = r;
+    }
   } else if (fs::exists(single)) {
-    SafetensorsReader r(single.string());
-    for (const std::string& n : r.names()) file_of[n] = single.string();
+    SafetensorsReader* r = open(single.string());
+    for (const std::string& n : r->names()) reader_of[n] = r;
   } else {
     throw std::runtime_error(dir + ": no model.safetensors or model.safetensors.index.json");
   }
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
-  std::set<std::string> used;
+  std::map<std::string, OfferedWeight> offered;
+  for (const auto& [name, r] : reader_of)
+    offered[name] = {r->path(), r->info(name).dtype_name, r->info(name).shape};
+  check_offered_weights(model, offered, dir,
+                        "check the folder's config.json (the model it describes) against its "
+                        "weights",
+                        /*allow_tied_lm_head=*/true);
   NoGradGuard no_grad;
   for (Parameter* p : model.parameters()) {
-    auto it = file_of.find(p->name);
-    if (it == file_of.end())
-      throw std::runtime_error(dir + ": checkpoint has no tensor '" + p->name +
-                               "' that the model needs");
-    auto& reader = readers[it->second];
-    if (!reader) reader = std::make_unique<SafetensorsReader>(it->second);
-    const auto& info = reader->info(p->name);
-    if (info.shape != p->value.shape())
-      throw std::runtime_error(it->second + ": tensor '" + p->name + "' has shape " +
-                               shape_str(info.shape) + " but the model expects " +
-                               shape_str(p->value.shape()));
-    p->value.copy_(reader->load(p->name, MemCategory::Other));
-    used.insert(p->name);
+    SafetensorsReader* r = reader_of.at(p->name);
+    Tensor t = r->load(p->name, MemCategory::Other);
+    if (has_non_finite(t))
+      throw std::runtime_error(r->path() + ": tensor '" + p->name +
+                               "' holds NaN or Inf values; the weights are damaged (or come from "
+                               "a run that diverged): load another checkpoint");
+    p->value.copy_(t);
   }
-  for (auto& [name, file] : file_of)
-    if (!used.count(name) && name != "lm_head.weight")
-      throw std::runtime_error(file + ": tensor '" + name +
-                               "' does not belong to this model (check the model config)");
 }
 
 void save_hf_model(Module& model, const LlamaConfig& config, const std::string& dir) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -162,9 +163,31 @@ class LlamaForCausalLM : public Module {
 // Hugging Face targets for a causal LM: targets[b, t] = ids[b, t + 1], the last one ignored.
 Tensor shift_labels(const Tensor& labels);
 
+// A tensor a weight file offers for a model parameter: the file, the dtype as the file names it
+// ("F32", "BF16", "I32", ...) and the shape.
+struct OfferedWeight {
+  std::string file;
+  std::string dtype;
+  Shape shape;
+};
+
+// The floating-point dtypes a weight file may hold for the fp32 model: F32, and BF16 or F16,
+// which are widened exactly. Anything else (integers, fp8 without its scales, F64) is refused
+// rather than value-converted.
+bool is_loadable_weight_dtype(const std::string& safetensors_dtype);
+
+// Checks the tensors offered for `model`'s parameters before any is loaded: every parameter
+// present with its shape and a loadable dtype, and no tensor the model lacks (an lm_head.weight
+// beside tied embeddings is accepted when `allow_tied_lm_head`: some Hugging Face folders store
+// it). Throws std::runtime_error naming the file and the tensor; `source` names where the tensors
+// come from, `advice` ends the message (what to do).
+void check_offered_weights(Module& model, const std::map<std::string, OfferedWeight>& offered,
+                           const std::string& source, const std::string& advice,
+                           bool allow_tied_lm_head);
+
 // Loads weights by Hugging Face name from a folder holding model.safetensors or a sharded
-// model.safetensors.index.json. Every parameter must be found with the right shape (errors name
-// the tensor and both shapes); tensors the model lacks are an error too, except a tied lm_head.
+// model.safetensors.index.json, checked first with check_offered_weights (errors name the tensor
+// and both shapes, or its dtype). A weight that holds NaN or Inf is refused, naming the tensor.
 void load_hf_weights(Module& model, const std::string& dir);
 // Writes config.json + model.safetensors (dtype as the parameters) that transformers loads.
 void save_hf_model(Module& model, const LlamaConfig& config, const std::string& dir);

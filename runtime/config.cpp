@@ -875,7 +875,8 @@ std::vector<Field> build_schema() {
              "lm_head shares the embedding matrix."));
   add(f_str("model.init_from", ACCEL_REF(model.init_from),
             "A Hugging Face model folder (config.json + safetensors): its shape replaces the "
-            "model.* shape keys and its weights initialize the model."));
+            "model.* shape keys and its weights initialize the model (F32, or BF16/F16 widened "
+            "to fp32; other dtypes are refused)."));
 
   // ---- training ----
   {
@@ -961,7 +962,8 @@ std::vector<Field> build_schema() {
   add(f_int("checkpoint.keep_last", ACCEL_REF(checkpoint.keep_last), 0, kMax,
             "Keep the newest N checkpoints (0 = keep all)."));
   add(f_bool("checkpoint.save_optimizer", ACCEL_REF(checkpoint.save_optimizer),
-             "Include optimizer state (needed to resume exactly)."));
+             "Include optimizer state (needed to resume; without it, start a new run from the "
+             "checkpoint with model.init_from)."));
   add(f_bool("checkpoint.at_end", ACCEL_REF(checkpoint.at_end), "Save after the last step."));
 
   // ---- logging ----
@@ -1525,6 +1527,19 @@ void validate_config(const Config& c) {
           "deepspeed_config.offload_param_device cpu needs zero_stage 3 (parameters are only "
           "partitioned at stage 3), but zero_stage is " +
               std::to_string(c.deepspeed.zero_stage));
+  }
+  // Without optimizer files a checkpoint's weights must be whole: sharded ones live there.
+  if (!c.checkpoint.save_optimizer && (c.checkpoint.every_steps > 0 || c.checkpoint.at_end)) {
+    if (dt == "DEEPSPEED" && c.deepspeed.zero_stage == 3 && !c.deepspeed.zero3_save_16bit_model)
+      err("checkpoint.save_optimizer",
+          "checkpoint.save_optimizer is false, but ZeRO-3 keeps the weights only in the optimizer "
+          "shards: set deepspeed_config.zero3_save_16bit_model: true (16-bit weights in "
+          "model.safetensors) or checkpoint.save_optimizer: true");
+    if (dt == "FSDP" && c.fsdp.fsdp_state_dict_type == "SHARDED_STATE_DICT")
+      err("checkpoint.save_optimizer",
+          "checkpoint.save_optimizer is false, but fsdp_state_dict_type SHARDED_STATE_DICT keeps "
+          "the weights only in the optimizer shards: set fsdp_config.fsdp_state_dict_type: "
+          "FULL_STATE_DICT or checkpoint.save_optimizer: true");
   }
   if (c.use_cpu && dt == "MULTI_GPU")
     err("use_cpu", "use_cpu is true but distributed_type is MULTI_GPU (" +

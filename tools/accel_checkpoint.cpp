@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/llama.h"
 #include "parallel/sharding.h"
 #include "runtime/safetensors.h"
 #include "tools/cli.h"
@@ -110,8 +111,20 @@ int consolidate(const std::string& ckpt, const std::string& out_dir, const std::
                                ": no model.safetensors and no shard manifest; nothing to "
                                "consolidate");
     SafetensorsReader r(model.string());
-    for (const std::string& n : r.names()) weights.push_back({n, r.load(n)});
+    for (const std::string& n : r.names()) {
+      // The same rule as accel-train's loading: float weights only, never value-converted.
+      if (!is_loadable_weight_dtype(r.info(n).dtype_name))
+        throw std::runtime_error(model.string() + ": tensor '" + n + "' has dtype " +
+                                 r.info(n).dtype_name +
+                                 ", but a weight must be F32, BF16 or F16; it is not converted");
+      weights.push_back({n, r.load(n)});
+    }
   }
+  for (const auto& [name, t] : weights)
+    if (has_non_finite(t))
+      throw std::runtime_error(ckpt + ": tensor '" + name +
+                               "' holds NaN or Inf values; the checkpoint is damaged (or was "
+                               "saved after the run diverged): consolidate an earlier one");
   DType target = dtype == "bf16" ? DType::BF16 : dtype == "fp16" ? DType::F16 : DType::F32;
   for (auto& [name, t] : weights)
     if (t.dtype() != target) {

@@ -1,5 +1,5 @@
 // accel-train --config FILE [--set KEY=VALUE ...] [--output-dir DIR] [--resume auto|PATH]
-//             [--print-config]
+//             [--move-newer-checkpoints-aside] [--print-config]
 #include <CLI/CLI.hpp>
 
 #include "tools/cli.h"
@@ -12,7 +12,12 @@ int main(int argc, char** argv) {
   app.add_option("--set", o.overrides, "override a key, e.g. --set training.max_steps=100")
       ->allow_extra_args(false);
   app.add_option("--output-dir,-o", o.output_dir, "output folder (overrides training.output_dir)");
-  app.add_option("--resume", o.resume, "auto (newest complete checkpoint) or a checkpoint folder");
+  CLI::Option* resume = app.add_option("--resume", o.resume,
+                                       "auto (newest complete checkpoint) or a checkpoint folder");
+  app.add_flag("--move-newer-checkpoints-aside", o.move_newer_checkpoints_aside,
+               "with --resume from an older step: rename the newer checkpoints to "
+               "step_N.superseded instead of refusing")
+      ->needs(resume);
   app.add_flag("--print-config", o.print_config, "print the effective config and exit");
   if (auto code = accel::parse_command_line(app, argc, argv)) return *code;
   return accel::run_training(o, argc, argv);

@@ -312,7 +312,10 @@ int train(const TrainOptions& opt) {
     auto found = find_checkpoint(out_dir, opt.resume);
     if (found) {
       LoadedCheckpoint ck = load_checkpoint(*found, rank, world);
-      check_same_shard_layout(*found, ck.state.extra, strategy->checkpoint_manifest());
+      check_checkpoint_matches_run(ck, model, *strategy);
+      for (const std::string& n : handle_newer_checkpoints(
+               out_dir, ck.state.step, opt.move_newer_checkpoints_aside, main_rank))
+        std::fprintf(stderr, "note: %s\n", n.c_str());
       strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
       const std::string fp8_note = restore_fp8_state(fp8.get(), ck);  // TE: amax histories, scales
       if (main_rank && !fp8_note.empty()) std::fprintf(stderr, "note: %s\n", fp8_note.c_str());
@@ -368,7 +371,8 @@ int train(const TrainOptions& opt) {
       progress.println(std::string("warning: loss chart not written: ") + e.what());
     }
   };
-  CheckpointWriter writer{rank, world, [&dist] { dist.barrier(); }, fp8.get(), dist.pg.get()};
+  CheckpointWriter writer{rank,      world,         [&dist] { dist.barrier(); },
+                          fp8.get(), dist.pg.get(), cfg.checkpoint.save_optimizer};
   auto save = [&](int64_t at_step) {
     TrainerState st;
     st.step = at_step;
