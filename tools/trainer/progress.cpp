@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <stdexcept>
 
 namespace accel {
 
@@ -18,18 +17,12 @@ std::string format_duration(double s) {
   return buf;
 }
 
-Progress::Progress(const std::string& mode, int64_t total_steps, int64_t first_step, bool enabled)
-    : enabled_(enabled && mode != "none"),
+Progress::Progress(ProgressMode mode, int64_t total_steps, int64_t first_step, bool enabled)
+    : bar_(mode == ProgressMode::Bar || (mode == ProgressMode::Auto && isatty(STDERR_FILENO))),
+      enabled_(enabled && mode != ProgressMode::None),
       total_(total_steps),
       first_(first_step),
-      start_(std::chrono::steady_clock::now()) {
-  if (mode == "bar")
-    bar_ = true;
-  else if (mode == "auto")
-    bar_ = isatty(STDERR_FILENO);
-  else if (mode != "plain" && mode != "none")
-    throw std::invalid_argument("training.progress '" + mode + "' is not auto, bar, plain or none");
-}
+      start_(std::chrono::steady_clock::now()) {}
 
 void Progress::update(const StepReport& r) {
   if (!enabled_) return;

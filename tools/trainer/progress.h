@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/config.h"  // ProgressMode
 #include "runtime/format.h"  // format_bytes
 
 namespace accel {
@@ -18,8 +19,8 @@ struct StepReport {
 
 class Progress {
  public:
-  // mode: auto (bar when stderr is a terminal) | bar | plain | none
-  Progress(const std::string& mode, int64_t total_steps, int64_t first_step, bool enabled);
+  // Auto: a bar when stderr is a terminal, plain lines otherwise.
+  Progress(ProgressMode mode, int64_t total_steps, int64_t first_step, bool enabled);
   void update(const StepReport& r);
   // A line that must stay visible (eval results, warnings); keeps the bar intact below it.
   void println(const std::string& line);
