@@ -111,6 +111,15 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
     };
     contexts_.push_back({c.name, ctx});
   }
+  // The projections that read one tensor (q/k/v, gate/up) cast it once (Fp8SharedInputCast).
+  auto one_cast = [](const Tensor& x, const std::function<void()>& run) {
+    Fp8SharedInputCast shared(x);
+    run();
+  };
+  for (auto& [name, m] : model.named_modules()) {
+    if (auto* attn = dynamic_cast<LlamaAttention*>(m)) attn->shared_input = one_cast;
+    if (auto* mlp = dynamic_cast<LlamaMLP*>(m)) mlp->shared_input = one_cast;
+  }
   // Llama MLPs whose three projections all run in fp8 take the fused form (fp8_swiglu_mlp), which
   // declines by itself where it does not apply.
   for (auto& [name, m] : model.named_modules()) {

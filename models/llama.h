@@ -47,8 +47,8 @@ class Linear : public Module {
   std::string type_name() const override { return "Linear"; }
   Tensor forward(const Tensor& x);
   Parameter& weight;
-  // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): fp8 training
-  // installs one (models/fp8_linear.h).
+  // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): a conversion
+  // of the layer installs one (models/fp8_linear.h).
   std::function<Tensor(const Tensor& x, const Tensor& weight)> linear_fn;
 };
 
@@ -77,6 +77,10 @@ class LlamaAttention : public Module {
   std::string type_name() const override { return "LlamaAttention"; }
   Tensor forward(const Tensor& x);  // [B, S, hidden] -> [B, S, hidden]
   Linear &q_proj, &k_proj, &v_proj, &o_proj;
+  // When set, the projections that read x together run inside shared_input(x, run): a
+  // conversion of the linear layers may share work on their common input (models/fp8_linear.h
+  // casts x once for all of them).
+  std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
   const LlamaConfig config;
 };
 
@@ -87,8 +91,12 @@ class LlamaMLP : public Module {
   Tensor forward(const Tensor& x);
   Linear &gate_proj, &up_proj, &down_proj;
   // When set, forward first tries fused_fn(x); an undefined result means the projections run one
-  // by one. fp8 training installs one (fp8_swiglu_mlp, models/fp8_linear.h).
+  // by one. A conversion of the layers installs one (fp8_swiglu_mlp, models/fp8_linear.h).
   std::function<Tensor(const Tensor& x)> fused_fn;
+  // When set, the projections that read x together run inside shared_input(x, run): a
+  // conversion of the linear layers may share work on their common input (models/fp8_linear.h
+  // casts x once for all of them).
+  std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
 };
 
 class LlamaDecoderLayer : public Module {
