@@ -183,7 +183,7 @@ void FsdpStrategy::setup(Module& model, const OptimizerOptions& opts) {
   }
   if (!by_weight.empty())
     throw std::logic_error("fp8 all-gather: the model has no parameter " +
-                           by_weight.begin()->first + " (set_fp8_layers names the layers)");
+                           by_weight.begin()->first + " (gather_fp8_weights names the layers)");
   st->ag = std::make_unique<Fp8AllGather>(std::move(layouts), flags);
   st->fp8_mode.assign(num_groups(), 0);
   st->pending.resize(num_groups());
