@@ -13,22 +13,12 @@
 namespace accel {
 
 Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg) {
+  // validate_config refuses MSAMP, E5M2 alone and MXFP8 with AO, naming the key.
+  if (cfg.backend == Fp8Backend::MSAMP || cfg.fp8_format == Fp8Format::E5M2 ||
+      (cfg.backend == Fp8Backend::AO && cfg.use_mxfp8_block_scaling))
+    throw std::logic_error("fp8_recipe_from_config: an fp8_config that validate_config refuses");
   Fp8Recipe r;
-  if (cfg.backend != "TE" && cfg.backend != "AO")
-    throw std::invalid_argument("fp8_config.backend " + cfg.backend +
-                                " cannot train: use TE (delayed scaling) or AO (dynamic scaling)");
-  if (cfg.fp8_format == "E5M2")
-    throw std::invalid_argument(
-        "fp8_config.fp8_format E5M2 cannot train (too little precision for weights and "
-        "activations): use HYBRID or E4M3");
-  if (cfg.fp8_format != "HYBRID" && cfg.fp8_format != "E4M3")
-    throw std::invalid_argument("fp8_config.fp8_format " + cfg.fp8_format +
-                                " is unknown: use HYBRID or E4M3");
-  if (cfg.backend == "AO") {
-    if (cfg.use_mxfp8_block_scaling)
-      throw std::invalid_argument(
-          "fp8_config.use_mxfp8_block_scaling is a TE option (MXFP8BlockScaling): with backend AO "
-          "set it to false, or use backend TE");
+  if (cfg.backend == Fp8Backend::AO) {
     // torchao's tensorwise recipe: e4m3 inputs and weights, e5m2 output gradients.
     r.scaling = Fp8Scaling::Dynamic;
     r.forward_dtype = DType::E4M3;
@@ -37,15 +27,10 @@ Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg) {
   }
   r.scaling = cfg.use_mxfp8_block_scaling ? Fp8Scaling::MxBlock : Fp8Scaling::Delayed;
   r.forward_dtype = DType::E4M3;
-  r.backward_dtype = cfg.fp8_format == "HYBRID" ? DType::E5M2 : DType::E4M3;
+  r.backward_dtype = cfg.fp8_format == Fp8Format::Hybrid ? DType::E5M2 : DType::E4M3;
   r.amax_history_len = cfg.amax_history_len;
-  if (cfg.amax_compute_algo == "max")
-    r.amax_algo = AmaxAlgo::Max;
-  else if (cfg.amax_compute_algo == "most_recent")
-    r.amax_algo = AmaxAlgo::MostRecent;
-  else
-    throw std::invalid_argument("fp8_config.amax_compute_algo " + cfg.amax_compute_algo +
-                                " is unknown: use max or most_recent");
+  r.amax_algo =
+      cfg.amax_compute_algo == AmaxComputeAlgo::Max ? AmaxAlgo::Max : AmaxAlgo::MostRecent;
   r.margin = static_cast<int>(cfg.margin);
   r.interval = cfg.interval;
   r.hp_fprop = cfg.override_linear_precision_fprop;
@@ -66,7 +51,7 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     c.fp8 = true;
     out.push_back(c);
   }
-  const bool ao = cfg.backend == "AO";
+  const bool ao = cfg.backend == Fp8Backend::AO;
   for (Fp8LayerChoice& c : out) {
     bool aligned = c.in_features % 16 == 0 && c.out_features % 16 == 0;
     if (!aligned && !(ao && cfg.pad_inner_dim)) {
@@ -126,6 +111,15 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
     };
     contexts_.push_back({c.name, ctx});
   }
+  // The projections that read one tensor (q/k/v, gate/up) cast it once (Fp8SharedInputCast).
+  auto one_cast = [](const Tensor& x, const std::function<void()>& run) {
+    Fp8SharedInputCast shared(x);
+    run();
+  };
+  for (auto& [name, m] : model.named_modules()) {
+    if (auto* attn = dynamic_cast<LlamaAttention*>(m)) attn->shared_input = one_cast;
+    if (auto* mlp = dynamic_cast<LlamaMLP*>(m)) mlp->shared_input = one_cast;
+  }
   // Llama MLPs whose three projections all run in fp8 take the fused form (fp8_swiglu_mlp), which
   // declines by itself where it does not apply.
   for (auto& [name, m] : model.named_modules()) {
@@ -151,7 +145,7 @@ int64_t Fp8Training::num_fp8_layers() const { return static_cast<int64_t>(contex
 
 std::string Fp8Training::describe() const {
   std::ostringstream o;
-  o << "fp8: backend " << cfg_.backend << ": " << recipe_.str() << "; evaluation in "
+  o << "fp8: backend " << name_of(cfg_.backend) << ": " << recipe_.str() << "; evaluation in "
     << (eval_in_fp8_ ? "fp8 (use_autocast_during_eval)" : "bf16");
   if (!device_.is_cuda()) o << "; CPU: exact fp8 emulation (slow, meant for tests)";
   o << "\n";

@@ -23,8 +23,7 @@ namespace accel {
 
 class ProcessGroup;
 
-// The recipe an fp8_config asks for. Throws std::invalid_argument naming the key for settings the
-// runtime cannot honour.
+// The recipe an fp8_config (validated by the config loader) asks for.
 Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg);
 
 struct Fp8LayerChoice {

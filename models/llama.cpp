@@ -8,7 +8,6 @@
 #include <set>
 #include <stdexcept>
 
-#include "ops/fp8.h"
 #include "runtime/safetensors.h"
 
 namespace accel {
@@ -189,12 +188,15 @@ Tensor LlamaAttention::forward(const Tensor& x, KVCache::Layer* cache) {
   return with_forward_hooks(*this, [&] {
     const int64_t B = x.size(0), S = x.size(1), D = config.head_dim;
     Tensor q, k, v;
-    {
-      Fp8SharedInputCast one_cast(x);  // fp8 layers: x is cast once for q, k and v
+    auto project = [&] {
       q = reshape(q_proj.forward(x), {B, S, config.num_attention_heads, D});
       k = reshape(k_proj.forward(x), {B, S, config.num_key_value_heads, D});
       v = reshape(v_proj.forward(x), {B, S, config.num_key_value_heads, D});
-    }
+    };
+    if (shared_input)
+      shared_input(x, project);
+    else
+      project();
     const int64_t past = cache ? cache->length() : 0;
     q = rope(q, config.rope_theta, past);
     k = rope(k, config.rope_theta, past);
@@ -235,11 +237,14 @@ Tensor LlamaMLP::forward(const Tensor& x) {
       if (y.defined()) return y;
     }
     Tensor gate, up;
-    {
-      Fp8SharedInputCast one_cast(x);  // fp8 layers: x is cast once for gate and up
+    auto project = [&] {
       gate = gate_proj.forward(x);
       up = up_proj.forward(x);
-    }
+    };
+    if (shared_input)
+      shared_input(x, project);
+    else
+      project();
     return down_proj.forward(swiglu(gate, up));
   });
 }

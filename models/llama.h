@@ -48,8 +48,8 @@ class Linear : public Module {
   std::string type_name() const override { return "Linear"; }
   Tensor forward(const Tensor& x);
   Parameter& weight;
-  // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): fp8 training
-  // installs one (models/fp8_linear.h).
+  // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): a conversion
+  // of the layer installs one (models/fp8_linear.h).
   std::function<Tensor(const Tensor& x, const Tensor& weight)> linear_fn;
 };
 
@@ -90,6 +90,10 @@ class LlamaAttention : public Module {
   // (all of a prompt into an empty cache, then one token at a time), and k/v are appended to it.
   Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr);
   Linear &q_proj, &k_proj, &v_proj, &o_proj;
+  // When set, the projections that read x together run inside shared_input(x, run): a
+  // conversion of the linear layers may share work on their common input (models/fp8_linear.h
+  // casts x once for all of them).
+  std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
   const LlamaConfig config;
 };
 
@@ -100,8 +104,12 @@ class LlamaMLP : public Module {
   Tensor forward(const Tensor& x);
   Linear &gate_proj, &up_proj, &down_proj;
   // When set, forward first tries fused_fn(x); an undefined result means the projections run one
-  // by one. fp8 training installs one (fp8_swiglu_mlp, models/fp8_linear.h).
+  // by one. A conversion of the layers installs one (fp8_swiglu_mlp, models/fp8_linear.h).
   std::function<Tensor(const Tensor& x)> fused_fn;
+  // When set, the projections that read x together run inside shared_input(x, run): a
+  // conversion of the linear layers may share work on their common input (models/fp8_linear.h
+  // casts x once for all of them).
+  std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
 };
 
 class LlamaDecoderLayer : public Module {

@@ -13,8 +13,6 @@ Optimizer::Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
       params_(std::move(params)),
       names_(std::move(names)),
       copies_(std::move(compute_copies)) {
-  if (opts_.name != "adamw" && opts_.name != "sgd")
-    throw std::invalid_argument("optimizer.name '" + opts_.name + "' is not one of adamw, sgd");
   if (names_.size() != params_.size())
     throw std::logic_error("Optimizer: one name per parameter is needed");
   if (!copies_.empty() && copies_.size() != params_.size())
@@ -28,7 +26,7 @@ Optimizer::Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
   }
   for (const Tensor& p : params_) {
     m_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
-    if (opts_.name == "adamw")
+    if (opts_.name == OptimizerName::AdamW)
       v_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
   }
 }
@@ -38,7 +36,7 @@ void Optimizer::step(const std::vector<Tensor>& grads, double lr, double grad_sc
     throw std::logic_error("Optimizer::step: " + std::to_string(grads.size()) + " grads for " +
                            std::to_string(params_.size()) + " params");
   ++step_;
-  if (opts_.name == "adamw") {
+  if (opts_.name == OptimizerName::AdamW) {
     // One multi-tensor update over the params that have a gradient.
     std::vector<Tensor> p, g, m, v, c;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -64,7 +62,7 @@ void Optimizer::step(const std::vector<Tensor>& grads, double lr, double grad_sc
 std::vector<std::pair<std::string, Tensor>> Optimizer::state_tensors() const {
   std::vector<std::pair<std::string, Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (opts_.name == "adamw") {
+    if (opts_.name == OptimizerName::AdamW) {
       out.push_back({names_[i] + ".exp_avg", m_[i]});
       out.push_back({names_[i] + ".exp_avg_sq", v_[i]});
     } else {
@@ -88,7 +86,7 @@ void Optimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& te
     dst.copy_(it->second);
   };
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (opts_.name == "adamw") {
+    if (opts_.name == OptimizerName::AdamW) {
       load(names_[i] + ".exp_avg", m_[i]);
       load(names_[i] + ".exp_avg_sq", v_[i]);
     } else {
@@ -101,15 +99,13 @@ void Optimizer::load_state(const std::vector<std::pair<std::string, Tensor>>& te
 double LRSchedule::at(int64_t step) const {
   if (warmup_steps > 0 && step < warmup_steps)
     return peak_lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
-  if (kind == "constant") return peak_lr;
+  if (kind == LrScheduleKind::Constant) return peak_lr;
   const double min_lr = peak_lr * min_lr_ratio;
   const int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup_steps);
   const double t =
       std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps));
-  if (kind == "linear") return peak_lr + (min_lr - peak_lr) * t;
-  if (kind == "cosine") return min_lr + 0.5 * (peak_lr - min_lr) * (1.0 + std::cos(M_PI * t));
-  throw std::invalid_argument("optimizer.lr_schedule '" + kind +
-                              "' is not one of constant, linear, cosine");
+  if (kind == LrScheduleKind::Linear) return peak_lr + (min_lr - peak_lr) * t;
+  return min_lr + 0.5 * (peak_lr - min_lr) * (1.0 + std::cos(M_PI * t));  // cosine
 }
 
 double clip_coefficient(double global_norm, double max_norm) {

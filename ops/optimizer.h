@@ -9,11 +9,12 @@
 #include <vector>
 
 #include "ops/ops.h"
+#include "runtime/config.h"  // OptimizerName, LrScheduleKind
 
 namespace accel {
 
 struct OptimizerOptions {
-  std::string name = "adamw";  // adamw | sgd
+  OptimizerName name = OptimizerName::AdamW;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, momentum = 0.9;
 };
 
@@ -51,7 +52,7 @@ class Optimizer {
 };
 
 struct LRSchedule {
-  std::string kind = "cosine";  // constant | linear | cosine
+  LrScheduleKind kind = LrScheduleKind::Cosine;
   double peak_lr = 3e-4;
   int64_t warmup_steps = 0;
   int64_t total_steps = 1;

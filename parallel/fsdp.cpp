@@ -32,10 +32,6 @@ std::vector<std::string> split_names(const std::string& s) {
 
 FsdpOptions FsdpOptions::from_config(const Config& cfg, DType compute_dtype) {
   const FsdpConfig& f = cfg.fsdp;
-  if (f.fsdp_version != 2)
-    throw std::invalid_argument("fsdp_config.fsdp_version " + std::to_string(f.fsdp_version) +
-                                " is not supported: accel-train implements FSDP2 only; set "
-                                "fsdp_config.fsdp_version: 2");
   FsdpOptions o;
   o.compute_dtype = compute_dtype;
   o.auto_wrap_policy = f.fsdp_auto_wrap_policy;
@@ -45,47 +41,19 @@ FsdpOptions FsdpOptions::from_config(const Config& cfg, DType compute_dtype) {
   o.offload_params = f.fsdp_offload_params;
   o.state_dict_type = f.fsdp_state_dict_type;
   o.find_unused_parameters = cfg.distributed.find_unused_parameters;
-  if (o.auto_wrap_policy != "TRANSFORMER_BASED_WRAP" && o.auto_wrap_policy != "SIZE_BASED_WRAP" &&
-      o.auto_wrap_policy != "NO_WRAP")
-    throw std::invalid_argument(
-        "fsdp_config.fsdp_auto_wrap_policy must be TRANSFORMER_BASED_WRAP, "
-        "SIZE_BASED_WRAP or NO_WRAP, got '" +
-        o.auto_wrap_policy + "'");
-  if (o.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" && o.layer_cls_to_wrap.empty())
-    throw std::invalid_argument(
-        "fsdp_config.fsdp_transformer_layer_cls_to_wrap is empty; name the layer class to wrap "
-        "(LlamaDecoderLayer)");
-  if (o.state_dict_type != "SHARDED_STATE_DICT" && o.state_dict_type != "FULL_STATE_DICT")
-    throw std::invalid_argument(
-        "fsdp_config.fsdp_state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, got '" +
-        o.state_dict_type + "'");
-  // Without mixed_precision: fp8 the whole fp8_config is inert (the config loader prints a
-  // notice saying so).
-  o.fp8_all_gather = cfg.fp8.enable_fsdp_float8_all_gather && cfg.mixed_precision == "fp8";
-  if (o.fp8_all_gather && cfg.fp8.backend != "AO")
-    throw std::invalid_argument(
-        "fp8_config.enable_fsdp_float8_all_gather needs fp8_config.backend: AO. The fp8 "
-        "all-gather casts every weight shard with a scale from the weight's current global amax "
-        "(torchao's dynamic tensorwise scaling, one amax all-reduce after each optimizer step); "
-        "backend " +
-        cfg.fp8.backend + " scales weights " +
-        (cfg.fp8.use_mxfp8_block_scaling ? "per 32-element block (MXFP8)"
-                                         : "from an amax history (delayed scaling)") +
-        ", which a gathered e4m3 weight cannot follow. Set fp8_config.backend: AO, or "
-        "enable_fsdp_float8_all_gather: false (the weights are then gathered in bf16 and cast "
-        "to fp8 by each layer)");
   return o;
 }
 
 bool reads_init_weights(const Config& cfg, int rank) {
-  if (cfg.distributed_type == "FSDP" && cfg.fsdp.fsdp_cpu_ram_efficient_loading) return rank == 0;
+  if (cfg.distributed_type == DistributedType::Fsdp && cfg.fsdp.fsdp_cpu_ram_efficient_loading)
+    return rank == 0;
   return true;
 }
 
 std::vector<Module*> fsdp_units(Module& root, const FsdpOptions& o) {
   std::vector<Module*> out;
-  if (o.auto_wrap_policy == "NO_WRAP") return out;
-  if (o.auto_wrap_policy == "TRANSFORMER_BASED_WRAP") {
+  if (o.auto_wrap_policy == FsdpWrapPolicy::NoWrap) return out;
+  if (o.auto_wrap_policy == FsdpWrapPolicy::TransformerBased) {
     out = find_units(root, o.layer_cls_to_wrap);
     if (out.empty())
       throw std::invalid_argument(
@@ -169,9 +137,8 @@ FsdpStrategy::~FsdpStrategy() {
       if (c) c->weight_provider = nullptr;
 }
 
-void FsdpStrategy::set_fp8_layers(const Fp8Layers& layers) {
-  if (!fsdp_.fp8_all_gather) return;  // the layers cast their own gathered weights
-  if (fp8_) throw std::logic_error("FsdpStrategy::set_fp8_layers after setup");
+void FsdpStrategy::gather_fp8_weights(const Fp8Layers& layers) {
+  if (fp8_ || setup_done_) throw std::logic_error("FsdpStrategy::gather_fp8_weights after setup");
   for (const auto& [name, ctx] : layers) {
     if (!ctx) throw std::logic_error("fp8 all-gather: layer " + name + " has no context");
     const Fp8Recipe& r = ctx->recipe;
@@ -183,16 +150,13 @@ void FsdpStrategy::set_fp8_layers(const Fp8Layers& layers) {
           "and fp8 fprop/dgrad (fp8_config.backend: AO)");
   }
   fp8_layers_ = layers;
-  fp8_layers_given_ = true;
+  fp8_all_gather_on_ = true;
 }
 
 void FsdpStrategy::setup(Module& model, const OptimizerOptions& opts) {
-  if (fsdp_.fp8_all_gather && !fp8_layers_given_)
-    throw std::logic_error(
-        "FSDP fp8 all-gather: set_fp8_layers() was not called before setup() (the trainer "
-        "passes the layers apply_fp8 converted)");
   FlatDataParallel::setup(model, opts);
-  if (!fsdp_.fp8_all_gather) return;
+  setup_done_ = true;
+  if (!fp8_all_gather_on_) return;
 
   std::map<std::string, Fp8LinearContext*> by_weight;
   for (const auto& [name, ctx] : fp8_layers_) by_weight[name + ".weight"] = ctx;
@@ -219,7 +183,7 @@ void FsdpStrategy::setup(Module& model, const OptimizerOptions& opts) {
   }
   if (!by_weight.empty())
     throw std::logic_error("fp8 all-gather: the model has no parameter " +
-                           by_weight.begin()->first + " (set_fp8_layers names the layers)");
+                           by_weight.begin()->first + " (gather_fp8_weights names the layers)");
   st->ag = std::make_unique<Fp8AllGather>(std::move(layouts), flags);
   st->fp8_mode.assign(num_groups(), 0);
   st->pending.resize(num_groups());
@@ -387,15 +351,15 @@ std::string FsdpStrategy::run_report_line() const {
 }
 
 std::vector<std::pair<std::string, Tensor>> FsdpStrategy::full_state_dict() {
-  if (fsdp_.state_dict_type == "FULL_STATE_DICT") return gather_fp32_weights();
+  if (fsdp_.state_dict_type == FsdpStateDictType::Full) return gather_fp32_weights();
   return {};
 }
 
 nlohmann::json FsdpStrategy::checkpoint_manifest() const {
   nlohmann::json j = FlatDataParallel::checkpoint_manifest();
   j["fsdp_version"] = 2;
-  j["fsdp_state_dict_type"] = fsdp_.state_dict_type;
-  j["fsdp_auto_wrap_policy"] = fsdp_.auto_wrap_policy;
+  j["fsdp_state_dict_type"] = name_of(fsdp_.state_dict_type);
+  j["fsdp_auto_wrap_policy"] = name_of(fsdp_.auto_wrap_policy);
   return j;
 }
 

@@ -18,6 +18,7 @@
 
 #include "ops/fp8.h"
 #include "parallel/zero.h"
+#include "runtime/config.h"  // FsdpWrapPolicy, FsdpStateDictType
 
 namespace accel {
 
@@ -25,19 +26,28 @@ struct Config;
 
 struct FsdpOptions {
   DType compute_dtype = DType::F32;
-  std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";  // | SIZE_BASED_WRAP | NO_WRAP
+  FsdpWrapPolicy auto_wrap_policy = FsdpWrapPolicy::TransformerBased;
   std::vector<std::string> layer_cls_to_wrap = {"LlamaDecoderLayer"};
   int64_t min_num_params = 100000000;
   bool reshard_after_forward = true;
   bool offload_params = false;  // sharded params, master weights and Adam state on the host
-  std::string state_dict_type = "SHARDED_STATE_DICT";  // | FULL_STATE_DICT
+  FsdpStateDictType state_dict_type = FsdpStateDictType::Sharded;
   bool find_unused_parameters = false;
-  // fp8_config.enable_fsdp_float8_all_gather with mixed_precision: fp8 (backend AO only):
-  // fp8 linear weights gathered as e4m3 bytes (see FsdpStrategy::set_fp8_layers).
-  bool fp8_all_gather = false;
 
-  // From fsdp_config (and mixed_precision); bad values throw naming the key.
+  // From fsdp_config (validated by the config loader: the cross-key rules live there).
   static FsdpOptions from_config(const Config& cfg, DType compute_dtype);
+};
+
+// The narrow interface through which fp8 training hands a strategy the fp8 linear layers whose
+// weights it gathers itself (FSDP's fp8 all-gather, fp8_config.enable_fsdp_float8_all_gather).
+// The generic Strategy does not know fp8: the precision part (tools/trainer/precision.h) finds
+// this interface with dynamic_cast and calls it once, before setup().
+class Fp8WeightGathering {
+ public:
+  // The fp8 linear layers by module name ("model.layers.0.mlp.up_proj") with their contexts.
+  using Fp8Layers = std::vector<std::pair<std::string, Fp8LinearContext*>>;
+  virtual ~Fp8WeightGathering() = default;
+  virtual void gather_fp8_weights(const Fp8Layers& layers) = 0;
 };
 
 // The gather units fsdp_auto_wrap_policy picks, in forward order (pre-order of the module tree;
@@ -61,15 +71,13 @@ class Fp8AllGather;
 // 0 as fp32, then each rank keeps its shard).
 bool reads_init_weights(const Config& cfg, int rank);
 
-class FsdpStrategy : public FlatDataParallel {
+class FsdpStrategy : public FlatDataParallel, public Fp8WeightGathering {
  public:
   FsdpStrategy(std::shared_ptr<ProcessGroup> pg, FsdpOptions options);
   ~FsdpStrategy() override;
   std::string name() const override { return "fsdp"; }
 
-  // fp8 all-gather (options.fp8_all_gather; without it the layers are not needed and ignored):
-  // the fp8 linear layers by module name
-  // ("model.layers.0.mlp.up_proj") with their contexts; call once before setup(). setup() then
+  // Turns on the fp8 all-gather of these fp8 linear layers; call once before setup(). setup() then
   // gathers each unit as one byte buffer (per rank: its chunk's non-fp8 elements in the compute
   // dtype, then its fp8 weights' elements as e4m3 cast with the weights' global scales), hands
   // each layer its gathered weight through ctx->weight_provider, and recomputes the scales
@@ -77,7 +85,7 @@ class FsdpStrategy : public FlatDataParallel {
   // after load_state(). A unit is gathered this way while the layers' fp8 autocast is enabled;
   // with it disabled (evaluation in bf16: Fp8EvalScope) the unit is gathered in the compute
   // dtype as usual. The contexts must stay alive as long as the strategy is used.
-  void set_fp8_layers(const Fp8Layers& layers) override;
+  void gather_fp8_weights(const Fp8Layers& layers) override;
 
   void setup(Module& model, const OptimizerOptions& opts) override;
   StepResult step(double lr, double max_grad_norm, double grad_scale) override;
@@ -120,14 +128,15 @@ class FsdpStrategy : public FlatDataParallel {
   void finish_group_gather(int g) override;
   void release_group(int g) override;
   // The fp8 all-gather marks a unit's fp8 weights NaN in its flat buffer while gathered.
-  bool shard_may_alias_flat_buffer() const override { return !fsdp_.fp8_all_gather; }
+  bool shard_may_alias_flat_buffer() const override { return !fp8_all_gather_on_; }
 
  private:
   struct Fp8State;
   void precompute_fp8_scales();
   FsdpOptions fsdp_;
   std::vector<std::pair<std::string, Fp8LinearContext*>> fp8_layers_;
-  bool fp8_layers_given_ = false;
+  bool fp8_all_gather_on_ = false;  // gather_fp8_weights was called
+  bool setup_done_ = false;
   std::shared_ptr<Fp8State> fp8_;
 };
 

@@ -1,5 +1,6 @@
-// How a training step updates the model: precision handling, gradient communication, optimizer
-// state placement. One interface for every distributed_type; the trainer never branches on it.
+// How a training step updates the model: master weights and compute copies, gradient
+// communication, optimizer state placement. One interface for every distributed_type; the trainer
+// never branches on it.
 //
 // The model is built with fp32 parameters on the compute device. setup() turns them into what the
 // strategy needs: fp32 master weights (whole or sharded) plus compute copies in the compute dtype
@@ -16,8 +17,6 @@
 #include "runtime/module.h"
 
 namespace accel {
-
-struct Fp8LinearContext;
 
 struct StepResult {
   double grad_norm = 0;  // global norm before clipping (over all ranks and shards)
@@ -61,10 +60,6 @@ class Strategy {
   // True when forward issues collectives (sharded parameters): every rank must run every forward
   // (evaluation and sampling included) together.
   virtual bool forward_is_collective() const { return false; }
-  // The fp8 linear layers of the model (by module name, with their contexts), before setup();
-  // called only in fp8 training. Only FSDP with the fp8 all-gather uses them.
-  using Fp8Layers = std::vector<std::pair<std::string, Fp8LinearContext*>>;
-  virtual void set_fp8_layers(const Fp8Layers& layers) { (void)layers; }
   // At the end of a run: entries the strategy adds to metrics.jsonl's summary object and a line
   // for the log (null and "" when it has nothing to add). Local: no collectives.
   virtual nlohmann::json run_report() const;

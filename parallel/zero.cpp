@@ -33,17 +33,17 @@ std::vector<Module*> find_units(Module& root, const std::vector<std::string>& ty
 
 FlatDataParallel::FlatDataParallel(std::shared_ptr<ProcessGroup> pg, DataParallelOptions options)
     : comm_(std::move(pg)), options_(std::move(options)) {
+  // The user-facing rules (zero_stage 1..3, offload needs ZeRO / stage 3) are validate_config's;
+  // these only guard the engine's own preconditions.
   const int st = options_.zero_stage;
   if (st < 0 || st > 3)
-    throw std::invalid_argument("deepspeed_config.zero_stage must be 1, 2 or 3, got " +
-                                std::to_string(st));
+    throw std::logic_error("FlatDataParallel: stage " + std::to_string(st) + " is not 0..3");
   if (options_.layout != FlatLayout::Mode::Contiguous && st != 3)
     throw std::logic_error("the dim-0 shard layout needs stage 3 (FSDP)");
   if (options_.offload_optimizer && st == 0)
-    throw std::invalid_argument(
-        "optimizer offload needs ZeRO (distributed_type DEEPSPEED with zero_stage >= 1)");
+    throw std::logic_error("FlatDataParallel: optimizer offload needs stage >= 1");
   if (options_.offload_params && st != 3)
-    throw std::invalid_argument("deepspeed_config.offload_param_device cpu needs zero_stage 3");
+    throw std::logic_error("FlatDataParallel: parameter offload needs stage 3");
   if (!options_.flat_grads && (st != 0 || comm_.size() != 1))
     throw std::logic_error("per-parameter gradients (flat_grads false) need stage 0 over one rank");
   if (!(options_.bucket_cap_mb > 0))

@@ -419,6 +419,24 @@ Field f_enum(std::string path, A acc, std::vector<std::string> choices, std::str
   return f;
 }
 
+// An enum-typed member: its choices are EnumNames<E>, parsed once into E.
+template <class A>
+Field f_enum(std::string path, A acc, std::string doc) {
+  using E = std::decay_t<decltype(acc(std::declval<Config&>()))>;
+  const std::vector<std::string> choices(std::begin(EnumNames<E>::names),
+                                         std::end(EnumNames<E>::names));
+  Field f;
+  f.path = std::move(path);
+  f.type = "one of: " + join(choices, ", ");
+  f.doc = std::move(doc);
+  f.set = [acc, choices](Config& c, const YAML::Node& n, Ctx& ctx) {
+    const std::string v = parse_enum(ctx, n, choices);
+    acc(c) = static_cast<E>(std::find(choices.begin(), choices.end(), v) - choices.begin());
+  };
+  f.get = [acc](const Config& c) { return yaml_quote(name_of(acc(c))); };
+  return f;
+}
+
 template <class A>
 Field f_list(std::string path, A acc, std::string doc) {
   Field f;
@@ -472,10 +490,9 @@ std::vector<Field> build_schema() {
                   "Where the job runs. Only LOCAL_MACHINE (your machines, launched by mpirun or "
                   "accel-train itself); AMAZON_SAGEMAKER is not supported.")));
   add(acc_(f_enum("distributed_type", ACCEL_REF(distributed_type),
-                  {"NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"},
                   "Data-parallel strategy: NO (one process), MULTI_CPU / MULTI_GPU (DDP), FSDP "
                   "(fsdp_config), DEEPSPEED (ZeRO, deepspeed_config).")));
-  add(acc_(f_enum("mixed_precision", ACCEL_REF(mixed_precision), {"no", "fp16", "bf16", "fp8"},
+  add(acc_(f_enum("mixed_precision", ACCEL_REF(mixed_precision),
                   "Compute precision: no (fp32), fp16 (with dynamic loss scaling), bf16, fp8 "
                   "(fp8_config). Master weights and optimizer state stay fp32.")));
   add(acc_(f_int("num_processes", ACCEL_REF(num_processes), 1, std::numeric_limits<int64_t>::max(),
@@ -633,7 +650,6 @@ std::vector<Field> build_schema() {
                   "FSDP with model.init_from: only rank 0 reads the weight files; setup "
                   "broadcasts each unit from rank 0 and every rank keeps its shard.")));
   add(acc_(f_enum("fsdp_config.fsdp_auto_wrap_policy", ACCEL_REF(fsdp.fsdp_auto_wrap_policy),
-                  {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"},
                   "How parameters are grouped into units (one all-gather each): per decoder layer, "
                   "by fsdp_min_num_params, or the whole model as one unit.")));
   {
@@ -653,7 +669,6 @@ std::vector<Field> build_schema() {
     add(f);
   }
   add(acc_(f_enum("fsdp_config.fsdp_state_dict_type", ACCEL_REF(fsdp.fsdp_state_dict_type),
-                  {"SHARDED_STATE_DICT", "FULL_STATE_DICT"},
                   "Checkpoints: one file of shards per rank plus a manifest, or one full Hugging "
                   "Face model.safetensors written by rank 0.")));
   add(acc_(f_int("fsdp_config.fsdp_min_num_params", ACCEL_REF(fsdp.fsdp_min_num_params), 0,
@@ -675,10 +690,10 @@ std::vector<Field> build_schema() {
                  "ZeRO stage: 1 partitions optimizer state, 2 also gradients, 3 also parameters. "
                  "0 is rejected (use MULTI_GPU).")));
   add(acc_(f_enum("deepspeed_config.offload_optimizer_device",
-                  ACCEL_REF(deepspeed.offload_optimizer_device), {"none", "cpu", "nvme"},
+                  ACCEL_REF(deepspeed.offload_optimizer_device),
                   "cpu keeps optimizer state in host memory and steps there; nvme is rejected.")));
   add(acc_(f_enum("deepspeed_config.offload_param_device",
-                  ACCEL_REF(deepspeed.offload_param_device), {"none", "cpu", "nvme"},
+                  ACCEL_REF(deepspeed.offload_param_device),
                   "cpu keeps ZeRO-3 parameter partitions in host memory (stage 3 only); nvme is "
                   "rejected.")));
   add(grouped(acc_(f_double("deepspeed_config.gradient_clipping", ACCEL_REF(optimizer.grad_clip), 0,
@@ -740,20 +755,20 @@ std::vector<Field> build_schema() {
 
   // ---- fp8_config ----
   {
-    Field f = acc_(f_enum("fp8_config.backend", ACCEL_REF(fp8.backend), {"TE", "AO", "MSAMP"},
+    Field f = acc_(f_enum("fp8_config.backend", ACCEL_REF(fp8.backend),
                           "TE: TransformerEngine-style delayed scaling; AO: torchao-style dynamic "
                           "per-tensor scaling. MSAMP is rejected with mixed_precision: fp8."));
     auto base = f.set;
     f.set = [base](Config& c, const YAML::Node& n, Ctx& ctx) {
       if (n.IsScalar() && lower(trim(n.Scalar())) == "ms-amp") {
-        c.fp8.backend = "MSAMP";
+        c.fp8.backend = Fp8Backend::MSAMP;
         return;
       }
       base(c, n, ctx);
     };
     add(f);
   }
-  add(acc_(f_enum("fp8_config.fp8_format", ACCEL_REF(fp8.fp8_format), {"HYBRID", "E4M3", "E5M2"},
+  add(acc_(f_enum("fp8_config.fp8_format", ACCEL_REF(fp8.fp8_format),
                   "HYBRID: e4m3 forward, e5m2 gradients; E4M3: e4m3 everywhere. E5M2 alone is "
                   "rejected (too little precision for weights and activations).")));
   add(grouped(acc_(f_int("fp8_config.amax_history_len", ACCEL_REF(fp8.amax_history_len), 1,
@@ -765,11 +780,9 @@ std::vector<Field> build_schema() {
                          "The spelling Accelerate's wizard writes for amax_history_len.")),
               "fp8_config.amax_history_len", true));
   add(grouped(acc_(f_enum("fp8_config.amax_compute_algo", ACCEL_REF(fp8.amax_compute_algo),
-                          {"max", "most_recent"},
                           "TE: scale from the max of the history or the most recent amax.")),
               "fp8_config.amax_compute_algo", false));
   add(grouped(acc_(f_enum("fp8_config.amax_compute_algorithm", ACCEL_REF(fp8.amax_compute_algo),
-                          {"max", "most_recent"},
                           "The spelling Accelerate's wizard writes for amax_compute_algo.")),
               "fp8_config.amax_compute_algo", true));
   add(acc_(f_int("fp8_config.margin", ACCEL_REF(fp8.margin), 0, 64,
@@ -904,13 +917,13 @@ std::vector<Field> build_schema() {
             "Greedy-sample this many tokens at the end (0 = no sample)."));
   add(f_str("training.sample_prompt", ACCEL_REF(training.sample_prompt),
             "Prompt for the final sample."));
-  add(f_enum("training.device", ACCEL_REF(training.device), {"auto", "cpu", "cuda"},
+  add(f_enum("training.device", ACCEL_REF(training.device),
              "auto: CUDA when a GPU is visible, else CPU."));
   add(f_bool("training.allow_tf32", ACCEL_REF(training.allow_tf32),
              "Allow TF32 tensor-core math for fp32 GEMMs on the GPU."));
   add(f_bool("training.activation_checkpointing", ACCEL_REF(training.activation_checkpointing),
              "Recompute each decoder layer's activations in backward to save memory."));
-  add(f_enum("training.nan_policy", ACCEL_REF(training.nan_policy), {"stop", "skip"},
+  add(f_enum("training.nan_policy", ACCEL_REF(training.nan_policy),
              "On a non-finite loss or gradient: stop with an error, or skip the step."));
   add(f_double("training.loss_scale_init", ACCEL_REF(training.loss_scale_init), 0,
                std::numeric_limits<double>::infinity(), true, "fp16: initial dynamic loss scale."));
@@ -918,12 +931,12 @@ std::vector<Field> build_schema() {
             "fp16: steps without overflow before the loss scale doubles."));
   add(f_str("training.output_dir", ACCEL_REF(training.output_dir),
             "Folder for metrics, checkpoints and the effective config."));
-  add(f_enum("training.progress", ACCEL_REF(training.progress), {"auto", "bar", "plain", "none"},
+  add(f_enum("training.progress", ACCEL_REF(training.progress),
              "auto: a progress bar on a terminal, plain lines otherwise."));
 
   // ---- optimizer ----
   const double kInf = std::numeric_limits<double>::infinity();
-  add(f_enum("optimizer.name", ACCEL_REF(optimizer.name), {"adamw", "sgd"}, "Optimizer."));
+  add(f_enum("optimizer.name", ACCEL_REF(optimizer.name), "Optimizer."));
   add(f_double("optimizer.lr", ACCEL_REF(optimizer.lr), 0, kInf, false, "Peak learning rate."));
   add(f_double("optimizer.beta1", ACCEL_REF(optimizer.beta1), 0, 1, false, "AdamW beta1 (< 1)."));
   add(f_double("optimizer.beta2", ACCEL_REF(optimizer.beta2), 0, 1, false, "AdamW beta2 (< 1)."));
@@ -934,15 +947,14 @@ std::vector<Field> build_schema() {
   add(grouped(f_double("optimizer.grad_clip", ACCEL_REF(optimizer.grad_clip), 0, kInf, false,
                        "Clip the global gradient norm to this value (0 = off)."),
               "optimizer.grad_clip", false));
-  add(f_enum("optimizer.lr_schedule", ACCEL_REF(optimizer.lr_schedule),
-             {"constant", "linear", "cosine"}, "Decay after warmup."));
+  add(f_enum("optimizer.lr_schedule", ACCEL_REF(optimizer.lr_schedule), "Decay after warmup."));
   add(f_int("optimizer.warmup_steps", ACCEL_REF(optimizer.warmup_steps), 0, kMax,
             "Linear warmup steps from 0 to lr."));
   add(f_double("optimizer.min_lr_ratio", ACCEL_REF(optimizer.min_lr_ratio), 0, 1, false,
                "linear/cosine: final lr = lr * min_lr_ratio."));
 
   // ---- data ----
-  add(f_enum("data.source", ACCEL_REF(data.source), {"text", "shards", "synthetic"},
+  add(f_enum("data.source", ACCEL_REF(data.source),
              "text: tokenize data.text_files at start; shards: pre-tokenized token shards "
              "(accel-data); synthetic: random tokens (benchmarks)."));
   add(f_list("data.text_files", ACCEL_REF(data.text_files),
@@ -971,7 +983,7 @@ std::vector<Field> build_schema() {
             "JSON-lines metrics file, relative to training.output_dir."));
 
   // ---- distributed ----
-  add(f_enum("distributed.backend", ACCEL_REF(distributed.backend), {"auto", "nccl", "cpu"},
+  add(f_enum("distributed.backend", ACCEL_REF(distributed.backend),
              "Collectives: nccl for GPU tensors, cpu (TCP) for host tensors, auto by device."));
   // Bounds: parallel/store.h's kMinUserTimeout and kMaxTimeout (30 days; deadlines overflow).
   add(f_double("distributed.timeout_s", ACCEL_REF(distributed.timeout_s), 0.1, 2592000, false,
@@ -1355,32 +1367,33 @@ void resolve(Config& c) {
   c.deepspeed.gradient_accumulation_steps = c.gradient_accumulation_steps;
 
   if (c.use_cpu) {
-    if (c.training.device == "cuda")
+    if (c.training.device == DeviceChoice::Cuda)
       throw ConfigError(origin(c, "training.device") +
                         ": training.device is cuda but use_cpu is true (" + origin(c, "use_cpu") +
                         "): drop one of them");
-    c.training.device = "cpu";
+    c.training.device = DeviceChoice::Cpu;
   }
-  if (c.distributed_type == "MULTI_CPU") {
-    if (c.training.device == "cuda")
+  if (c.distributed_type == DistributedType::MultiCpu) {
+    if (c.training.device == DeviceChoice::Cuda)
       throw ConfigError(origin(c, "training.device") +
                         ": training.device is cuda but distributed_type is MULTI_CPU (" +
                         origin(c, "distributed_type") + "): use MULTI_GPU for GPUs");
-    c.training.device = "cpu";
+    c.training.device = DeviceChoice::Cpu;
   }
 
   c.gpu_id_list.clear();
   if (c.gpu_ids != "all")
     for (auto& p : split(c.gpu_ids, ',')) c.gpu_id_list.push_back(std::stoi(p));
 
-  if (c.distributed_type == "FSDP") {
+  if (c.distributed_type == DistributedType::Fsdp) {
     if (c.fsdp.fsdp_version == 1) {
       c.notices.push_back(
           "key fsdp_config.fsdp_version=1 runs as fsdp_version 2 in accel-train (only FSDP2-style "
           "per-parameter sharding is implemented; the training math is the same)");
       c.fsdp.fsdp_version = 2;
     }
-    if (c.fsdp.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP" && c.model.name == "llama") {
+    if (c.fsdp.fsdp_auto_wrap_policy == FsdpWrapPolicy::TransformerBased &&
+        c.model.name == "llama") {
       std::vector<std::string> names;
       for (auto& p : split(c.fsdp.fsdp_transformer_layer_cls_to_wrap, ','))
         if (!trim(p).empty()) names.push_back(trim(p));
@@ -1413,15 +1426,15 @@ void collect_notices(Config& c) {
                         ")");
   }
   auto given = [&](const std::string& p) { return c.origins.count(p) > 0; };
-  if (c.fp8.present && c.mixed_precision != "fp8")
+  if (c.fp8.present && c.mixed_precision != MixedPrecision::Fp8)
     c.notices.push_back("fp8_config (" + first_key_under(c, "fp8_config.") +
-                        ") has no effect because mixed_precision is " + c.mixed_precision);
-  if (c.mixed_precision == "fp8") {
-    if (c.training.device == "cpu")
+                        ") has no effect because mixed_precision is " + name_of(c.mixed_precision));
+  if (c.mixed_precision == MixedPrecision::Fp8) {
+    if (c.training.device == DeviceChoice::Cpu)
       c.notices.push_back(
           "mixed_precision fp8 on the CPU runs the exact fp8 emulation (slow; "
           "meant for tests)");
-    if (c.fp8.backend == "AO") {
+    if (c.fp8.backend == Fp8Backend::AO) {
       for (const char* k :
            {"fp8_config.fp8_format", "fp8_config.amax_history_len", "fp8_config.amax_compute_algo",
             "fp8_config.margin", "fp8_config.interval", "fp8_config.override_linear_precision"})
@@ -1433,26 +1446,26 @@ void collect_notices(Config& c) {
       for (const char* k : {"fp8_config.pad_inner_dim", "fp8_config.exclude_modules"})
         if (given(k))
           c.notices.push_back(std::string("key ") + k + " has no effect with fp8 backend " +
-                              c.fp8.backend + " (it applies to backend AO)");
+                              name_of(c.fp8.backend) + " (it applies to backend AO)");
     }
-    if (c.fp8.enable_fsdp_float8_all_gather && c.distributed_type != "FSDP")
+    if (c.fp8.enable_fsdp_float8_all_gather && c.distributed_type != DistributedType::Fsdp)
       c.notices.push_back(
-          "key fp8_config.enable_fsdp_float8_all_gather=true has no effect "
-          "because distributed_type is " +
-          c.distributed_type);
+          std::string("key fp8_config.enable_fsdp_float8_all_gather=true has no effect "
+                      "because distributed_type is ") +
+          name_of(c.distributed_type));
   }
-  if (c.distributed_type == "DEEPSPEED" && c.deepspeed.zero3_save_16bit_model &&
+  if (c.distributed_type == DistributedType::DeepSpeed && c.deepspeed.zero3_save_16bit_model &&
       c.deepspeed.zero_stage != 3)
     c.notices.push_back(
         "key deepspeed_config.zero3_save_16bit_model=true has no effect at "
         "zero_stage " +
         std::to_string(c.deepspeed.zero_stage) + " (checkpoints already hold the full model)");
-  if (c.distributed_type == "FSDP" && given("fsdp_config.fsdp_min_num_params") &&
-      c.fsdp.fsdp_auto_wrap_policy != "SIZE_BASED_WRAP")
+  if (c.distributed_type == DistributedType::Fsdp && given("fsdp_config.fsdp_min_num_params") &&
+      c.fsdp.fsdp_auto_wrap_policy != FsdpWrapPolicy::SizeBased)
     c.notices.push_back(
         "key fsdp_config.fsdp_min_num_params has no effect with "
         "fsdp_auto_wrap_policy " +
-        c.fsdp.fsdp_auto_wrap_policy);
+        std::string(name_of(c.fsdp.fsdp_auto_wrap_policy)));
   if (c.use_cpu && c.gpu_ids != "all")
     c.notices.push_back("key gpu_ids=" + c.gpu_ids + " has no effect because use_cpu is true");
 }
@@ -1467,7 +1480,7 @@ void validate_config(const Config& c) {
   };
   if (c.training.eval_every > 0) {
     const std::string every = "training.eval_every is " + std::to_string(c.training.eval_every);
-    if (c.data.source == "synthetic")
+    if (c.data.source == DataSource::Synthetic)
       err("training.eval_every", every +
                                      " but data.source synthetic has no evaluation data: set "
                                      "training.eval_every: 0, or train on text or shards");
@@ -1478,7 +1491,8 @@ void validate_config(const Config& c) {
               "data.eval_path is empty): hold some out (e.g. data.eval_fraction: 0.05) or "
               "set training.eval_every: 0");
   }
-  const std::string& dt = c.distributed_type;
+  const DistributedType dt = c.distributed_type;
+  const std::string dt_name = name_of(dt);
   if (c.compute_environment != "LOCAL_MACHINE")
     err("compute_environment",
         "compute_environment " + c.compute_environment + " is not supported (use LOCAL_MACHINE)");
@@ -1493,36 +1507,36 @@ void validate_config(const Config& c) {
                              " is not a multiple of num_machines " +
                              std::to_string(c.num_machines) +
                              " (num_processes counts all processes on all machines)");
-  if (dt == "NO" && c.num_processes > 1)
+  if (dt == DistributedType::No && c.num_processes > 1)
     err("num_processes", "num_processes is " + std::to_string(c.num_processes) +
                              " but distributed_type is NO (" + origin(c, "distributed_type") +
                              "), which runs one process: set distributed_type to MULTI_GPU, "
                              "MULTI_CPU, FSDP or DEEPSPEED");
-  if (c.fsdp.present && dt != "FSDP")
+  if (c.fsdp.present && dt != DistributedType::Fsdp)
     throw ConfigError(first_key_under(c, "fsdp_config.") +
                       ": fsdp_config applies only to distributed_type FSDP, but distributed_type "
                       "is " +
-                      dt + " (" + origin(c, "distributed_type") +
+                      dt_name + " (" + origin(c, "distributed_type") +
                       "): remove the fsdp_config section or set distributed_type: FSDP");
-  if (c.deepspeed.present && dt != "DEEPSPEED")
+  if (c.deepspeed.present && dt != DistributedType::DeepSpeed)
     throw ConfigError(first_key_under(c, "deepspeed_config.") +
                       ": deepspeed_config applies only to distributed_type DEEPSPEED, but "
                       "distributed_type is " +
-                      dt + " (" + origin(c, "distributed_type") +
+                      dt_name + " (" + origin(c, "distributed_type") +
                       "): remove the deepspeed_config section or set distributed_type: DEEPSPEED");
-  if (dt == "DEEPSPEED") {
+  if (dt == DistributedType::DeepSpeed) {
     if (c.deepspeed.zero_stage < 1 || c.deepspeed.zero_stage > 3)
       err("deepspeed_config.zero_stage",
           "deepspeed_config.zero_stage " + std::to_string(c.deepspeed.zero_stage) +
               " is not supported: use 1, 2 or 3 (for plain data parallelism use distributed_type "
               "MULTI_GPU)");
-    if (c.deepspeed.offload_optimizer_device == "nvme")
+    if (c.deepspeed.offload_optimizer_device == OffloadDevice::Nvme)
       err("deepspeed_config.offload_optimizer_device",
           "deepspeed_config.offload_optimizer_device nvme is not supported (use cpu or none)");
-    if (c.deepspeed.offload_param_device == "nvme")
+    if (c.deepspeed.offload_param_device == OffloadDevice::Nvme)
       err("deepspeed_config.offload_param_device",
           "deepspeed_config.offload_param_device nvme is not supported (use cpu or none)");
-    if (c.deepspeed.offload_param_device == "cpu" && c.deepspeed.zero_stage != 3)
+    if (c.deepspeed.offload_param_device == OffloadDevice::Cpu && c.deepspeed.zero_stage != 3)
       err("deepspeed_config.offload_param_device",
           "deepspeed_config.offload_param_device cpu needs zero_stage 3 (parameters are only "
           "partitioned at stage 3), but zero_stage is " +
@@ -1530,18 +1544,19 @@ void validate_config(const Config& c) {
   }
   // Without optimizer files a checkpoint's weights must be whole: sharded ones live there.
   if (!c.checkpoint.save_optimizer && (c.checkpoint.every_steps > 0 || c.checkpoint.at_end)) {
-    if (dt == "DEEPSPEED" && c.deepspeed.zero_stage == 3 && !c.deepspeed.zero3_save_16bit_model)
+    if (dt == DistributedType::DeepSpeed && c.deepspeed.zero_stage == 3 &&
+        !c.deepspeed.zero3_save_16bit_model)
       err("checkpoint.save_optimizer",
           "checkpoint.save_optimizer is false, but ZeRO-3 keeps the weights only in the optimizer "
           "shards: set deepspeed_config.zero3_save_16bit_model: true (16-bit weights in "
           "model.safetensors) or checkpoint.save_optimizer: true");
-    if (dt == "FSDP" && c.fsdp.fsdp_state_dict_type == "SHARDED_STATE_DICT")
+    if (dt == DistributedType::Fsdp && c.fsdp.fsdp_state_dict_type == FsdpStateDictType::Sharded)
       err("checkpoint.save_optimizer",
           "checkpoint.save_optimizer is false, but fsdp_state_dict_type SHARDED_STATE_DICT keeps "
           "the weights only in the optimizer shards: set fsdp_config.fsdp_state_dict_type: "
           "FULL_STATE_DICT or checkpoint.save_optimizer: true");
   }
-  if (c.use_cpu && dt == "MULTI_GPU")
+  if (c.use_cpu && dt == DistributedType::MultiGpu)
     err("use_cpu", "use_cpu is true but distributed_type is MULTI_GPU (" +
                        origin(c, "distributed_type") + "): use MULTI_CPU for CPU processes");
   if (!c.use_cpu && c.gpu_ids != "all") {
@@ -1572,21 +1587,40 @@ void validate_config(const Config& c) {
                                 " exceeds model.max_position_embeddings " +
                                 std::to_string(m.max_position_embeddings));
 
-  if (c.fp8.fp8_format == "E5M2")
+  if (c.fp8.fp8_format == Fp8Format::E5M2)
     err("fp8_config.fp8_format",
         "fp8_config.fp8_format E5M2 is rejected for training: e5m2 has only 2 mantissa bits, too "
         "coarse for weights and activations; use HYBRID (e4m3 forward, e5m2 gradients) or E4M3");
-  if (c.mixed_precision == "fp8" && c.fp8.backend != "TE" && c.fp8.backend != "AO")
-    err("fp8_config.backend", "fp8_config.backend " + c.fp8.backend +
+  if (c.mixed_precision == MixedPrecision::Fp8 && c.fp8.backend == Fp8Backend::AO &&
+      c.fp8.use_mxfp8_block_scaling)
+    err("fp8_config.use_mxfp8_block_scaling",
+        "fp8_config.use_mxfp8_block_scaling is a TE option (MXFP8BlockScaling): with backend AO "
+        "set it to false, or use backend TE");
+  if (c.mixed_precision == MixedPrecision::Fp8 && dt == DistributedType::Fsdp &&
+      c.fp8.enable_fsdp_float8_all_gather && c.fp8.backend != Fp8Backend::AO)
+    err("fp8_config.enable_fsdp_float8_all_gather",
+        std::string(
+            "fp8_config.enable_fsdp_float8_all_gather needs fp8_config.backend: AO. The fp8 "
+            "all-gather casts every weight shard with a scale from the weight's current global "
+            "amax (torchao's dynamic tensorwise scaling, one amax all-reduce after each optimizer "
+            "step); backend ") +
+            name_of(c.fp8.backend) + " scales weights " +
+            (c.fp8.use_mxfp8_block_scaling ? "per 32-element block (MXFP8)"
+                                           : "from an amax history (delayed scaling)") +
+            ", which a gathered e4m3 weight cannot follow. Set fp8_config.backend: AO, or "
+            "enable_fsdp_float8_all_gather: false (the weights are then gathered in bf16 and "
+            "cast to fp8 by each layer)");
+  if (c.mixed_precision == MixedPrecision::Fp8 && c.fp8.backend == Fp8Backend::MSAMP)
+    err("fp8_config.backend", std::string("fp8_config.backend ") + name_of(c.fp8.backend) +
                                   " is not supported with mixed_precision fp8: use TE "
                                   "(delayed scaling) or AO (dynamic scaling)");
 
-  if (c.distributed.backend == "nccl" && c.training.device == "cpu")
+  if (c.distributed.backend == CommBackend::Nccl && c.training.device == DeviceChoice::Cpu)
     err("distributed.backend",
         "distributed.backend nccl needs GPU tensors but training.device "
         "is cpu (" +
             origin(c, "training.device") + "): use backend cpu or auto");
-  if (c.data.source == "shards" && c.data.train_path.empty())
+  if (c.data.source == DataSource::Shards && c.data.train_path.empty())
     err("data.source",
         "data.source is shards but data.train_path is empty: give the training "
         "shard path (made by accel-data)");
@@ -1675,9 +1709,9 @@ std::string config_to_yaml(const Config& c) {
     o << name << ":\n";
     emit_keys(name, "  ");
   };
-  if (c.distributed_type == "FSDP") section("fsdp_config");
-  if (c.distributed_type == "DEEPSPEED") section("deepspeed_config");
-  if (c.mixed_precision == "fp8" || c.fp8.present) section("fp8_config");
+  if (c.distributed_type == DistributedType::Fsdp) section("fsdp_config");
+  if (c.distributed_type == DistributedType::DeepSpeed) section("deepspeed_config");
+  if (c.mixed_precision == MixedPrecision::Fp8 || c.fp8.present) section("fp8_config");
   for (const char* s :
        {"model", "training", "optimizer", "data", "checkpoint", "logging", "distributed"})
     section(s);

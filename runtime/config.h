@@ -10,6 +10,7 @@
 // Config::notices. docs/config.md documents every key.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
@@ -22,6 +23,54 @@ class ConfigError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// Enum-valued keys are parsed once into these; the YAML spelling of each enumerator is
+// EnumNames<E>::names[E] (name_of), the only place that spells it.
+enum class MixedPrecision { No, Fp16, Bf16, Fp8 };
+enum class DistributedType { No, MultiCpu, MultiGpu, Fsdp, DeepSpeed };
+enum class DeviceChoice { Auto, Cpu, Cuda };  // training.device
+enum class NanPolicy { Stop, Skip };
+enum class ProgressMode { Auto, Bar, Plain, None };
+enum class OptimizerName { AdamW, Sgd };
+enum class LrScheduleKind { Constant, Linear, Cosine };
+enum class DataSource { Text, Shards, Synthetic };
+enum class CommBackend { Auto, Nccl, Cpu };  // distributed.backend
+enum class FsdpWrapPolicy { TransformerBased, SizeBased, NoWrap };
+enum class FsdpStateDictType { Sharded, Full };
+enum class OffloadDevice { None, Cpu, Nvme };
+enum class Fp8Backend { TE, AO, MSAMP };
+enum class Fp8Format { Hybrid, E4M3, E5M2 };
+enum class AmaxComputeAlgo { Max, MostRecent };
+
+template <class E>
+struct EnumNames;
+#define ACCEL_ENUM_NAMES(E, ...)                          \
+  template <>                                             \
+  struct EnumNames<E> {                                   \
+    static constexpr const char* names[] = {__VA_ARGS__}; \
+  }
+ACCEL_ENUM_NAMES(MixedPrecision, "no", "fp16", "bf16", "fp8");
+ACCEL_ENUM_NAMES(DistributedType, "NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED");
+ACCEL_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda");
+ACCEL_ENUM_NAMES(NanPolicy, "stop", "skip");
+ACCEL_ENUM_NAMES(ProgressMode, "auto", "bar", "plain", "none");
+ACCEL_ENUM_NAMES(OptimizerName, "adamw", "sgd");
+ACCEL_ENUM_NAMES(LrScheduleKind, "constant", "linear", "cosine");
+ACCEL_ENUM_NAMES(DataSource, "text", "shards", "synthetic");
+ACCEL_ENUM_NAMES(CommBackend, "auto", "nccl", "cpu");
+ACCEL_ENUM_NAMES(FsdpWrapPolicy, "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP");
+ACCEL_ENUM_NAMES(FsdpStateDictType, "SHARDED_STATE_DICT", "FULL_STATE_DICT");
+ACCEL_ENUM_NAMES(OffloadDevice, "none", "cpu", "nvme");
+ACCEL_ENUM_NAMES(Fp8Backend, "TE", "AO", "MSAMP");
+ACCEL_ENUM_NAMES(Fp8Format, "HYBRID", "E4M3", "E5M2");
+ACCEL_ENUM_NAMES(AmaxComputeAlgo, "max", "most_recent");
+#undef ACCEL_ENUM_NAMES
+
+// The config spelling of `e` ("bf16", "FSDP", ...), for messages and config.yaml.
+template <class E>
+const char* name_of(E e) {
+  return EnumNames<E>::names[static_cast<size_t>(e)];
+}
 
 // Hugging Face LlamaConfig names.
 struct ModelConfig {
@@ -40,27 +89,27 @@ struct TrainingConfig {
   int64_t max_steps = 100, micro_batch_size = 8, seq_len = 128, eval_every = 0 /* 0 = off */,
           eval_batches = 4, log_every = 1, sample_tokens = 0;
   std::string sample_prompt;
-  std::string device = "auto";  // auto | cpu | cuda
+  DeviceChoice device = DeviceChoice::Auto;
   bool allow_tf32 = false;
   bool activation_checkpointing = false;
-  std::string nan_policy = "stop";  // stop | skip
-  double loss_scale_init = 65536;   // fp16 dynamic loss scaling
+  NanPolicy nan_policy = NanPolicy::Stop;
+  double loss_scale_init = 65536;  // fp16 dynamic loss scaling
   int64_t loss_scale_window = 1000;
   std::string output_dir = "out";
-  std::string progress = "auto";  // auto | bar | plain | none
+  ProgressMode progress = ProgressMode::Auto;
 };
 
 struct OptimizerConfig {
-  std::string name = "adamw";  // adamw | sgd
+  OptimizerName name = OptimizerName::AdamW;
   double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, momentum = 0.9,
          grad_clip = 1.0 /* 0 = off */;
-  std::string lr_schedule = "cosine";  // constant | linear | cosine
+  LrScheduleKind lr_schedule = LrScheduleKind::Cosine;
   int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
 };
 
 struct DataConfig {
-  std::string source = "text";  // text | shards | synthetic
+  DataSource source = DataSource::Text;
   std::vector<std::string> text_files;
   std::string train_path, eval_path;
   std::string tokenizer = "byte";  // "byte" or a path to a tokenizer.json
@@ -81,7 +130,7 @@ struct LoggingConfig {
 
 // Our `distributed:` section.
 struct DistributedConfig {
-  std::string backend = "auto";  // auto | nccl | cpu
+  CommBackend backend = CommBackend::Auto;
   double timeout_s = 300;
   double ddp_bucket_cap_mb = 25;
   bool find_unused_parameters = false;
@@ -92,9 +141,9 @@ struct FsdpConfig {
   int fsdp_version = 2;
   bool fsdp_reshard_after_forward = true, fsdp_offload_params = false,
        fsdp_activation_checkpointing = false, fsdp_cpu_ram_efficient_loading = false;
-  std::string fsdp_auto_wrap_policy = "TRANSFORMER_BASED_WRAP";  // | SIZE_BASED_WRAP | NO_WRAP
+  FsdpWrapPolicy fsdp_auto_wrap_policy = FsdpWrapPolicy::TransformerBased;
   std::string fsdp_transformer_layer_cls_to_wrap = "LlamaDecoderLayer";
-  std::string fsdp_state_dict_type = "SHARDED_STATE_DICT";  // | FULL_STATE_DICT
+  FsdpStateDictType fsdp_state_dict_type = FsdpStateDictType::Sharded;
   int64_t fsdp_min_num_params = 100000000;
   bool present = false;  // any fsdp_config key was given
 };
@@ -103,8 +152,8 @@ struct FsdpConfig {
 // optimizer.grad_clip and the top-level gradient_accumulation_steps (the loader keeps them equal).
 struct DeepSpeedConfig {
   int zero_stage = 2;
-  std::string offload_optimizer_device = "none";  // none | cpu
-  std::string offload_param_device = "none";      // none | cpu (ZeRO-3 only)
+  OffloadDevice offload_optimizer_device = OffloadDevice::None;
+  OffloadDevice offload_param_device = OffloadDevice::None;  // ZeRO-3 only
   double gradient_clipping = 1.0;
   int64_t gradient_accumulation_steps = 1;
   bool zero3_save_16bit_model = false;
@@ -114,9 +163,9 @@ struct DeepSpeedConfig {
 
 // Accelerate's fp8_config (TransformerEngine-style delayed scaling, torchao-style dynamic).
 struct Fp8Config {
-  std::string backend = "TE";                     // TE | AO
-  std::string fp8_format = "HYBRID";              // HYBRID | E4M3
-  std::string amax_compute_algo = "most_recent";  // max | most_recent
+  Fp8Backend backend = Fp8Backend::TE;
+  Fp8Format fp8_format = Fp8Format::Hybrid;
+  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::MostRecent;
   int64_t amax_history_len = 1024, margin = 0, interval = 1;
   // YAML: override_linear_precision: [fprop, dgrad, wgrad]; true runs that GEMM in bf16.
   bool override_linear_precision_fprop = false, override_linear_precision_dgrad = false,
@@ -130,8 +179,8 @@ struct Fp8Config {
 struct Config {
   // Accelerate's top-level keys.
   std::string compute_environment = "LOCAL_MACHINE";
-  std::string distributed_type = "NO";  // NO | MULTI_CPU | MULTI_GPU | FSDP | DEEPSPEED
-  std::string mixed_precision = "no";   // no | fp16 | bf16 | fp8
+  DistributedType distributed_type = DistributedType::No;
+  MixedPrecision mixed_precision = MixedPrecision::No;
   int64_t num_processes = 1, num_machines = 1, machine_rank = 0, gradient_accumulation_steps = 1;
   std::string main_process_ip = "127.0.0.1";
   int main_process_port = 29500;

@@ -362,13 +362,13 @@ std::vector<std::string> expand_data_paths(const std::vector<std::string>& paths
 DataSources make_data_sources(const DataOptions& o) {
   check_options(o);
   DataSources out;
-  if (o.source == "synthetic") {
+  if (o.source == DataSource::Synthetic) {
     out.train = std::make_unique<SyntheticSource>(o);
     return out;
   }
   std::vector<std::string> files;
   std::string what;
-  if (o.source == "shards") {
+  if (o.source == DataSource::Shards) {
     if (o.files.empty()) {
       throw std::runtime_error(
           "data.files is empty: list token shards (made by accel-data), or "
@@ -376,16 +376,13 @@ DataSources make_data_sources(const DataOptions& o) {
     }
     files = expand_data_paths(o.files, "data.files", kShardExtension);
     what = "data.files";
-  } else if (o.source == "text") {
+  } else {  // text
     if (o.text_files.empty()) throw std::runtime_error("data.source text needs data.text_files");
     if (o.cache_dir.empty()) {
       throw std::invalid_argument("data.source text needs a cache folder for the tokenized text");
     }
     files = ensure_text_corpus_shards(o.text_files, o.tokenizer, o.cache_dir).shards;
     what = "data.text_files";
-  } else {
-    throw std::invalid_argument("data.source '" + o.source +
-                                "' is not one of: shards, text, synthetic");
   }
 
   auto index =

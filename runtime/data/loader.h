@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/config.h"  // DataSource
 #include "runtime/tensor.h"
 
 namespace accel {
@@ -56,7 +57,7 @@ class BatchSource {
 
 // What the trainer fills in from the `data:` config section.
 struct DataOptions {
-  std::string source = "shards";  // "shards" | "text" | "synthetic"
+  DataSource source = DataSource::Shards;
   // shards: shard files, folders (every *.tok inside) or glob patterns, in this order.
   std::vector<std::string> files;
   // Held-out data: separate shard files (as `files`); when empty and eval_fraction > 0, the last

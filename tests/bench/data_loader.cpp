@@ -58,7 +58,7 @@ void report(benchmark::State& state, int64_t tokens_per_iter) {
 // Shuffled samples from memory-mapped uint32 shards (the page cache is warm after the first pass).
 void BM_ShardLoader(benchmark::State& state) {
   DataOptions o = llama1b_options();
-  o.source = "shards";
+  o.source = DataSource::Shards;
   o.files = shard_files();
   o.world_size = static_cast<int>(state.range(0));
   auto src = make_data_sources(o).train;
@@ -81,7 +81,7 @@ BENCHMARK(BM_ShardOpenAndValidate)->Unit(benchmark::kMillisecond);
 
 void BM_SyntheticSource(benchmark::State& state) {
   DataOptions o = llama1b_options();
-  o.source = "synthetic";
+  o.source = DataSource::Synthetic;
   auto src = make_data_sources(o).train;
   for (auto _ : state) {
     Batch b = src->next();

@@ -184,7 +184,7 @@ TEST(Corpus, TextSourceTrainsFromTextFiles) {
   const std::string text = some_text(100);
   write_bytes(dir.file("t.txt"), text);
   DataOptions o;
-  o.source = "text";
+  o.source = DataSource::Text;
   o.text_files = {dir.file("t.txt")};
   o.tokenizer = "byte";
   o.cache_dir = dir.file("cache");

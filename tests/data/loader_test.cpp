@@ -36,7 +36,7 @@ struct Corpus {
 
 DataOptions options(const std::vector<std::string>& files, int64_t seq_len = 8, int64_t batch = 2) {
   DataOptions o;
-  o.source = "shards";
+  o.source = DataSource::Shards;
   o.files = files;
   o.seq_len = seq_len;
   o.micro_batch_size = batch;
@@ -316,9 +316,6 @@ TEST(Loader, BadInputErrors) {
   o.eval_fraction = 1.0;
   EXPECT_THROW(make_data_sources(o), std::invalid_argument);
   o = options(c.files);
-  o.source = "hub";
-  EXPECT_NE(error_of([&] { make_data_sources(o); }).find("'hub'"), std::string::npos);
-  o = options(c.files);
   o.eval_fraction = 0.5;  // 3 samples: 1 eval leaves 2 train, fine for one rank
   EXPECT_NO_THROW(make_data_sources(o));
   o.world_size = 2;  // but not for two (2 eval samples, 1 train)
@@ -327,7 +324,7 @@ TEST(Loader, BadInputErrors) {
 
 TEST(Synthetic, SeededInRangeAndResumable) {
   DataOptions o;
-  o.source = "synthetic";
+  o.source = DataSource::Synthetic;
   o.seq_len = 64;
   o.micro_batch_size = 3;
   o.vocab_size = 1000;

@@ -122,8 +122,8 @@ TEST(AdamWMulti, RejectsMismatchedLists) {
 
 // The Optimizer with compute copies against today's path: an Optimizer without them followed by a
 // copy_ of every param; the param without a grad and its copy are left alone.
-void optimizer_matches_step_then_copy(const std::string& name) {
-  SCOPED_TRACE(name);
+void optimizer_matches_step_then_copy(OptimizerName name) {
+  SCOPED_TRACE(name_of(name));
   std::mt19937_64 rng(14);
   Case a = make_case(rng);
   Case b = clone_case(a);
@@ -165,10 +165,10 @@ void optimizer_matches_step_then_copy(const std::string& name) {
 }
 
 TEST(AdamWMulti, OptimizerWithCopiesEqualsStepThenCopy) {
-  optimizer_matches_step_then_copy("adamw");
+  optimizer_matches_step_then_copy(OptimizerName::AdamW);
 }
 TEST(AdamWMulti, SgdOptimizerWithCopiesEqualsStepThenCopy) {
-  optimizer_matches_step_then_copy("sgd");
+  optimizer_matches_step_then_copy(OptimizerName::Sgd);
 }
 
 TEST(AdamWMulti, OptimizerRejectsBadCopies) {

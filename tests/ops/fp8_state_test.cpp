@@ -34,9 +34,9 @@ LlamaConfig tiny(int64_t layers = 2) {
 
 Fp8Config te(int64_t history = 4) {
   Fp8Config c;
-  c.backend = "TE";
+  c.backend = Fp8Backend::TE;
   c.amax_history_len = history;
-  c.amax_compute_algo = "max";
+  c.amax_compute_algo = AmaxComputeAlgo::Max;
   c.interval = 2;
   return c;
 }
@@ -124,7 +124,7 @@ TEST(Fp8State, StateThatDoesNotFitIsRefusedSayingWhatDiffers) {
   EXPECT_NE(m.find("this run's amax_history_len is 8"), std::string::npos) << m;
 
   Fp8Config e4m3 = te(4);
-  e4m3.fp8_format = "E4M3";
+  e4m3.fp8_format = Fp8Format::E4M3;
   LlamaForCausalLM c(tiny(), DType::F32, Device::cpu(), 1);
   auto fc = apply_fp8(c, e4m3, Device::cpu());
   m = message_of([&] { fp8_load_checkpoint_state(*fc, st, "ck"); });
@@ -164,7 +164,7 @@ TEST(Fp8State, ChangedMarginAlgorithmOrIntervalIsAcceptedWithANote) {
   steps(a, *fa, 2, 10);
   Fp8Config other = te(4);
   other.margin = 1;
-  other.amax_compute_algo = "most_recent";
+  other.amax_compute_algo = AmaxComputeAlgo::MostRecent;
   LlamaForCausalLM b(tiny(), DType::F32, Device::cpu(), 1);
   auto fb = apply_fp8(b, other, Device::cpu());
   std::string note = fp8_load_checkpoint_state(*fb, fp8_checkpoint_state(*fa), "ck");
@@ -178,7 +178,7 @@ TEST(Fp8State, ChangedMarginAlgorithmOrIntervalIsAcceptedWithANote) {
 TEST(Fp8State, DynamicAndMxScalingHaveNoState) {
   LlamaForCausalLM m(tiny(), DType::F32, Device::cpu(), 1);
   Fp8Config ao;
-  ao.backend = "AO";
+  ao.backend = Fp8Backend::AO;
   auto f = apply_fp8(m, ao, Device::cpu());
   EXPECT_FALSE(fp8_has_checkpoint_state(f.get()));
   EXPECT_TRUE(fp8_checkpoint_state(*f).tensors.empty());

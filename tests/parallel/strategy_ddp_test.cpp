@@ -148,20 +148,22 @@ TEST(StrategyDdp, FindUnusedParametersReducesZeros) {
 TEST(StrategyFactory, PicksTheStrategyTheConfigNames) {
   Config cfg = default_config();
   EXPECT_EQ(make_strategy(cfg, nullptr, DType::F32)->name(), "single");
-  cfg.distributed_type = "MULTI_CPU";
+  cfg.distributed_type = DistributedType::MultiCpu;
   EXPECT_EQ(make_strategy(cfg, nullptr, DType::F32)->name(), "ddp");
-  cfg.distributed_type = "MULTI_GPU";
+  cfg.distributed_type = DistributedType::MultiGpu;
   EXPECT_EQ(make_strategy(cfg, nullptr, DType::F32)->name(), "ddp");
-  cfg.distributed_type = "DEEPSPEED";
+  cfg.distributed_type = DistributedType::DeepSpeed;
   for (int stage : {1, 2, 3}) {
     cfg.deepspeed.zero_stage = stage;
     EXPECT_EQ(make_strategy(cfg, nullptr, DType::BF16)->name(), "zero" + std::to_string(stage));
   }
+  // zero_stage and offload rules are the config loader's (one place, one message each).
+  cfg.num_processes = 2;
   cfg.deepspeed.zero_stage = 0;
-  EXPECT_THROW(make_strategy(cfg, nullptr, DType::F32), std::invalid_argument);
+  EXPECT_THROW(validate_config(cfg), ConfigError);
   cfg.deepspeed.zero_stage = 2;
-  cfg.deepspeed.offload_param_device = "cpu";
-  EXPECT_THROW(make_strategy(cfg, nullptr, DType::F32), std::invalid_argument);
+  cfg.deepspeed.offload_param_device = OffloadDevice::Cpu;
+  EXPECT_THROW(validate_config(cfg), ConfigError);
 }
 
 TEST(StrategyDdp, WorldSizeOneWithoutProcessGroupMatchesSingleProcess) {

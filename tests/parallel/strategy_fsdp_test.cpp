@@ -33,15 +33,15 @@ struct FsdpCase {
   bool reshard = true;
   bool ac = false;
   bool offload = false;
-  std::string wrap = "TRANSFORMER_BASED_WRAP";
+  FsdpWrapPolicy wrap = FsdpWrapPolicy::TransformerBased;
   int64_t min_params = 0;
-  std::string state_dict = "SHARDED_STATE_DICT";
+  FsdpStateDictType state_dict = FsdpStateDictType::Sharded;
   DType compute = DType::F32;
 };
 
 Config fsdp_config(const FsdpCase& c) {
   Config cfg;
-  cfg.distributed_type = "FSDP";
+  cfg.distributed_type = DistributedType::Fsdp;
   cfg.fsdp.fsdp_version = 2;
   cfg.fsdp.fsdp_reshard_after_forward = c.reshard;
   cfg.fsdp.fsdp_activation_checkpointing = c.ac;
@@ -80,8 +80,8 @@ std::string case_name(const ::testing::TestParamInfo<FsdpCase>& info) {
   if (!c.reshard) n += "_noreshard";
   if (c.ac) n += "_ac";
   if (c.offload) n += "_offload";
-  if (c.wrap == "SIZE_BASED_WRAP") n += "_sizewrap";
-  if (c.wrap == "NO_WRAP") n += "_nowrap";
+  if (c.wrap == FsdpWrapPolicy::SizeBased) n += "_sizewrap";
+  if (c.wrap == FsdpWrapPolicy::NoWrap) n += "_nowrap";
   return n;
 }
 
@@ -135,11 +135,11 @@ std::vector<FsdpCase> parity_cases() {
   c.offload = true;
   out.push_back(c);
   c = FsdpCase{};
-  c.wrap = "SIZE_BASED_WRAP";
+  c.wrap = FsdpWrapPolicy::SizeBased;
   c.min_params = 1000;
   out.push_back(c);
   c = FsdpCase{};
-  c.wrap = "NO_WRAP";
+  c.wrap = FsdpWrapPolicy::NoWrap;
   out.push_back(c);
   return out;
 }
@@ -156,11 +156,11 @@ TEST(FsdpUnits, WrapPolicies) {
   LlamaForCausalLM model(tiny_llama(3), DType::F32, Device::cpu(), 1);
   FsdpOptions o;
   EXPECT_EQ(unit_types(model, o), std::vector<std::string>(3, "LlamaDecoderLayer"));
-  o.auto_wrap_policy = "NO_WRAP";
+  o.auto_wrap_policy = FsdpWrapPolicy::NoWrap;
   EXPECT_TRUE(fsdp_units(model, o).empty());
   // A decoder layer of the tiny model: attention 32*32 + 2*32*16 + 32*32 = 3072, MLP 3*32*64 =
   // 6144, two norms 64: 9280 parameters.
-  o.auto_wrap_policy = "SIZE_BASED_WRAP";
+  o.auto_wrap_policy = FsdpWrapPolicy::SizeBased;
   o.min_num_params = 5000;  // the MLPs qualify, attentions do not; layers have a unit below
   EXPECT_EQ(unit_types(model, o), std::vector<std::string>(3, "LlamaMLP"));
   o.min_num_params = 3000;  // attention and MLP of every layer, in forward order
@@ -172,24 +172,18 @@ TEST(FsdpUnits, WrapPolicies) {
   EXPECT_EQ(unit_types(model, o), want);
   o.min_num_params = int64_t(1) << 40;  // nothing reaches it: the root only
   EXPECT_TRUE(fsdp_units(model, o).empty());
-  o.auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
+  o.auto_wrap_policy = FsdpWrapPolicy::TransformerBased;
   o.layer_cls_to_wrap = {"NoSuchLayer"};
   EXPECT_THROW(fsdp_units(model, o), std::invalid_argument);
 }
 
-TEST(FsdpConfig, BadKeysAreNamed) {
+TEST(FsdpConfig, BadKeysAreNamedByTheConfigLoader) {
+  // The config loader is the one place that checks fsdp_config (tests/runtime/config_test.cpp
+  // has the messages); make_strategy takes what it validated.
+  EXPECT_THROW(load_config("", {"distributed_type=FSDP", "num_processes=2",
+                                "fsdp_config.fsdp_state_dict_type=LOCAL_STATE_DICT"}),
+               ConfigError);
   Config cfg = fsdp_config(FsdpCase{});
-  cfg.fsdp.fsdp_version = 1;
-  try {
-    make_strategy(cfg, nullptr, DType::F32);
-    FAIL() << "fsdp_version 1 accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("fsdp_version"), std::string::npos) << e.what();
-  }
-  cfg = fsdp_config(FsdpCase{});
-  cfg.fsdp.fsdp_state_dict_type = "LOCAL_STATE_DICT";
-  EXPECT_THROW(make_strategy(cfg, nullptr, DType::F32), std::invalid_argument);
-  cfg = fsdp_config(FsdpCase{});
   EXPECT_EQ(make_strategy(cfg, nullptr, DType::F32)->name(), "fsdp");
 }
 
@@ -321,7 +315,7 @@ void checkpoint_case(const std::string& type, int world) {
     s.world = world;
     FsdpCase c;
     c.world = world;
-    c.state_dict = type;
+    c.state_dict = type == "FULL_STATE_DICT" ? FsdpStateDictType::Full : FsdpStateDictType::Sharded;
     Trainee t = make_fsdp_trainee(s, c, w.pg, s.seed);
     std::vector<double> losses;
     Weights at5;
@@ -476,8 +470,8 @@ TEST(FsdpFp8AllGather, BitIdenticalToGatherThenCastWithHalfTheBytes) {
 
 Config fp8_fsdp_config(const FsdpCase& c, bool all_gather) {
   Config cfg = fsdp_config(c);
-  cfg.mixed_precision = "fp8";
-  cfg.fp8.backend = "AO";
+  cfg.mixed_precision = MixedPrecision::Fp8;
+  cfg.fp8.backend = Fp8Backend::AO;
   cfg.fp8.enable_fsdp_float8_all_gather = all_gather;
   return cfg;
 }
@@ -499,12 +493,11 @@ Fp8Trainee make_fp8_trainee(const FsdpCase& c, bool fsdp, bool all_gather,
   f.fp8 = apply_fp8(*f.t.model, cfg.fp8, Device::cpu());
   f.t.strategy =
       fsdp ? make_strategy(cfg, pg, DType::BF16) : std::make_unique<ReferenceStrategy>(DType::BF16);
-  if (auto* s = dynamic_cast<FsdpStrategy*>(f.t.strategy.get());
-      s && s->fsdp_options().fp8_all_gather) {
-    std::vector<std::pair<std::string, Fp8LinearContext*>> layers;
+  if (fsdp && all_gather) {  // as the trainer's precision part does (Precision::attach)
+    Fp8WeightGathering::Fp8Layers layers;
     for (const Fp8LayerChoice& l : f.fp8->layers())
       if (l.fp8) layers.push_back({l.name, f.fp8->layer_context(l.name)});
-    s->set_fp8_layers(layers);
+    dynamic_cast<Fp8WeightGathering&>(*f.t.strategy).gather_fp8_weights(layers);
   }
   f.t.strategy->setup(*f.t.model, test_optimizer());
   return f;
@@ -699,24 +692,29 @@ TEST(FsdpFp8AllGather, TrainingWorld3NoReshardCheckpointingOffload) {
 
 TEST(FsdpFp8AllGather, ConfigNeedsDynamicScaling) {
   Config cfg = fp8_fsdp_config(FsdpCase{}, true);
-  EXPECT_TRUE(FsdpOptions::from_config(cfg, DType::BF16).fp8_all_gather);
-  cfg.fp8.backend = "TE";  // delayed scaling: refused, naming the key and the fix
+  EXPECT_NO_THROW(validate_config(cfg));
+  cfg.fp8.backend = Fp8Backend::TE;  // delayed scaling: refused, naming the key and the fix
   try {
-    FsdpOptions::from_config(cfg, DType::BF16);
+    validate_config(cfg);
     FAIL() << "enable_fsdp_float8_all_gather accepted with backend TE";
-  } catch (const std::invalid_argument& e) {
+  } catch (const ConfigError& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("enable_fsdp_float8_all_gather"), std::string::npos) << m;
     EXPECT_NE(m.find("backend: AO"), std::string::npos) << m;
   }
-  cfg.fp8.backend = "AO";
-  cfg.mixed_precision = "bf16";  // fp8_config inert without fp8 (the loader prints a notice)
-  EXPECT_FALSE(FsdpOptions::from_config(cfg, DType::BF16).fp8_all_gather);
-  // Enabled but the layers never handed over: setup refuses instead of gathering bf16.
+  cfg.mixed_precision = MixedPrecision::Bf16;  // fp8_config inert without fp8 (a notice)
+  EXPECT_NO_THROW(validate_config(cfg));
+  // Layers of another recipe handed to the fp8 all-gather are refused before setup.
   cfg = fp8_fsdp_config(FsdpCase{}, true);
-  auto s = make_strategy(cfg, nullptr, DType::BF16);
+  cfg.fp8.backend = Fp8Backend::TE;
   LlamaForCausalLM model(tiny_llama(1), DType::F32, Device::cpu(), 1);
-  EXPECT_THROW(s->setup(model, test_optimizer()), std::logic_error);
+  auto fp8 = apply_fp8(model, cfg.fp8, Device::cpu());
+  Fp8WeightGathering::Fp8Layers layers;
+  for (const Fp8LayerChoice& l : fp8->layers())
+    if (l.fp8) layers.push_back({l.name, fp8->layer_context(l.name)});
+  auto s = make_strategy(cfg, nullptr, DType::BF16);
+  EXPECT_THROW(dynamic_cast<Fp8WeightGathering&>(*s).gather_fp8_weights(layers),
+               std::invalid_argument);
 }
 
 // ---- fsdp_cpu_ram_efficient_loading -------------------------------------------------------------

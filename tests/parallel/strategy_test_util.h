@@ -131,7 +131,7 @@ struct RunSpec {
   bool save_16bit = false;
   bool activation_checkpointing = false;
   bool tied_embeddings = false;
-  std::string optimizer = "adamw";
+  OptimizerName optimizer = OptimizerName::AdamW;
   double lr = 1e-3, clip = 1.0;  // see test_optimizer() on the tolerance
   uint64_t seed = 7;
 };
@@ -152,7 +152,7 @@ inline std::unique_ptr<Strategy> make_test_strategy(const RunSpec& s,
   return std::make_unique<ZeroStrategy>(pg, o);
 }
 
-inline OptimizerOptions test_optimizer(const std::string& name = "adamw") {
+inline OptimizerOptions test_optimizer(OptimizerName name = OptimizerName::AdamW) {
   OptimizerOptions o;
   o.name = name;
   o.beta1 = 0.9;

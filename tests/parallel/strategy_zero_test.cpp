@@ -203,7 +203,7 @@ TEST(StrategyZero, TiedEmbeddingsAndSgdMatchSingleProcess) {
   tied.tied_embeddings = true;
   tied.steps = 5;
   RunSpec sgd;
-  sgd.optimizer = "sgd";
+  sgd.optimizer = OptimizerName::Sgd;
   sgd.lr = 0.05;
   sgd.steps = 5;
   const RunResult ref_tied = run_training(tied, nullptr, 0, tied.seed);

@@ -289,15 +289,15 @@ TEST(Modules, ParameterNamesFollowHuggingFace) {
 }
 
 TEST(Schedules, WarmupThenDecay) {
-  LRSchedule s{"cosine", 1.0, 10, 110, 0.1};
+  LRSchedule s{LrScheduleKind::Cosine, 1.0, 10, 110, 0.1};
   EXPECT_DOUBLE_EQ(s.at(0), 0.1);
   EXPECT_DOUBLE_EQ(s.at(9), 1.0);
   EXPECT_DOUBLE_EQ(s.at(10), 1.0);
   EXPECT_NEAR(s.at(60), 0.55, 1e-12);  // halfway down the cosine
   EXPECT_NEAR(s.at(110), 0.1, 1e-12);
-  LRSchedule lin{"linear", 2.0, 0, 100, 0.0};
+  LRSchedule lin{LrScheduleKind::Linear, 2.0, 0, 100, 0.0};
   EXPECT_DOUBLE_EQ(lin.at(50), 1.0);
-  LRSchedule c{"constant", 0.5, 5, 100, 0.1};
+  LRSchedule c{LrScheduleKind::Constant, 0.5, 5, 100, 0.1};
   EXPECT_DOUBLE_EQ(c.at(99), 0.5);
   EXPECT_DOUBLE_EQ(clip_coefficient(10.0, 1.0), 1.0 / (10.0 + 1e-6));
   EXPECT_DOUBLE_EQ(clip_coefficient(0.5, 1.0), 1.0);

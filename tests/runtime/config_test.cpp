@@ -64,23 +64,23 @@ std::string notices_text(const Config& c) {
 
 TEST_F(ConfigTest, Defaults) {
   Config c = default_config();
-  EXPECT_EQ(c.distributed_type, "NO");
-  EXPECT_EQ(c.mixed_precision, "no");
+  EXPECT_EQ(c.distributed_type, DistributedType::No);
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::No);
   EXPECT_EQ(c.num_processes, 1);
   EXPECT_EQ(c.main_process_port, 29500);
   EXPECT_EQ(c.model.hidden_size, 256);
   EXPECT_EQ(c.model.intermediate_size, 688);
   EXPECT_DOUBLE_EQ(c.model.rms_norm_eps, 1e-5);
   EXPECT_EQ(c.training.max_steps, 100);
-  EXPECT_EQ(c.training.device, "auto");
+  EXPECT_EQ(c.training.device, DeviceChoice::Auto);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
-  EXPECT_EQ(c.optimizer.lr_schedule, "cosine");
+  EXPECT_EQ(c.optimizer.lr_schedule, LrScheduleKind::Cosine);
   EXPECT_EQ(c.data.tokenizer, "byte");
   EXPECT_EQ(c.checkpoint.keep_last, 3);
   EXPECT_EQ(c.logging.metrics_file, "metrics.jsonl");
   EXPECT_EQ(c.fsdp.fsdp_version, 2);
   EXPECT_EQ(c.deepspeed.zero_stage, 2);
-  EXPECT_EQ(c.fp8.backend, "TE");
+  EXPECT_EQ(c.fp8.backend, Fp8Backend::TE);
   EXPECT_EQ(c.fp8.amax_history_len, 1024);
   EXPECT_NO_THROW(validate_config(c));
 
@@ -93,7 +93,7 @@ TEST_F(ConfigTest, Defaults) {
 TEST_F(ConfigTest, EverySectionParsed) {
   Config c = load_config(kData + "full.yaml", {}, {});
   EXPECT_EQ(c.source_path, kData + "full.yaml");
-  EXPECT_EQ(c.distributed_type, "MULTI_CPU");
+  EXPECT_EQ(c.distributed_type, DistributedType::MultiCpu);
   EXPECT_EQ(c.num_processes, 3);
   EXPECT_EQ(c.gradient_accumulation_steps, 2);
   EXPECT_EQ(c.main_process_ip, "192.168.1.5");
@@ -122,16 +122,16 @@ TEST_F(ConfigTest, EverySectionParsed) {
   EXPECT_EQ(t.log_every, 2);
   EXPECT_EQ(t.sample_tokens, 16);
   EXPECT_EQ(t.sample_prompt, "Once upon a time: \"quoted\"");
-  EXPECT_EQ(t.device, "cpu");
+  EXPECT_EQ(t.device, DeviceChoice::Cpu);
   EXPECT_TRUE(t.allow_tf32);
   EXPECT_TRUE(t.activation_checkpointing);
-  EXPECT_EQ(t.nan_policy, "skip");
+  EXPECT_EQ(t.nan_policy, NanPolicy::Skip);
   EXPECT_DOUBLE_EQ(t.loss_scale_init, 1024);
   EXPECT_EQ(t.loss_scale_window, 100);
   EXPECT_EQ(t.output_dir, "runs/full");
-  EXPECT_EQ(t.progress, "plain");
+  EXPECT_EQ(t.progress, ProgressMode::Plain);
   const auto& o = c.optimizer;
-  EXPECT_EQ(o.name, "sgd");
+  EXPECT_EQ(o.name, OptimizerName::Sgd);
   EXPECT_DOUBLE_EQ(o.lr, 0.05);
   EXPECT_DOUBLE_EQ(o.beta1, 0.8);
   EXPECT_DOUBLE_EQ(o.beta2, 0.99);
@@ -139,10 +139,10 @@ TEST_F(ConfigTest, EverySectionParsed) {
   EXPECT_DOUBLE_EQ(o.weight_decay, 0.0);
   EXPECT_DOUBLE_EQ(o.momentum, 0.5);
   EXPECT_DOUBLE_EQ(o.grad_clip, 0.0);
-  EXPECT_EQ(o.lr_schedule, "linear");
+  EXPECT_EQ(o.lr_schedule, LrScheduleKind::Linear);
   EXPECT_EQ(o.warmup_steps, 3);
   EXPECT_DOUBLE_EQ(o.min_lr_ratio, 0.0);
-  EXPECT_EQ(c.data.source, "text");
+  EXPECT_EQ(c.data.source, DataSource::Text);
   EXPECT_EQ(c.data.text_files, (std::vector<std::string>{"a.txt", "b c.txt"}));
   EXPECT_EQ(c.data.tokenizer, "tok/tokenizer.json");
   EXPECT_DOUBLE_EQ(c.data.eval_fraction, 0.1);
@@ -152,7 +152,7 @@ TEST_F(ConfigTest, EverySectionParsed) {
   EXPECT_FALSE(c.checkpoint.save_optimizer);
   EXPECT_FALSE(c.checkpoint.at_end);
   EXPECT_EQ(c.logging.metrics_file, "m.jsonl");
-  EXPECT_EQ(c.distributed.backend, "cpu");
+  EXPECT_EQ(c.distributed.backend, CommBackend::Cpu);
   EXPECT_DOUBLE_EQ(c.distributed.timeout_s, 30.5);
   EXPECT_DOUBLE_EQ(c.distributed.ddp_bucket_cap_mb, 1);
   EXPECT_TRUE(c.distributed.find_unused_parameters);
@@ -162,12 +162,12 @@ TEST_F(ConfigTest, EverySectionParsed) {
 
 TEST_F(ConfigTest, Extends) {
   Config c = load_config(kData + "child.yaml", {}, {});
-  EXPECT_EQ(c.mixed_precision, "bf16");     // from base
-  EXPECT_EQ(c.model.hidden_size, 128);      // from base
-  EXPECT_EQ(c.model.num_hidden_layers, 3);  // child overrides base
-  EXPECT_EQ(c.training.max_steps, 75);      // child overrides base
-  EXPECT_EQ(c.training.seq_len, 64);        // from base
-  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);   // from base
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::Bf16);  // from base
+  EXPECT_EQ(c.model.hidden_size, 128);                 // from base
+  EXPECT_EQ(c.model.num_hidden_layers, 3);             // child overrides base
+  EXPECT_EQ(c.training.max_steps, 75);                 // child overrides base
+  EXPECT_EQ(c.training.seq_len, 64);                   // from base
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);              // from base
   EXPECT_EQ(c.origins.at("model.hidden_size").rfind(kData + "base.yaml:", 0), 0u);
 
   // Relative to the including file, recursively.
@@ -198,7 +198,7 @@ TEST_F(ConfigTest, EnvironmentAndSetPrecedence) {
                                             {"PATH", "/usr/bin"}};
   Config e = load_config(f, {}, env);
   EXPECT_EQ(e.training.max_steps, 80);
-  EXPECT_EQ(e.mixed_precision, "fp16");
+  EXPECT_EQ(e.mixed_precision, MixedPrecision::Fp16);
   EXPECT_EQ(e.data.text_files, (std::vector<std::string>{"x.txt", "y.txt"}));
   EXPECT_EQ(e.origins.at("training.max_steps"), "environment variable ACCEL_TRAINING__MAX_STEPS");
 
@@ -207,7 +207,7 @@ TEST_F(ConfigTest, EnvironmentAndSetPrecedence) {
                           "fp8_config.exclude_modules=lm_head,layers.0"},
                          env);
   EXPECT_EQ(s.training.max_steps, 90);
-  EXPECT_EQ(s.mixed_precision, "fp16");  // env still applies where --set is silent
+  EXPECT_EQ(s.mixed_precision, MixedPrecision::Fp16);  // env still applies where --set is silent
   EXPECT_EQ(s.data.text_files, (std::vector<std::string>{"p.txt", "q.txt"}));
   EXPECT_EQ(s.fp8.exclude_modules, (std::vector<std::string>{"lm_head", "layers.0"}));
   EXPECT_EQ(s.origins.at("training.max_steps"), "--set training.max_steps=90");
@@ -221,7 +221,7 @@ TEST_F(ConfigTest, EnvironmentAndSetPrecedence) {
                            {"ACCEL_NUM_PROCESSES", "4"},
                            {"ACCEL_DISTRIBUTED_TYPE", "FSDP"}});
   EXPECT_TRUE(fs.fsdp.fsdp_offload_params);
-  EXPECT_EQ(fs.fsdp.fsdp_state_dict_type, "FULL_STATE_DICT");
+  EXPECT_EQ(fs.fsdp.fsdp_state_dict_type, FsdpStateDictType::Full);
   EXPECT_EQ(fs.num_processes, 4);
 
   expect_error(
@@ -316,8 +316,8 @@ TEST_F(ConfigTest, WrongTypesNameFileKeyExpectedAndValue) {
                         "data:\n  shuffle: no\nmixed_precision: BF16\n");
   Config c = load_config(p, {}, {});
   EXPECT_EQ(c.fsdp.fsdp_min_num_params, 100000000);
-  EXPECT_EQ(c.distributed_type, "FSDP");
-  EXPECT_EQ(c.mixed_precision, "bf16");
+  EXPECT_EQ(c.distributed_type, DistributedType::Fsdp);
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::Bf16);
   EXPECT_FALSE(c.data.shuffle);
 }
 
@@ -352,6 +352,11 @@ TEST_F(ConfigTest, ImpossibleCombinationsFail) {
       {"mixed_precision: fp8\nfp8_config:\n  backend: MSAMP\n",
        {"fp8_config.backend MSAMP is not supported with mixed_precision fp8", "TE", "AO"}},
       {"mixed_precision: fp8\nfp8_config:\n  backend: MS-AMP\n", {"MSAMP is not supported"}},
+      {"mixed_precision: fp8\nfp8_config:\n  backend: AO\n  use_mxfp8_block_scaling: true\n",
+       {"fp8_config.use_mxfp8_block_scaling is a TE option", "backend TE"}},
+      {"distributed_type: FSDP\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n"
+       "  backend: TE\n  enable_fsdp_float8_all_gather: true\n",
+       {"fp8_config.enable_fsdp_float8_all_gather needs fp8_config.backend: AO"}},
       {"mixed_precision: fp8\nfp8_config:\n  backend: XYZ\n",
        {"fp8_config.backend: expected one of TE, AO, MSAMP"}},
       {"num_processes: 0\n", {"num_processes: expected an integer >= 1"}},
@@ -416,13 +421,13 @@ TEST_F(ConfigTest, Fp8HistoryKeysBothSpellings) {
                         "  amax_compute_algorithm: max\n");
   Config a = load_config(p, {}, {});
   EXPECT_EQ(a.fp8.amax_history_len, 16);
-  EXPECT_EQ(a.fp8.amax_compute_algo, "max");
+  EXPECT_EQ(a.fp8.amax_compute_algo, AmaxComputeAlgo::Max);
   p = write(
       "fp8b.yaml",
       "mixed_precision: fp8\nfp8_config:\n  amax_history_len: 32\n  amax_compute_algo: max\n");
   Config b = load_config(p, {}, {});
   EXPECT_EQ(b.fp8.amax_history_len, 32);
-  EXPECT_EQ(b.fp8.amax_compute_algo, "max");
+  EXPECT_EQ(b.fp8.amax_compute_algo, AmaxComputeAlgo::Max);
   // Both spellings, same value: fine.
   p = write("fp8same.yaml",
             "mixed_precision: fp8\nfp8_config:\n  amax_history_len: 8\n  amax_history_length: 8\n");
@@ -480,14 +485,14 @@ TEST_F(ConfigTest, DeepSpeedMirrorsTopLevelKeys) {
 
 TEST_F(ConfigTest, AccelerateFsdp1ExampleLoads) {
   Config c = load_config(kData + "accelerate_fsdp1.yaml", {}, {});
-  EXPECT_EQ(c.distributed_type, "FSDP");
-  EXPECT_EQ(c.mixed_precision, "bf16");
+  EXPECT_EQ(c.distributed_type, DistributedType::Fsdp);
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::Bf16);
   EXPECT_EQ(c.num_processes, 2);
   EXPECT_TRUE(c.fsdp.present);
   EXPECT_EQ(c.fsdp.fsdp_version, 2);
   EXPECT_TRUE(c.fsdp.fsdp_reshard_after_forward);  // FULL_SHARD
   EXPECT_TRUE(c.fsdp.fsdp_cpu_ram_efficient_loading);
-  EXPECT_EQ(c.fsdp.fsdp_state_dict_type, "SHARDED_STATE_DICT");
+  EXPECT_EQ(c.fsdp.fsdp_state_dict_type, FsdpStateDictType::Sharded);
   EXPECT_EQ(c.fsdp.fsdp_transformer_layer_cls_to_wrap, "LlamaDecoderLayer");
   EXPECT_FALSE(c.use_cpu);
   EXPECT_TRUE(c.gpu_id_list.empty());
@@ -511,12 +516,12 @@ TEST_F(ConfigTest, AccelerateFsdp1ExampleLoads) {
 
 TEST_F(ConfigTest, AccelerateFsdp2ExampleLoads) {
   Config c = load_config(kData + "accelerate_fsdp2.yaml", {}, {});
-  EXPECT_EQ(c.distributed_type, "FSDP");
+  EXPECT_EQ(c.distributed_type, DistributedType::Fsdp);
   EXPECT_EQ(c.num_processes, 8);
   EXPECT_FALSE(c.fsdp.fsdp_reshard_after_forward);
   EXPECT_TRUE(c.fsdp.fsdp_activation_checkpointing);
   EXPECT_TRUE(c.training.activation_checkpointing);  // the two switches agree
-  EXPECT_EQ(c.fsdp.fsdp_state_dict_type, "FULL_STATE_DICT");
+  EXPECT_EQ(c.fsdp.fsdp_state_dict_type, FsdpStateDictType::Full);
   EXPECT_TRUE(c.notices.empty()) << notices_text(c);
 
   // FSDP1 version: runs FSDP2-style, says so.
@@ -537,11 +542,11 @@ TEST_F(ConfigTest, AccelerateFsdp2ExampleLoads) {
 
 TEST_F(ConfigTest, AccelerateDeepSpeedExamplesLoad) {
   Config c = load_config(kData + "accelerate_deepspeed.yaml", {}, {});
-  EXPECT_EQ(c.distributed_type, "DEEPSPEED");
+  EXPECT_EQ(c.distributed_type, DistributedType::DeepSpeed);
   EXPECT_TRUE(c.deepspeed.present);
   EXPECT_EQ(c.deepspeed.zero_stage, 3);
-  EXPECT_EQ(c.deepspeed.offload_optimizer_device, "cpu");
-  EXPECT_EQ(c.deepspeed.offload_param_device, "cpu");
+  EXPECT_EQ(c.deepspeed.offload_optimizer_device, OffloadDevice::Cpu);
+  EXPECT_EQ(c.deepspeed.offload_param_device, OffloadDevice::Cpu);
   EXPECT_TRUE(c.deepspeed.zero3_save_16bit_model);
   EXPECT_EQ(c.gradient_accumulation_steps, 4);
   EXPECT_DOUBLE_EQ(c.optimizer.grad_clip, 1.0);
@@ -552,14 +557,14 @@ TEST_F(ConfigTest, AccelerateDeepSpeedExamplesLoad) {
   Config f = load_config(kData + "accelerate_deepspeed_file.yaml", {}, {});
   EXPECT_EQ(f.deepspeed.deepspeed_config_file, kData + "zero_stage2_config.json");
   EXPECT_EQ(f.deepspeed.zero_stage, 2);
-  EXPECT_EQ(f.deepspeed.offload_optimizer_device, "cpu");
-  EXPECT_EQ(f.mixed_precision, "fp16");
+  EXPECT_EQ(f.deepspeed.offload_optimizer_device, OffloadDevice::Cpu);
+  EXPECT_EQ(f.mixed_precision, MixedPrecision::Fp16);
   EXPECT_DOUBLE_EQ(f.training.loss_scale_init, 4096);
   EXPECT_EQ(f.training.loss_scale_window, 500);
   EXPECT_EQ(f.gradient_accumulation_steps, 2);
   EXPECT_DOUBLE_EQ(f.optimizer.grad_clip, 0.5);
   EXPECT_EQ(f.training.micro_batch_size, 4);
-  EXPECT_EQ(f.optimizer.name, "adamw");
+  EXPECT_EQ(f.optimizer.name, OptimizerName::AdamW);
   EXPECT_DOUBLE_EQ(f.optimizer.lr, 3e-4);  // "auto": left alone
   EXPECT_DOUBLE_EQ(f.optimizer.weight_decay, 0.01);
   EXPECT_DOUBLE_EQ(f.optimizer.beta2, 0.999);
@@ -583,8 +588,8 @@ TEST_F(ConfigTest, AccelerateDeepSpeedExamplesLoad) {
 
 TEST_F(ConfigTest, AccelerateMultiGpuAndCpuExamplesLoad) {
   Config g = load_config(kData + "accelerate_multi_gpu.yaml", {}, {});
-  EXPECT_EQ(g.distributed_type, "MULTI_GPU");
-  EXPECT_EQ(g.mixed_precision, "fp16");
+  EXPECT_EQ(g.distributed_type, DistributedType::MultiGpu);
+  EXPECT_EQ(g.mixed_precision, MixedPrecision::Fp16);
   EXPECT_EQ(g.num_processes, 16);
   EXPECT_EQ(g.num_machines, 2);
   EXPECT_EQ(g.machine_rank, 1);
@@ -594,10 +599,10 @@ TEST_F(ConfigTest, AccelerateMultiGpuAndCpuExamplesLoad) {
   EXPECT_TRUE(g.notices.empty()) << notices_text(g);
 
   Config c = load_config(kData + "accelerate_multi_cpu.yaml", {}, {});
-  EXPECT_EQ(c.distributed_type, "MULTI_CPU");
+  EXPECT_EQ(c.distributed_type, DistributedType::MultiCpu);
   EXPECT_TRUE(c.use_cpu);
-  EXPECT_EQ(c.training.device, "cpu");
-  EXPECT_EQ(c.mixed_precision, "no");
+  EXPECT_EQ(c.training.device, DeviceChoice::Cpu);
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::No);
   EXPECT_TRUE(has_notice(c,
                          "key mpirun_config={mpirun_ccl: \"1\", mpirun_hostfile: "
                          "/home/user/hostfile} has no effect"))
@@ -609,25 +614,25 @@ TEST_F(ConfigTest, AccelerateMultiGpuAndCpuExamplesLoad) {
   EXPECT_EQ(ids.gpu_id_list, (std::vector<int>{2, 3, 4, 5, 6, 7, 0, 1}));
   // use_cpu is honoured: it selects the CPU.
   Config cpu = load_config("", {"use_cpu=true"}, {});
-  EXPECT_EQ(cpu.training.device, "cpu");
+  EXPECT_EQ(cpu.training.device, DeviceChoice::Cpu);
 }
 
 TEST_F(ConfigTest, AccelerateFp8ExamplesLoad) {
   Config c = load_config(kData + "accelerate_fp8.yaml", {}, {});
-  EXPECT_EQ(c.mixed_precision, "fp8");
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::Fp8);
   EXPECT_TRUE(c.fp8.present);
-  EXPECT_EQ(c.fp8.backend, "TE");
-  EXPECT_EQ(c.fp8.fp8_format, "HYBRID");
+  EXPECT_EQ(c.fp8.backend, Fp8Backend::TE);
+  EXPECT_EQ(c.fp8.fp8_format, Fp8Format::Hybrid);
   EXPECT_EQ(c.fp8.amax_history_len, 16);
-  EXPECT_EQ(c.fp8.amax_compute_algo, "max");
+  EXPECT_EQ(c.fp8.amax_compute_algo, AmaxComputeAlgo::Max);
   EXPECT_FALSE(c.fp8.override_linear_precision_fprop);
   EXPECT_FALSE(c.fp8.override_linear_precision_dgrad);
   EXPECT_TRUE(c.fp8.override_linear_precision_wgrad);
   EXPECT_TRUE(c.notices.empty()) << notices_text(c);
 
   Config t = load_config(kData + "accelerate_fp8_template.yaml", {}, {});
-  EXPECT_EQ(t.distributed_type, "NO");
-  EXPECT_EQ(t.fp8.fp8_format, "E4M3");
+  EXPECT_EQ(t.distributed_type, DistributedType::No);
+  EXPECT_EQ(t.fp8.fp8_format, Fp8Format::E4M3);
   EXPECT_EQ(t.fp8.amax_history_len, 1024);
   EXPECT_FALSE(t.fp8.override_linear_precision_wgrad);
 
@@ -642,7 +647,7 @@ TEST_F(ConfigTest, AccelerateFp8ExamplesLoad) {
                           {"fp8_config.backend=AO", "use_cpu=true", "distributed_type=MULTI_CPU",
                            "fp8_config.pad_inner_dim=true"},
                           {});
-  EXPECT_EQ(ao.fp8.backend, "AO");
+  EXPECT_EQ(ao.fp8.backend, Fp8Backend::AO);
   EXPECT_TRUE(ao.fp8.pad_inner_dim);
   EXPECT_TRUE(has_notice(ao, "fp8_config.amax_history_len has no effect with fp8 backend AO"))
       << notices_text(ao);

@@ -94,7 +94,7 @@ std::string run_under_pty(int cols) {
   int master = -1;
   const pid_t pid = forkpty(&master, nullptr, nullptr, &ws);
   if (pid == 0) {
-    Progress p("auto", 300, 0, true);
+    Progress p(accel::ProgressMode::Auto, 300, 0, true);
     for (int64_t step = 1; step <= 300; ++step) {
       p.tick(step);
       if (step % 50 == 0) p.update(big_report(step));

@@ -10,7 +10,6 @@
 #include <set>
 #include <stdexcept>
 
-#include "models/fp8_linear.h"
 #include "parallel/strategy.h"
 #include "runtime/safetensors.h"
 
@@ -118,11 +117,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
     write_hf_llama_config(model_config, (tmp / "config.json").string());
     write_text(tmp / "config.yaml", config_yaml);
   }
-  const bool fp8_state = fp8_has_checkpoint_state(w.fp8);
-  if (fp8_state) {
-    check_fp8_state_replicated(*w.fp8, w.group);  // every rank (one all-reduce)
-    if (w.rank == 0) save_fp8_state(*w.fp8, (tmp / kFp8StateFile).string());
-  }
+  const nlohmann::json extra_files = w.save_extra ? w.save_extra(tmp.string()) : nlohmann::json();
   if (w.barrier) w.barrier();
   if (w.rank == 0) {
     nlohmann::json j = {{"step", state.step},
@@ -136,7 +131,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
     for (int r = 0; r < w.world_size && w.save_optimizer; ++r) files.push_back(optimizer_file(r));
     j["optimizer_files"] = files;
     j["optimizer_saved"] = w.save_optimizer;
-    if (fp8_state) j["fp8_state_file"] = kFp8StateFile;
+    if (extra_files.is_object()) j.update(extra_files);
     write_text(tmp / "trainer_state.json", j.dump(1) + "\n");
     fs::remove_all(final_dir);
     fs::rename(tmp, final_dir);
@@ -223,12 +218,7 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
   SafetensorsReader opt(c.optimizer_file);
   for (const std::string& n : opt.names())
     c.optimizer_state.push_back({n, opt.load(n, MemCategory::OptimizerState)});
-  const fs::path fp8_file = fs::path(dir) / kFp8StateFile;
-  if (j.contains("fp8_state_file") && !fs::exists(fp8_file))
-    throw std::runtime_error(dir + ": trainer_state.json lists " + kFp8StateFile +
-                             " but the file is missing; copy it back from where the checkpoint "
-                             "came from, or resume from another checkpoint");
-  if (fs::exists(fp8_file)) c.fp8_state_file = fp8_file.string();
+  c.trainer_state = j;
   return c;
 }
 
@@ -343,28 +333,6 @@ void check_same_shard_layout(const std::string& dir, const nlohmann::json& saved
       "the shard layout differ, e.g. an FSDP checkpoint from before FSDP sharded on dim 0). "
       "Resume with the configuration and accel-train it was saved with, or run `accel-checkpoint "
       "consolidate` on it and start a new run with model.init_from pointing at the result");
-}
-
-std::string restore_fp8_state(Fp8Training* fp8, const LoadedCheckpoint& ck) {
-  if (!fp8_has_checkpoint_state(fp8)) {
-    if (ck.fp8_state_file.empty()) return "";
-    return ck.fp8_state_file + ": fp8 delayed-scaling state ignored: this run " +
-           (fp8 ? "uses " +
-                      std::string(fp8->recipe().scaling == Fp8Scaling::MxBlock
-                                      ? "MXFP8 block scaling"
-                                      : "dynamic scaling (backend AO)") +
-                      ", which keeps no state"
-                : std::string("does not train in fp8"));
-  }
-  if (ck.fp8_state_file.empty())
-    throw std::runtime_error(
-        ck.dir + ": the checkpoint has no " + kFp8StateFile +
-        ", but this run uses fp8 delayed scaling (fp8_config.backend TE), whose amax histories "
-        "and scales a resumed run needs to continue with the same numbers. It was saved by a run "
-        "without delayed scaling (or by an accel-train that did not save it). Resume with the "
-        "configuration it was saved with, or start a new run with model.init_from pointing at "
-        "this folder (weights only; the fp8 scaling then starts afresh)");
-  return load_fp8_state(*fp8, ck.fp8_state_file);
 }
 
 }  // namespace accel

@@ -4,8 +4,8 @@
 //                                      else no model.safetensors (the weights are in the shards)
 //   optimizer.rank<R>.safetensors      each rank's optimizer state (whole, or its shards)
 //   fp8_state.safetensors              fp8 delayed scaling (TE recipe) only: amax histories,
-//                                      scales and the update count, written once (rank 0; the
-//                                      state is the same on every rank); see models/fp8_linear.h
+//                                      scales and the update count, written once by the run's
+//                                      precision part (tools/trainer/precision.h)
 //   trainer_state.json                 step, data position, seed, world size, the file manifest
 //   config.yaml                        the effective run configuration
 // A checkpoint is written into step_N.tmp and renamed when complete, so a crash mid-save never
@@ -26,8 +26,7 @@
 
 namespace accel {
 
-class Fp8Training;
-class ProcessGroup;
+class Module;
 class Strategy;
 
 struct TrainerState {
@@ -44,10 +43,10 @@ struct CheckpointWriter {
   int rank = 0;
   int world_size = 1;
   std::function<void()> barrier;  // all ranks meet here (no-op on one process)
-  // fp8 training (null: none). Its delayed-scaling state is checked to be the same on every
-  // rank of `group` (null on one process) and saved by rank 0.
-  Fp8Training* fp8 = nullptr;
-  ProcessGroup* group = nullptr;
+  // State files of other parts of the run (precision's fp8 scaling state; null: none): every
+  // rank calls it with the folder being written, before trainer_state.json; rank 0's returned
+  // entries are added to trainer_state.json.
+  std::function<nlohmann::json(const std::string& dir)> save_extra = nullptr;
   // checkpoint.save_optimizer: false writes no optimizer.rank<R>.safetensors; the weights must
   // then be whole (rank 0's full_weights not empty), else the save throws.
   bool save_optimizer = true;
@@ -68,8 +67,8 @@ struct LoadedCheckpoint {
   TrainerState state;
   std::vector<std::pair<std::string, Tensor>> weights;          // empty when only shards were saved
   std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
-  std::string optimizer_file;  // the file optimizer_state came from
-  std::string fp8_state_file;  // path of the fp8 delayed-scaling state; empty when none was saved
+  std::string optimizer_file;     // the file optimizer_state came from
+  nlohmann::json trainer_state;  // the whole file, for the parts with state of their own
 };
 
 // "auto": the newest complete checkpoint under output_dir/checkpoints (nullopt when none);
@@ -102,11 +101,5 @@ std::vector<std::string> handle_newer_checkpoints(const std::string& output_dir,
 // differs from the one this run's strategy built: the shards would load into the wrong places.
 void check_same_shard_layout(const std::string& dir, const nlohmann::json& saved,
                              const nlohmann::json& now);
-
-// Restores the fp8 delayed-scaling state of a loaded checkpoint into `fp8` (every rank). Throws
-// when this run uses delayed scaling and the checkpoint has no state or a state that does not fit
-// (models/fp8_linear.h says what is checked). Returns a note for the log, or "": a saved state
-// this run has no use for (no fp8, or dynamic / MX scaling) is ignored with a note.
-std::string restore_fp8_state(Fp8Training* fp8, const LoadedCheckpoint& ck);
 
 }  // namespace accel

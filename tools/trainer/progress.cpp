@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <stdexcept>
 #include <vector>
 
 namespace accel {
@@ -48,19 +47,13 @@ std::string format_rate(double tokens_per_s) {
 
 }  // namespace
 
-Progress::Progress(const std::string& mode, int64_t total_steps, int64_t first_step, bool enabled)
-    : enabled_(enabled && mode != "none"),
+Progress::Progress(ProgressMode mode, int64_t total_steps, int64_t first_step, bool enabled)
+    : bar_(mode == ProgressMode::Bar || (mode == ProgressMode::Auto && isatty(STDERR_FILENO))),
+      enabled_(enabled && mode != ProgressMode::None),
       total_(total_steps),
       first_(first_step),
       last_step_(first_step),
-      start_(std::chrono::steady_clock::now()) {
-  if (mode == "bar")
-    bar_ = true;
-  else if (mode == "auto")
-    bar_ = isatty(STDERR_FILENO);
-  else if (mode != "plain" && mode != "none")
-    throw std::invalid_argument("training.progress '" + mode + "' is not auto, bar, plain or none");
-}
+      start_(std::chrono::steady_clock::now()) {}
 
 double Progress::eta(int64_t step) const {
   const double done = static_cast<double>(step - first_);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/config.h"  // ProgressMode
 #include "runtime/format.h"  // format_bytes
 
 namespace accel {
@@ -18,8 +19,8 @@ struct StepReport {
 
 class Progress {
  public:
-  // mode: auto (bar when stderr is a terminal) | bar | plain | none
-  Progress(const std::string& mode, int64_t total_steps, int64_t first_step, bool enabled);
+  // Auto: a bar when stderr is a terminal, plain lines otherwise.
+  Progress(ProgressMode mode, int64_t total_steps, int64_t first_step, bool enabled);
   // A logged step: a line in plain mode; the bar's numbers (loss, tok/s, ...) otherwise.
   void update(const StepReport& r);
   // Every step: redraws the bar with the step count and ETA (at most ten times a second, and

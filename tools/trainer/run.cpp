@@ -1,0 +1,221 @@
+#include "tools/trainer/run.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "parallel/fsdp.h"  // reads_init_weights
+#include "parallel/process_group.h"
+#include "parallel/store.h"
+
+namespace accel {
+namespace fs = std::filesystem;
+
+void Distributed::barrier() const {
+  if (pg) pg->barrier()->wait();
+}
+
+double Distributed::mean_across_ranks(double v, Device device) const {
+  if (!pg) return v;
+  Tensor t = Tensor::full({1}, v, DType::F64, Device::cpu());
+  if (pg->backend() == "nccl") t = t.to(device);
+  pg->all_reduce(t, ReduceOp::Avg)->wait();
+  return t.item();
+}
+
+std::vector<double> Distributed::all_gather(const std::vector<double>& values,
+                                            Device device) const {
+  if (!pg) return values;
+  const int64_t n = static_cast<int64_t>(values.size());
+  Tensor in = Tensor::from_vector(values, {n}, DType::F64);
+  Tensor all = Tensor::empty({n * world()}, DType::F64);
+  if (pg->backend() == "nccl") {
+    in = in.to(device);
+    all = all.to(device);
+  }
+  pg->all_gather(all, in)->wait();
+  return all.to_vector();
+}
+
+int64_t Run::tokens_per_step() const {
+  return cfg.training.micro_batch_size * cfg.training.seq_len * cfg.gradient_accumulation_steps *
+         dist.world();
+}
+
+namespace {
+
+Device resolve_device(const Config& cfg, int local_rank) {
+  const DeviceChoice d = cfg.training.device;
+  if (d == DeviceChoice::Cuda && !cuda::available())
+    throw UsageError(
+        "training.device is cuda but no CUDA device is usable in this build/machine; "
+        "set training.device: cpu");
+  const bool want_cuda =
+      d == DeviceChoice::Cuda || (d == DeviceChoice::Auto && !cfg.use_cpu && cuda::available());
+  if (!want_cuda) return Device::cpu();
+  int n = cuda::device_count();
+  int idx = cfg.gpu_id_list.empty() ? local_rank % std::max(n, 1) : cfg.gpu_id_list.at(local_rank);
+  return Device::cuda(idx);
+}
+
+Distributed init_distributed(const Config& cfg, const LaunchEnv& launch, Device device) {
+  Distributed d;
+  d.env = launch;
+  check_world_size(d.env.world_size, static_cast<int>(cfg.num_processes));
+  if (!d.env.distributed()) return d;
+  share_cpu_cores(d.env);
+  Environment env = current_environment();
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(cfg.distributed.timeout_s * 1000));
+  Timeouts t = timeouts_from_env(env, Timeouts{timeout, timeout});
+  StoreOptions so;
+  so.host = d.env.master_addr;
+  so.port = d.env.master_port;
+  so.is_server = d.env.rank == 0;
+  so.listen_fd = d.env.store_listen_fd;
+  so.token = resolve_job_token(env).token;
+  so.timeout = t.rendezvous;
+  d.store = std::make_shared<TcpStore>(so);
+  ProcessGroupOptions po;
+  po.timeout = t.collective;
+  const bool nccl = cfg.distributed.backend == CommBackend::Nccl ||
+                    (cfg.distributed.backend == CommBackend::Auto && device.is_cuda());
+  if (nccl)
+    d.pg = make_nccl_process_group(d.store, d.env.rank, d.env.world_size, device.index, po);
+  else
+    d.pg = make_cpu_process_group(d.store, d.env.rank, d.env.world_size, po);
+  return d;
+}
+
+LlamaConfig model_config(const Config& cfg) {
+  if (!cfg.model.init_from.empty()) {
+    fs::path p = fs::path(cfg.model.init_from) / "config.json";
+    if (!fs::exists(p))
+      throw UsageError("model.init_from: " + cfg.model.init_from +
+                       " has no config.json (expected a Hugging Face model folder)");
+    return read_hf_llama_config(p.string());
+  }
+  const ModelConfig& m = cfg.model;
+  LlamaConfig c;
+  c.hidden_size = m.hidden_size;
+  c.intermediate_size = m.intermediate_size;
+  c.num_hidden_layers = m.num_hidden_layers;
+  c.num_attention_heads = m.num_attention_heads;
+  c.num_key_value_heads = m.num_key_value_heads ? m.num_key_value_heads : m.num_attention_heads;
+  c.head_dim = m.head_dim ? m.head_dim : m.hidden_size / m.num_attention_heads;
+  c.vocab_size = m.vocab_size;
+  c.max_position_embeddings = m.max_position_embeddings;
+  c.rope_theta = m.rope_theta;
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.initializer_range = m.initializer_range;
+  c.tie_word_embeddings = m.tie_word_embeddings;
+  c.validate();
+  return c;
+}
+
+// The previous run's files in an output folder we are about to write into.
+void check_output_dir(const std::string& dir, bool resuming) {
+  if (resuming || !fs::exists(dir)) return;
+  for (const char* f : {"metrics.jsonl", "config.yaml", "checkpoints"})
+    if (fs::exists(fs::path(dir) / f))
+      throw UsageError("output folder " + dir + " already holds another run (found " + f +
+                       "); pass --resume auto to continue it, or choose another --output-dir");
+}
+
+void write_config_yaml(const std::string& dir, const std::string& yaml) {
+  const fs::path p = fs::path(dir) / "config.yaml";
+  std::ofstream out(p);
+  out << yaml;
+  out.close();
+  if (!out)
+    throw std::runtime_error(p.string() +
+                             ": cannot write the effective configuration (disk full, or not "
+                             "writable?); free space or choose another --output-dir");
+}
+
+DataOptions data_options(const Config& cfg, const LlamaConfig& mc, int rank, int world) {
+  DataOptions o;
+  o.source = cfg.data.source;
+  if (!cfg.data.train_path.empty()) o.files = {cfg.data.train_path};
+  if (!cfg.data.eval_path.empty()) o.eval_files = {cfg.data.eval_path};
+  o.eval_fraction = cfg.data.eval_fraction;
+  o.text_files = cfg.data.text_files;
+  o.tokenizer = cfg.data.tokenizer;
+  // Tokenized text is cached beside the run so that a resumed run reads the same shards.
+  o.cache_dir = (fs::path(cfg.training.output_dir) / "data").string();
+  o.seq_len = cfg.training.seq_len;
+  o.micro_batch_size = cfg.training.micro_batch_size;
+  o.vocab_size = mc.vocab_size;
+  o.rank = rank;
+  o.world_size = world;
+  o.seed = cfg.training.seed;
+  o.shuffle = cfg.data.shuffle;
+  return o;
+}
+
+OptimizerOptions optimizer_options(const OptimizerConfig& c) {
+  OptimizerOptions o;
+  o.name = c.name;
+  o.beta1 = c.beta1;
+  o.beta2 = c.beta2;
+  o.eps = c.eps;
+  o.weight_decay = c.weight_decay;
+  o.momentum = c.momentum;
+  return o;
+}
+
+}  // namespace
+
+Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming) {
+  Run run;
+  run.cfg = std::move(cfg);
+  const Config& c = run.cfg;
+  run.resuming = resuming;
+  run.start_time = std::chrono::steady_clock::now();
+
+  // 1. Device and the distributed init.
+  run.device = resolve_device(c, env.local_rank);
+  run.precision = std::make_unique<Precision>(c);
+  run.model_config = model_config(c);  // before the rendezvous: a bad shape fails at once
+  set_allow_tf32(run.device, c.training.allow_tf32);
+  run.dist = init_distributed(c, env, run.device);
+
+  // 2. The output folder.
+  const std::string& out_dir = c.training.output_dir;
+  if (run.main_rank()) check_output_dir(out_dir, resuming);
+  run.dist.barrier();
+  fs::create_directories(out_dir);
+  run.config_yaml = config_to_yaml(c);
+  if (run.main_rank()) {
+    write_config_yaml(out_dir, run.config_yaml);
+    std::fprintf(stderr, "accel-train: effective configuration (also in %s/config.yaml)\n%s",
+                 out_dir.c_str(), run.config_yaml.c_str());
+    for (const std::string& n : c.notices) std::fprintf(stderr, "note: %s\n", n.c_str());
+  }
+
+  // 3. The model: seeded initialization, then init_from's weights (with
+  // fsdp_cpu_ram_efficient_loading only rank 0 reads them; setup() hands them out).
+  run.model =
+      std::make_unique<LlamaForCausalLM>(run.model_config, DType::F32, run.device, c.training.seed);
+  if (!c.model.init_from.empty() && reads_init_weights(c, run.dist.rank()))
+    load_hf_weights(*run.model, c.model.init_from);
+  run.model->set_activation_checkpointing(c.training.activation_checkpointing ||
+                                          c.fsdp.fsdp_activation_checkpointing);
+
+  // 4. Precision conversion.
+  run.precision->convert(*run.model, run.device);
+
+  // 5. The strategy.
+  run.strategy = make_strategy(c, run.dist.pg, run.precision->compute_dtype());
+  run.precision->attach(*run.strategy);
+  run.strategy->setup(*run.model, optimizer_options(c.optimizer));
+
+  // 6. Data.
+  run.data =
+      make_data_sources(data_options(c, run.model_config, run.dist.rank(), run.dist.world()));
+  if (c.data.source != DataSource::Synthetic) run.tokenizer = make_tokenizer(c.data.tokenizer);
+  return run;
+}
+
+}  // namespace accel

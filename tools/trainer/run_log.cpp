@@ -1,0 +1,255 @@
+#include "tools/trainer/run_log.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "tools/trainer/run.h"
+
+namespace accel {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Peak dense FLOP/s of the device for the compute dtype, or < 0 when unknown (CPU).
+double peak_flops(Device d, DType compute, bool tf32) {
+  if (!d.is_cuda()) return -1;
+  if (compute == DType::BF16 || compute == DType::F16) return 989e12;  // H100/H200 SXM dense
+  return tf32 ? 494e12 : 67e12;
+}
+
+// Bytes this rank sent per step, by collective, since `last` (which is then updated).
+nlohmann::json comm_delta(const CommStats& now, CommStats& last, int64_t steps) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    int64_t b = now.kind[k].wire_bytes - last.kind[k].wire_bytes;
+    if (b > 0) j[comm_kind_name(static_cast<CommKind>(k))] = b / std::max<int64_t>(steps, 1);
+  }
+  last = now;
+  return j;
+}
+
+// This process's peak bytes per MemCategory, then the total.
+std::vector<double> peak_memory(Device d) {
+  MemoryStats s = memory_stats(d);
+  std::vector<double> v(s.peak.begin(), s.peak.end());
+  v.push_back(static_cast<double>(s.peak_total));
+  return v;
+}
+
+// {"<category>": bytes, ..., "total": bytes} from peak_memory()'s layout.
+nlohmann::json memory_json(const double* peaks) {
+  nlohmann::json j;
+  for (int i = 0; i < kNumMemCategories; ++i)
+    j[mem_category_name(static_cast<MemCategory>(i))] = static_cast<int64_t>(peaks[i]);
+  j["total"] = static_cast<int64_t>(peaks[kNumMemCategories]);
+  return j;
+}
+
+std::string why_not(const std::string& path, const char* doing) {
+  return path + ": " + doing + " failed (" + std::strerror(errno) +
+         "); free space or point logging.metrics_file at a writable place";
+}
+
+}  // namespace
+
+nlohmann::json HostTimes::take_ms_per_step(int64_t steps) {
+  const double n = static_cast<double>(std::max<int64_t>(steps, 1));
+  nlohmann::json j = {{"forward", busy_[kForward] * 1e3 / n},
+                      {"backward", busy_[kBackward] * 1e3 / n},
+                      {"optimizer", busy_[kOptimizer] * 1e3 / n}};
+  busy_ = {};
+  return j;
+}
+
+MetricsFile::MetricsFile(const std::string& path, bool append) : path_(path) {
+  errno = 0;
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!out_.is_open()) throw std::runtime_error(why_not(path, "opening the metrics file"));
+}
+
+void MetricsFile::write(const nlohmann::json& line) {
+  if (!out_.is_open()) return;
+  errno = 0;
+  out_ << line.dump() << "\n" << std::flush;
+  if (!out_) throw std::runtime_error(why_not(path_, "writing the metrics file"));
+}
+
+void truncate_metrics_after(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  in.close();
+  std::string kept;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) {
+      if (i + 1 == lines.size()) continue;  // torn by the interruption
+    } else if (j.is_object() && j.contains("summary")) {
+      continue;
+    } else if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+               j["step"].get<int64_t>() > step) {
+      continue;
+    }
+    kept += line + "\n";
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    errno = 0;
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    out.close();
+    if (!out) throw std::runtime_error(why_not(tmp, "rewriting the metrics file for the resume"));
+  }
+  fs::rename(tmp, path);
+}
+
+RunLog::RunLog(const Run& run, int64_t first_step)
+    : run_(run),
+      main_(run.main_rank()),
+      progress_(run.cfg.training.progress, run.cfg.training.max_steps, first_step, main_),
+      last_log_step_(first_step) {
+  const std::string metrics_path =
+      (fs::path(run.output_dir()) / run.cfg.logging.metrics_file).string();
+  if (main_) {
+    if (run.resuming) truncate_metrics_after(metrics_path, first_step);
+    metrics_ = MetricsFile(metrics_path, run.resuming);
+    // The loss chart of a resumed run starts from its metrics file. A chart that cannot be
+    // written (or read back) is worth a warning, not the run.
+    if (first_step > 0 && fs::exists(metrics_path)) {
+      try {
+        loss_history_ = LossHistory::read(metrics_path);
+      } catch (const std::exception& e) {
+        println(std::string("warning: the loss chart starts afresh: ") + e.what());
+      }
+    }
+  }
+  chart_title_ = run_name(run.output_dir()) + ": " + run.precision->name() + ", " +
+                 run.strategy->name() + " x " + std::to_string(run.dist.world());
+  flops_per_token_ = run.model_config.flops_per_token(run.cfg.training.seq_len);
+  peak_flops_ = peak_flops(run.device, run.precision->compute_dtype(), run.cfg.training.allow_tf32);
+  if (run.dist.pg) last_comm_ = run.dist.pg->stats();
+  last_host_wait_ = cuda::host_wait_seconds();
+  reset_peak_memory_stats(run.device);
+  train_start_ = last_log_ = std::chrono::steady_clock::now();
+}
+
+void RunLog::println(const std::string& line) { progress_.println(line); }
+
+bool RunLog::logged_step(int64_t s) const {
+  return s % run_.cfg.training.log_every == 0 || s == run_.cfg.training.max_steps;
+}
+
+void RunLog::write_chart() {
+  if (!main_) return;
+  try {
+    write_loss_chart((fs::path(run_.output_dir()) / "loss.svg").string(),
+                     {loss_history_.curve("this run")}, chart_title_);
+  } catch (const std::exception& e) {
+    println(std::string("warning: loss chart not written: ") + e.what());
+  }
+}
+
+void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
+                  std::optional<double> eval_loss) {
+  last_loss_ = loss;
+  if (eval_loss) {
+    println("step " + std::to_string(step) + " eval_loss " + std::to_string(*eval_loss));
+    loss_history_.add_eval(step, *eval_loss);
+    if (!logged_step(step)) {  // a line of its own; else on the step's line below
+      metrics_.write({{"step", step}, {"eval_loss", *eval_loss}});
+      write_chart();
+    }
+  }
+  if (!logged_step(step)) return;
+  const auto now = std::chrono::steady_clock::now();
+  const double dt = std::chrono::duration<double>(now - last_log_).count();
+  const int64_t steps_logged = step - last_log_step_;
+  const double tps = dt > 0 ? static_cast<double>(steps_logged * run_.tokens_per_step()) / dt : 0;
+  last_log_ = now;
+  last_log_step_ = step;
+  StepReport rep;
+  rep.step = step;
+  rep.loss = loss;
+  rep.lr = lr;
+  rep.grad_norm = r.grad_norm;
+  rep.tokens_per_s = tps;
+  rep.elapsed_s = std::chrono::duration<double>(now - train_start_).count();
+  rep.mfu = peak_flops_ > 0 ? tps / run_.dist.world() * flops_per_token_ / peak_flops_ : -1;
+  rep.peak_mem_bytes = memory_stats(run_.device).peak_total;
+  progress_.update(rep);
+  nlohmann::json j = {{"step", step},
+                      {"loss", loss},
+                      {"lr", lr},
+                      {"grad_norm", r.grad_norm},
+                      {"tokens_per_s", tps},
+                      {"mfu", rep.mfu >= 0 ? nlohmann::json(rep.mfu) : nlohmann::json(nullptr)},
+                      {"peak_mem_bytes", rep.peak_mem_bytes},
+                      {"elapsed_s", rep.elapsed_s},
+                      {"skipped_steps", run_.precision->skipped_steps()}};
+  const nlohmann::json precision_entries = run_.precision->metrics();
+  if (precision_entries.is_object()) j.update(precision_entries);
+  if (run_.dist.pg)
+    j["comm_wire_bytes_per_step"] = comm_delta(run_.dist.pg->stats(), last_comm_, steps_logged);
+  if (run_.device.is_cuda()) {  // how long the host sat waiting for the GPU, per step
+    const double wait = cuda::host_wait_seconds();
+    j["host_wait_ms_per_step"] = (wait - last_host_wait_) * 1e3 / steps_logged;
+    last_host_wait_ = wait;
+    j["host_busy_ms_per_step"] = host_.take_ms_per_step(steps_logged);
+  }
+  if (eval_loss) j["eval_loss"] = *eval_loss;
+  metrics_.write(j);
+  loss_history_.add_train(step, loss);
+  if (eval_loss) write_chart();
+}
+
+void RunLog::finish(int64_t step, double final_eval,
+                    const std::function<std::string()>& sample_fn) {
+  const double train_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start_).count();
+  // Every rank's peak memory by category, for the summary (accel-bench reads it).
+  const std::vector<double> my_peaks = peak_memory(run_.device);
+  const std::vector<double> all = run_.dist.all_gather(my_peaks, run_.device);
+  std::vector<nlohmann::json> rank_memory;
+  for (size_t at = 0; at < all.size(); at += my_peaks.size())
+    rank_memory.push_back(memory_json(&all[at]));
+  const std::string sample = sample_fn();
+  if (!main_) return;
+  const Strategy& strategy = *run_.strategy;
+  nlohmann::json summary = {{"summary", true},
+                            {"steps", step},
+                            {"final_loss", last_loss_},
+                            {"train_seconds", train_s},
+                            {"skipped_steps", run_.precision->skipped_steps()},
+                            {"peak_memory_bytes", memory_json(peak_memory(run_.device).data())},
+                            {"peak_memory_bytes_per_rank", rank_memory},
+                            {"tokens_per_step", run_.tokens_per_step()},
+                            {"flops_per_token", flops_per_token_},
+                            {"num_parameters", run_.model_config.num_parameters()},
+                            {"world_size", run_.dist.world()},
+                            {"strategy", strategy.name()}};
+  if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
+  const nlohmann::json report = strategy.run_report();
+  if (report.is_object()) summary.update(report);
+  metrics_.write(summary);
+  if (std::isfinite(final_eval)) loss_history_.add_eval(step, final_eval);
+  if (step > 0) write_chart();
+  const std::string report_line = strategy.run_report_line();
+  if (!report_line.empty()) std::fprintf(stderr, "%s\n", report_line.c_str());
+  std::fprintf(
+      stderr, "done: %lld steps, final loss %.4f%s, %.1fs, peak memory %s\n",
+      static_cast<long long>(step), last_loss_,
+      std::isfinite(final_eval) ? (", eval loss " + std::to_string(final_eval)).c_str() : "",
+      train_s, format_bytes(memory_stats(run_.device).peak_total).c_str());
+  if (!sample.empty())
+    std::fprintf(stderr, "sample (greedy): %s%s\n", run_.cfg.training.sample_prompt.c_str(),
+                 sample.c_str());
+}
+
+}  // namespace accel

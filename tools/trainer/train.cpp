@@ -1,0 +1,139 @@
+// The algorithm, top-down: train() runs the steps; train_step() is one optimizer step over
+// gradient_accumulation_steps micro-batches; forward_backward() is one micro-batch.
+#include "tools/trainer/train.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+
+#include "tools/trainer/checkpointing.h"
+#include "tools/trainer/evaluation.h"
+#include "tools/trainer/run.h"
+#include "tools/trainer/run_log.h"
+#include "tools/trainer/stop_signals.h"
+
+namespace accel {
+
+namespace {
+
+// Test hook (docs/fault_tolerance.md): ACCEL_TEST_INJECT_NAN_STEP=N makes step N's loss NaN
+// (ACCEL_TEST_INJECT_NAN_WHERE=grad: only the gradients, the logged loss stays finite;
+// ACCEL_TEST_INJECT_NAN_RANK=R: only on rank R).
+struct NanInjection {
+  int64_t step = -1;  // 1-based step whose last micro-batch is poisoned; -1: none
+  bool grad_only = false;
+
+  static NanInjection from_env(int rank) {
+    NanInjection n;
+    const char* step = std::getenv("ACCEL_TEST_INJECT_NAN_STEP");
+    const char* where = std::getenv("ACCEL_TEST_INJECT_NAN_WHERE");
+    const char* only_rank = std::getenv("ACCEL_TEST_INJECT_NAN_RANK");
+    if (step && (!only_rank || std::atoi(only_rank) == rank)) n.step = std::atoll(step);
+    n.grad_only = where && std::string(where) == "grad";
+    return n;
+  }
+};
+
+enum class Poison { None, Loss, Gradients };
+
+// One micro-batch: forward, loss, backward of loss * scale. Returns the loss (unscaled).
+Tensor forward_backward(Run& run, const Batch& b, double scale, Poison poison, HostTimes& t) {
+  Tensor loss, scaled;
+  t.time(HostTimes::kForward, [&] {
+    Tensor logits = run.model->forward(b.input_ids.to(run.device));
+    loss = LlamaForCausalLM::loss(logits, b.labels.to(run.device));
+    if (poison == Poison::Loss) loss = mul(loss, NAN);
+    scaled = mul(loss, scale);
+    if (poison == Poison::Gradients) scaled = mul(scaled, NAN);
+  });
+  t.time(HostTimes::kBackward, [&] { scaled.backward(); });
+  return loss;
+}
+
+struct StepOutput {
+  double loss = 0;  // mean over micro-batches and ranks
+  double lr = 0;
+  StepResult result;
+};
+
+// Optimizer step `step` (0-based): the micro-batches' gradients, then the update.
+StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
+                      const NanInjection& inject, HostTimes& t) {
+  const int64_t accum = run.cfg.gradient_accumulation_steps;
+  StepOutput out;
+  out.lr = schedule.at(step);
+  double loss_sum = 0;
+  for (int64_t micro = 0; micro < accum; ++micro) {
+    const bool last = micro == accum - 1;
+    run.strategy->begin_micro_batch(last);
+    Batch b = run.data.train->next();
+    const Poison poison = inject.step == step + 1 && last
+                              ? (inject.grad_only ? Poison::Gradients : Poison::Loss)
+                              : Poison::None;
+    const double scale = run.precision->loss_scale() / static_cast<double>(accum);
+    Tensor loss = forward_backward(run, b, scale, poison, t);
+    loss_sum += loss.item();  // after backward is queued: reading it earlier drains the GPU
+    run.strategy->end_micro_batch();
+  }
+  t.time(HostTimes::kOptimizer, [&] {
+    out.result =
+        run.strategy->step(out.lr, run.cfg.optimizer.grad_clip, 1.0 / run.precision->loss_scale());
+    run.precision->after_optimizer_step(run.dist.pg.get());
+  });
+  out.loss = run.dist.mean_across_ranks(loss_sum / static_cast<double>(accum), run.device);
+  return out;
+}
+
+void print_run_line(const Run& run) {
+  if (!run.main_rank()) return;
+  const LlamaConfig& mc = run.model_config;
+  std::fprintf(
+      stderr,
+      "model: llama %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
+      "strategy %s x %d | data %s | %lld tokens/step | startup %.1fs\n",
+      static_cast<double>(mc.num_parameters()) / 1e6, static_cast<long long>(mc.num_hidden_layers),
+      static_cast<long long>(mc.hidden_size), run.device.str().c_str(),
+      run.precision->mixed_precision(), run.strategy->name().c_str(), run.dist.world(),
+      run.data.train->describe().c_str(), static_cast<long long>(run.tokens_per_step()),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - run.start_time).count());
+  const std::string precision = run.precision->describe();
+  if (!precision.empty()) std::fprintf(stderr, "%s\n", precision.c_str());
+}
+
+}  // namespace
+
+int train(Run& run, const ResumeRequest& resume) {
+  const TrainingConfig& tc = run.cfg.training;
+  const CheckpointConfig& cc = run.cfg.checkpoint;
+  int64_t step = resume.spec.empty() ? 0 : resume_run(run, resume);
+  print_run_line(run);
+  const LRSchedule schedule{run.cfg.optimizer.lr_schedule, run.cfg.optimizer.lr,
+                            run.cfg.optimizer.warmup_steps, tc.max_steps,
+                            run.cfg.optimizer.min_lr_ratio};
+  const NanInjection inject = NanInjection::from_env(run.dist.rank());
+  note_completed_steps(step);
+  install_stop_signal_handlers();
+  RunLog log(run, step);
+
+  while (step < tc.max_steps) {
+    const StepOutput out = train_step(run, step, schedule, inject, log.host_times());
+    ++step;
+    note_completed_steps(step);
+    const std::string warning = run.precision->after_step(out.result, out.loss, step);
+    if (!warning.empty()) log.println(warning);
+    std::optional<double> eval_loss;
+    if (tc.eval_every > 0 && step % tc.eval_every == 0) eval_loss = evaluate(run);
+    log.step(step, out.loss, out.lr, out.result, eval_loss);
+    if (cc.every_steps > 0 && step % cc.every_steps == 0 && step < tc.max_steps)
+      save_run_checkpoint(run, step, log);
+  }
+  log.end_of_steps();
+  if (cc.at_end && step > 0) save_run_checkpoint(run, step, log);
+  const double final_eval = tc.eval_every > 0 ? evaluate(run) : NAN;
+  log.finish(step, final_eval, [&run] { return final_sample(run); });
+  run.dist.barrier();
+  return 0;
+}
+
+}  // namespace accel
