@@ -229,7 +229,7 @@ nlohmann::json memory_json(const double* peaks) {
 
 int train(const TrainOptions& opt) {
   std::vector<std::string> overrides = opt.overrides;
-  Config cfg = load_config(opt.config_path, overrides, environment_variables());
+  Config cfg = load_config(opt.config_path, overrides, environment_variables(), opt.training_args);
   if (!opt.output_dir.empty()) cfg.training.output_dir = opt.output_dir;
   if (opt.print_config) {
     std::cout << config_to_yaml(cfg);
@@ -593,7 +593,8 @@ int train(const TrainOptions& opt) {
 int run_training(const TrainOptions& options, int argc, char** argv) {
   try {
     // Without a launcher, num_processes > 1 on one machine: become the launcher of local ranks.
-    Config cfg = load_config(options.config_path, options.overrides, environment_variables());
+    Config cfg = load_config(options.config_path, options.overrides, environment_variables(),
+                             options.training_args);
     LaunchEnv env = detect_launch_env(cfg.main_process_ip, cfg.main_process_port);
     if (!options.print_config &&
         should_spawn_local_ranks(env.world_size, static_cast<int>(cfg.num_processes),
