@@ -1536,6 +1536,13 @@ void resolve(Config& c) {
   c.deepspeed.gradient_clipping = c.optimizer.grad_clip;
   c.deepspeed.gradient_accumulation_steps = c.gradient_accumulation_steps;
 
+  // Accelerate runs a MULTI_GPU config's processes on the CPU when use_cpu is set.
+  if (c.use_cpu && c.distributed_type == "MULTI_GPU") {
+    c.notices.push_back("use_cpu is true (" + origin(c, "use_cpu") +
+                        "): distributed_type MULTI_GPU runs as MULTI_CPU (DDP over CPU "
+                        "processes), as in Accelerate");
+    c.distributed_type = "MULTI_CPU";
+  }
   if (c.use_cpu) {
     if (c.training.device == "cuda")
       throw ConfigError(origin(c, "training.device") +
