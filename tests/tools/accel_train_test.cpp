@@ -273,4 +273,30 @@ data: {source: text, text_files: [)" +
   EXPECT_NE(c.output.find("optimizer.lr = 0.01"), std::string::npos) << c.output;
 }
 
+// The configs Accelerate's and Transformers' docs print (tests/data/config/docs_*) train on the
+// CPU as they are: a run file extends each and adds only a tiny model and synthetic data; the
+// command line overrides num_processes and use_cpu.
+TEST(AccelTrain, TheDocsConfigsRunOnTheCpu) {
+  fs::path d = temp_dir("docs_configs");
+  for (const auto& [name, procs] :
+       std::vector<std::pair<std::string, int>>{{"docs_transformers_fsdp2", 2},
+                                                {"docs_fp8_te", 1},
+                                                {"docs_fp8_ao_fsdp2", 2},
+                                                {"docs_deepspeed_zero3", 2},
+                                                {"docs_multi_gpu", 2}}) {
+    fs::path run = d / (name + ".yaml");
+    std::ofstream(run)
+        << "extends: " << ACCEL_TEST_DATA_DIR << "/config/" << name << ".yaml\n"
+        << "model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,\n"
+           "        intermediate_size: 64, vocab_size: 64, max_position_embeddings: 64}\n"
+           "training: {max_steps: 3, micro_batch_size: 2, seq_len: 16, progress: plain}\n"
+           "data: {source: synthetic}\n";
+    Result r = run_accel_train(
+        "--config " + run.string() + " --set num_processes=" + std::to_string(procs) +
+        " --set use_cpu=true --output-dir " + (d / ("out_" + name)).string());
+    EXPECT_EQ(r.code, 0) << name << "\n" << r.output;
+    EXPECT_NE(r.output.find("done: 3 steps"), std::string::npos) << name << "\n" << r.output;
+  }
+}
+
 }  // namespace
