@@ -26,10 +26,11 @@ struct Arg {
   std::string name;
   json def;  // Trainer's default, as to_dict() dumps it
   Kind kind = Kind::Mapped;
-  std::string target;  // docs: our key(s)
-  std::string doc;     // docs: the conversion, or why it has no effect / is refused
-  Apply apply;         // Mapped: sets our keys (may refuse values it cannot honour)
-  bool quiet = false;  // NoEffect: a value other than the default changes nothing here either
+  std::string target;   // docs: our key(s)
+  std::string doc;      // docs: the conversion, or why it has no effect / is refused
+  Apply apply;          // Mapped: sets our keys (may refuse values it cannot honour)
+  std::string part_of;  // read by another name's conversion (eval_steps by eval_strategy)
+  bool quiet = false;   // NoEffect: a value other than the default changes nothing here either
 };
 
 // A value for messages: strings bare, the rest as JSON, never long.
@@ -140,7 +141,9 @@ struct Mapper {
   int64_t steps(const std::string& name, const json& v) const {
     if (!v.is_number() || v.get<double>() < 0) type_error(name, "a number of steps >= 0");
     const double d = v.get<double>();
-    if (d >= 1) return static_cast<int64_t>(d);
+    if (d >= 1 || d == 0) return static_cast<int64_t>(d);
+    if (!given("max_steps"))
+      fail(name, brief(v) + " is a fraction of max_steps, which training_args does not give");
     return static_cast<int64_t>(std::ceil(number("max_steps") * d));
   }
   std::string steps_from(const std::string& name, const json& v) const {
@@ -150,11 +153,6 @@ struct Mapper {
     return s;
   }
 };
-
-// Names whose meaning is taken care of by another name's conversion.
-Apply handled_by(const std::string& /*other*/) {
-  return [](Mapper&, const json&) {};
-}
 
 std::vector<Arg> build_table() {
   std::vector<Arg> t;
@@ -168,6 +166,12 @@ std::vector<Arg> build_table() {
     a.doc = doc;
     a.apply = std::move(f);
     t.push_back(std::move(a));
+  };
+  // A name another one's conversion reads (that one runs when either is given).
+  auto part = [&](const std::string& name, json def, const std::string& target,
+                  const std::string& doc, const std::string& owner) {
+    mapped(name, std::move(def), target, doc, [](Mapper&, const json&) {});
+    t.back().part_of = owner;
   };
   // Same meaning, value as given; null means Trainer leaves it to others, so we do too.
   auto same = [&](const std::string& name, json def, const std::string& key,
@@ -209,10 +213,10 @@ std::vector<Arg> build_table() {
          });
   same("per_device_train_batch_size", 8, "training.micro_batch_size",
        "Sequences per micro-batch per process.");
-  mapped("num_train_epochs", 3.0, "-",
-         "Epochs are not supported yet: with max_steps > 0 Trainer ignores it too; with "
-         "max_steps <= 0 the run is refused (see max_steps).",
-         handled_by("max_steps"));
+  part("num_train_epochs", 3.0, "-",
+       "Epochs are not supported yet: with max_steps > 0 Trainer ignores it too; with "
+       "max_steps <= 0 the run is refused (see max_steps).",
+       "max_steps");
   mapped("max_steps", -1, "training.max_steps",
          "Must be > 0 (accel-train counts optimizer steps; a run of num_train_epochs epochs is "
          "refused).",
@@ -289,8 +293,7 @@ std::vector<Arg> build_table() {
            if (sched != "constant")
              m.set("lr_scheduler_type", from, "optimizer.min_lr_ratio", min_ratio);
          });
-  mapped("lr_scheduler_kwargs", null, "-", "Read with lr_scheduler_type.",
-         handled_by("lr_scheduler_type"));
+  part("lr_scheduler_kwargs", null, "-", "Read with lr_scheduler_type.", "lr_scheduler_type");
   mapped("warmup_steps", 0, "optimizer.warmup_steps",
          "A count, or below 1 a fraction of max_steps (rounded up). accel-train's ramp is "
          "lr * (step + 1) / warmup_steps, Trainer's lr * step / warmup_steps (one step earlier). "
@@ -395,9 +398,8 @@ std::vector<Arg> build_table() {
              m.refuse("logging_strategy", "epochs are not supported yet; use steps");
            }
          });
-  mapped("logging_steps", 500, "training.log_every",
-         "With logging_strategy steps; below 1 a fraction of max_steps.",
-         handled_by("logging_strategy"));
+  part("logging_steps", 500, "training.log_every",
+       "With logging_strategy steps; below 1 a fraction of max_steps.", "logging_strategy");
   no_effect("logging_first_step", false,
             "lines are written every training.log_every steps and at the last step");
   no_effect("log_on_each_node", true, "rank 0 writes the log", true);
@@ -433,6 +435,9 @@ std::vector<Arg> build_table() {
          [](Mapper& m, const json&) {
            const std::string s = lower(m.text("eval_strategy"));
            if (s == "no") {
+             if (!m.get("eval_steps").is_null())
+               m.notice("eval_steps", m.get("eval_steps"),
+                        "eval_strategy is no, so Trainer would not evaluate either");
              m.set("eval_strategy", m.shown("eval_strategy"), "training.eval_every", 0);
            } else if (s == "steps") {
              const json& e = m.get("eval_steps");
@@ -445,8 +450,7 @@ std::vector<Arg> build_table() {
              m.refuse("eval_strategy", "epochs are not supported yet; use steps");
            }
          });
-  mapped("eval_steps", null, "training.eval_every", "With eval_strategy steps.",
-         handled_by("eval_strategy"));
+  part("eval_steps", null, "training.eval_every", "With eval_strategy steps.", "eval_strategy");
   no_effect("eval_delay", 0, "evaluation starts at the first training.eval_every step");
   mapped("per_device_eval_batch_size", 8, "-",
          "Evaluation uses training.micro_batch_size (a notice when the two differ).",
@@ -489,8 +493,7 @@ std::vector<Arg> build_table() {
                                                    : "epochs are not supported yet; use steps");
            }
          });
-  mapped("save_steps", 500, "checkpoint.every_steps", "With save_strategy steps.",
-         handled_by("save_strategy"));
+  part("save_steps", 500, "checkpoint.every_steps", "With save_strategy steps.", "save_strategy");
   no_effect("save_on_each_node", false,
             "rank 0 writes checkpoints (each rank its own shard with SHARDED_STATE_DICT)");
   mapped("save_total_limit", null, "checkpoint.keep_last", "null -> 0 (keep all).",
@@ -759,7 +762,7 @@ std::vector<Arg> build_table() {
              }
            }
          });
-  mapped("fsdp_config", null, "fsdp_config.*", "Read with fsdp.", handled_by("fsdp"));
+  part("fsdp_config", null, "fsdp_config.*", "Read with fsdp.", "fsdp");
   mapped("deepspeed", null, "distributed_type: DEEPSPEED, deepspeed_config.deepspeed_config_file",
          "The path of a DeepSpeed JSON config, read as deepspeed_config_file (an inline object "
          "is refused: give a file).",
@@ -781,10 +784,10 @@ std::vector<Arg> build_table() {
   no_effect("resume_from_checkpoint", null,
             "Trainer does not use it either; resume with accel-train --resume auto or --resume "
             "PATH");
-  mapped("warmup_ratio", null, "optimizer.warmup_steps",
-         "Deprecated spelling of a warmup_steps "
-         "fraction; read with warmup_steps.",
-         handled_by("warmup_steps"));
+  part("warmup_ratio", null, "optimizer.warmup_steps",
+       "Deprecated spelling of a warmup_steps "
+       "fraction; read with warmup_steps.",
+       "warmup_steps");
   no_effect(
       "logging_dir", null,
       "TensorBoard files are not written; metrics go to metrics.jsonl in training.output_dir");
@@ -847,8 +850,17 @@ TrainingArgsMapping map_training_args(const json& args,
                            : " (the names are transformers 5.x TrainingArguments fields)"));
   }
   Mapper m{args, where, base_dir, index(), {}};
+  // Names not given leave our keys alone (a dump gives them all); a conversion runs when its
+  // name or one it reads is given.
+  auto wanted = [&](const Arg& a) {
+    if (m.given(a.name)) return true;
+    for (const auto& b : table())
+      if (b.part_of == a.name && m.given(b.name)) return true;
+    return false;
+  };
   for (const auto& a : table()) {
     const json& v = m.get(a.name);
+    if (!a.part_of.empty() || !wanted(a)) continue;
     switch (a.kind) {
       case Kind::Mapped:
         a.apply(m, v);

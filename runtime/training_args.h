@@ -29,10 +29,11 @@ struct TrainingArgsMapping {
   std::vector<std::string> notices;  // names accepted without effect, other remarks
 };
 
-// `args` is a TrainingArguments object (its to_dict() form; missing names take Trainer's
-// defaults). `where(name)` says where a name was given ("args.json", "run.yaml:12"), for
-// messages. Relative paths (fsdp_config, deepspeed, accelerator_config) are tried in `base_dir`
-// first, then in the working directory. Throws ConfigError.
+// `args` is a TrainingArguments object (its to_dict() form). Names it does not give leave our keys
+// alone; a conversion that reads several names takes Trainer's defaults for the missing ones.
+// `where(name)` says where a name was given ("args.json", "run.yaml:12"), for messages. Relative
+// paths (fsdp_config, deepspeed, accelerator_config) are tried in `base_dir` first, then in the
+// working directory. Throws ConfigError.
 TrainingArgsMapping map_training_args(const nlohmann::json& args,
                                       const std::function<std::string(const std::string&)>& where,
                                       const std::string& base_dir);

@@ -182,6 +182,25 @@ training: {seq_len: 32}
   EXPECT_NEAR(m.optimizer.min_lr_ratio, 0.1, 1e-12);
 }
 
+// A hand-written section sets what it names; everything else keeps accel-train's values.
+TEST_F(TrainingArgsTest, NamesNotGivenLeaveOurKeysAlone) {
+  Config c = load_config(write("p.yaml", R"(training: {output_dir: mine, max_steps: 40}
+optimizer: {lr_schedule: cosine, min_lr_ratio: 0.1}
+training_args: {learning_rate: 0.002, eval_steps: 10}
+)"),
+                         {}, {});
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.002);
+  EXPECT_EQ(c.training.output_dir, "mine");
+  EXPECT_EQ(c.training.max_steps, 40);
+  EXPECT_DOUBLE_EQ(c.optimizer.min_lr_ratio, 0.1);
+  EXPECT_EQ(c.training.eval_every, 0);  // eval_steps alone: eval_strategy is still "no"
+  EXPECT_TRUE(has_notice(c, "key training_args.eval_steps=10 has no effect")) << notices_text(c);
+  // A warmup fraction needs the max_steps it is a fraction of.
+  expect_error(
+      [&] { load_config(write("w.yaml", "training_args: {warmup_steps: 0.1}\n"), {}, {}); },
+      {"training_args.warmup_steps: 0.1 is a fraction of max_steps"});
+}
+
 TEST_F(TrainingArgsTest, ASettingGivenTwiceWithDifferentValuesNamesBoth) {
   std::string y = write("x.yaml", R"(optimizer:
   lr: 0.01
@@ -327,10 +346,13 @@ TEST_F(TrainingArgsTest, FsdpAndDeepSpeedConfigFiles) {
   EXPECT_EQ(d.mixed_precision, "fp16");
   expect_error(
       [&] {
-        load_config(write("dd.yaml", "training_args: {max_steps: 5, deepspeed: ds.json}\n"), {},
-                    {});
+        load_config(write("dd.yaml",
+                          "training_args: {max_steps: 5, deepspeed: ds.json, "
+                          "gradient_accumulation_steps: 4}\n"),
+                    {}, {});
       },
-      {"training_args", "conflicts with", "ds.json"});
+      {"gradient_accumulation_steps = 2", "conflicts with",
+       "training_args gradient_accumulation_steps=4", "ds.json"});
 }
 
 TEST_F(TrainingArgsTest, SuggestionsKnowTrainerAndAccelerateNames) {
