@@ -554,17 +554,10 @@ std::vector<Arg> build_table() {
            for (auto it = cfg.begin(); it != cfg.end(); ++it) {
              auto k = kKeys.find(it.key());
              if (k == kKeys.end()) {
-               std::vector<std::string> names;
-               for (const auto& [n, _] : kKeys) names.push_back(n);
-               m.fail(
-                   "accelerator_config", "unknown key '" + it.key() + "' (AcceleratorConfig has " +
-                                             [&] {
-                                               std::string s;
-                                               for (const auto& n : names)
-                                                 s += (s.empty() ? "" : ", ") + n;
-                                               return s;
-                                             }() +
-                                             ")");
+               std::string names;
+               for (const auto& kv : kKeys) names += (names.empty() ? "" : ", ") + kv.first;
+               m.fail("accelerator_config",
+                      "unknown key '" + it.key() + "' (AcceleratorConfig has " + names + ")");
              }
              if (is_default(it.value(), k->second.first) ||
                  (it.key() == "dispatch_batches" && it.value() == false))
