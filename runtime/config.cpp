@@ -15,6 +15,8 @@
 #include <sstream>
 #include <type_traits>
 
+#include "runtime/training_args.h"
+
 extern char** environ;
 
 namespace accel {
@@ -213,6 +215,8 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 enum class LayerKind { File, Env, Set };
 
 struct Applier;
+void apply_training_args(Applier& a, const YAML::Node& v, const std::string& where,
+                         const std::string& file);
 
 // What a setter knows about the value it parses.
 struct Ctx {
@@ -638,9 +642,13 @@ std::vector<Field> build_schema() {
     };
     add(f);
   }
-  add(acc_(f_bool("fsdp_config.fsdp_offload_params", ACCEL_REF(fsdp.fsdp_offload_params),
-                  "Keep parameter shards, gradients and optimizer state in host memory; the "
-                  "optimizer steps on the CPU.")));
+  add(grouped(acc_(f_bool("fsdp_config.fsdp_offload_params", ACCEL_REF(fsdp.fsdp_offload_params),
+                          "Keep parameter shards, gradients and optimizer state in host memory; "
+                          "the optimizer steps on the CPU.")),
+              "fsdp_config.fsdp_offload_params", false));
+  add(grouped(acc_(f_bool("fsdp_config.fsdp_cpu_offload", ACCEL_REF(fsdp.fsdp_offload_params),
+                          "The spelling Transformers' docs use for fsdp_offload_params.")),
+              "fsdp_config.fsdp_offload_params", true));
   add(acc_(f_bool("fsdp_config.fsdp_activation_checkpointing",
                   ACCEL_REF(fsdp.fsdp_activation_checkpointing),
                   "Recompute each decoder layer's activations in backward (same as "
@@ -1023,15 +1031,99 @@ std::string leaf_of(const std::string& p) {
   return d == std::string::npos ? p : p.substr(d + 1);
 }
 
+// Hugging Face Trainer (TrainingArguments) and Accelerate names people type for our keys, tried
+// before edit distance: by full path first, then by the last name anywhere. `key` is our key
+// ("" when there is none); `hint` says how the setting is spelled here.
+struct Synonym {
+  const char* name;
+  const char* key;
+  const char* hint;
+};
+const std::vector<Synonym>& key_synonyms() {
+  static const std::vector<Synonym> s = {
+      {"learning_rate", "optimizer.lr", "Trainer's learning_rate"},
+      {"lr", "optimizer.lr", "the peak learning rate"},
+      {"num_train_epochs", "",
+       "epochs are not supported yet: a run is counted in optimizer steps, set training.max_steps"},
+      {"num_epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
+      {"epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
+      {"report_to", "",
+       "there are no tracker integrations: metrics go to training.output_dir/metrics.jsonl "
+       "(logging.metrics_file) and loss.svg"},
+      {"log_with", "",
+       "there are no tracker integrations: metrics go to training.output_dir/metrics.jsonl "
+       "(logging.metrics_file) and loss.svg"},
+      {"per_device_train_batch_size", "training.micro_batch_size", "sequences per process"},
+      {"train_micro_batch_size_per_gpu", "training.micro_batch_size", "sequences per process"},
+      {"train_batch_size", "training.micro_batch_size", "sequences per process"},
+      {"batch_size", "training.micro_batch_size", "sequences per process"},
+      {"per_device_eval_batch_size", "training.eval_batches",
+       "evaluation runs training.eval_batches micro-batches of training.micro_batch_size"},
+      {"warmup_ratio", "optimizer.warmup_steps", "a number of steps, not a ratio"},
+      {"lr_scheduler_type", "optimizer.lr_schedule", "constant, linear or cosine"},
+      {"lr_scheduler", "optimizer.lr_schedule", "constant, linear or cosine"},
+      {"scheduler", "optimizer.lr_schedule", "constant, linear or cosine"},
+      {"adam_beta1", "optimizer.beta1", "Trainer's adam_beta1"},
+      {"adam_beta2", "optimizer.beta2", "Trainer's adam_beta2"},
+      {"adam_epsilon", "optimizer.eps", "Trainer's adam_epsilon"},
+      {"max_grad_norm", "optimizer.grad_clip", "the global gradient-norm limit"},
+      {"clip_grad_norm", "optimizer.grad_clip", "the global gradient-norm limit"},
+      {"optim", "optimizer.name", "adamw or sgd"},
+      {"bf16", "mixed_precision", "mixed_precision: bf16"},
+      {"fp16", "mixed_precision", "mixed_precision: fp16"},
+      {"logging_steps", "training.log_every", "a metrics line every N steps"},
+      {"save_steps", "checkpoint.every_steps", "a checkpoint every N steps"},
+      {"save_total_limit", "checkpoint.keep_last", "checkpoints kept"},
+      {"save_only_model", "checkpoint.save_optimizer", "false saves the model only"},
+      {"eval_steps", "training.eval_every", "an evaluation every N steps"},
+      {"eval_strategy", "training.eval_every", "an evaluation every N steps (0 = off)"},
+      {"gradient_checkpointing", "training.activation_checkpointing", "recompute activations"},
+      {"tf32", "training.allow_tf32", "TF32 for fp32 GEMMs"},
+      {"ddp_backend", "distributed.backend", "nccl, cpu or auto"},
+      {"ddp_find_unused_parameters", "distributed.find_unused_parameters", "as in DDP"},
+      {"ddp_timeout", "distributed.timeout_s", "seconds"},
+      {"cpu", "use_cpu", "Accelerate's use_cpu"},
+      {"project_dir", "training.output_dir", "the output folder"},
+      {"logging_dir", "training.output_dir", "metrics.jsonl is written there"},
+      {"dynamo_backend", "dynamo_config", "accepted without effect"},
+      {"resume_from_checkpoint", "", "resume with accel-train --resume auto or --resume PATH"},
+      {"fsdp_config.cpu_offload", "fsdp_config.fsdp_offload_params", "FSDP's cpu_offload"},
+      {"deepspeed_config.stage", "deepspeed_config.zero_stage", "the ZeRO stage"},
+      {"deepspeed_config.offload_optimizer", "deepspeed_config.offload_optimizer_device",
+       "none or cpu"},
+      {"deepspeed_config.offload_param", "deepspeed_config.offload_param_device", "none or cpu"},
+  };
+  return s;
+}
+
 // "unknown key 'training.max_stpes'; did you mean 'training.max_steps'?"
 std::string unknown_key_message(const std::string& path) {
   const std::string parent = parent_of(path), leaf = lower(leaf_of(path));
+  {
+    const Synonym* hit = nullptr;
+    for (const auto& syn : key_synonyms())
+      if (lower(path) == syn.name) hit = &syn;
+    if (!hit)
+      for (const auto& syn : key_synonyms())
+        if (leaf == syn.name) hit = &syn;
+    if (hit && std::string(hit->key) != path) {
+      std::string msg = "unknown key '" + path + "'";
+      if (*hit->key)
+        return msg + "; did you mean '" + hit->key + "'? (" + hit->hint +
+               "; a whole Hugging Face TrainingArguments set goes in training_args:)";
+      return msg + ": " + hit->hint;
+    }
+  }
+  // Accelerate's plugin names without the fsdp_ prefix ("fsdp_config.sharding_strategy").
+  if (parent == "fsdp_config" && find_field("fsdp_config.fsdp_" + leaf))
+    return "unknown key '" + path + "'; did you mean 'fsdp_config.fsdp_" + leaf + "'?";
   std::vector<std::string> siblings;
   for (const auto& f : schema())
     if (parent_of(f.path) == parent) siblings.push_back(f.path);
   if (parent.empty())
     for (const auto& sec : kSections) siblings.push_back(sec);
   if (parent.empty()) siblings.push_back("extends");
+  if (parent.empty()) siblings.push_back("training_args");
   std::string best;
   size_t best_d = std::numeric_limits<size_t>::max();
   for (const auto& cand : siblings) {
@@ -1081,6 +1173,10 @@ struct Applier {
                         ": keys must be plain names, got " + describe(it->first));
       std::string key = it->first.Scalar();
       if (prefix.empty() && key == "extends") continue;  // handled by the file loader
+      if (prefix.empty() && key == "training_args") {
+        apply_training_args(*this, it->second, where, file);
+        continue;
+      }
       apply_key(prefix.empty() ? key : prefix + "." + key, it->second, where, file);
     }
   }
@@ -1088,6 +1184,11 @@ struct Applier {
   void apply_key(const std::string& path, const YAML::Node& v, const std::string& where,
                  const std::string& file = "") {
     const Field* f = find_field(path);
+    if (!f && (path == "training_args" || starts_with(path, "training_args.")))
+      fail(where,
+           "training_args is read from a config file (training_args:) or from accel-train "
+           "--training-args FILE.json; here set our own key instead (e.g. optimizer.lr for "
+           "learning_rate)");
     if (!f) {
       if (is_section(path)) {
         if (!v.IsDefined() || v.IsNull()) return;
@@ -1278,10 +1379,93 @@ void apply_deepspeed_json(Config& c, const std::string& file, Ctx& ctx) {
                         "accumulation, micro-batch size, precision and AdamW settings are used)");
 }
 
+// ---- training_args: Hugging Face TrainingArguments (runtime/training_args.h) -----------------
+
+// YAML as JSON, with TrainingArguments' types: quoted scalars stay strings; plain true/false,
+// null and numbers are typed (plain `no` stays the string Trainer's strategies use).
+nlohmann::json yaml_to_json(const YAML::Node& n) {
+  if (!n.IsDefined() || n.IsNull()) return nullptr;
+  if (n.IsSequence()) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& e : n) a.push_back(yaml_to_json(e));
+    return a;
+  }
+  if (n.IsMap()) {
+    nlohmann::json o = nlohmann::json::object();
+    for (auto it = n.begin(); it != n.end(); ++it)
+      o[it->first.IsScalar() ? it->first.Scalar() : flow(it->first)] = yaml_to_json(it->second);
+    return o;
+  }
+  const std::string& s = n.Scalar();
+  if (n.Tag() == "!") return s;
+  const std::string l = lower(trim(s));
+  if (l == "true" || l == "false") return l == "true";
+  if (l == "null" || l == "~") return nullptr;
+  const char* b = s.c_str();
+  char* e = nullptr;
+  errno = 0;
+  long long i = std::strtoll(b, &e, 10);
+  if (!s.empty() && e == b + s.size() && errno == 0) return i;
+  if (parses_as_number(s)) return std::strtod(b, nullptr);
+  return s;
+}
+
+// Applies the keys a TrainingArguments object maps to through the layer's own applier, so a
+// value that disagrees with the YAML's is an error naming both; prints the mapping as notices.
+void apply_training_args_json(Applier& a, const nlohmann::json& args,
+                              const std::function<std::string(const std::string&)>& at,
+                              const std::string& base_dir) {
+  TrainingArgsMapping m = map_training_args(args, at, base_dir);
+  for (const auto& k : m.keys) {
+    a.apply_key(k.key, YAML::Load(k.value.dump()), at(k.arg) + " (training_args " + k.from + ")");
+    std::string v = k.value.is_string() ? k.value.get<std::string>() : k.value.dump();
+    if (v.size() > 60) v = v.substr(0, 57) + "...";
+    a.cfg.notices.push_back("training_args " + k.from + " -> " + k.key + ": " + v);
+  }
+  for (auto& n : m.notices) a.cfg.notices.push_back(std::move(n));
+}
+
+void apply_training_args_file(Applier& a, const std::string& path, const std::string& where) {
+  nlohmann::json args = read_json_object_file(path, where);
+  apply_training_args_json(
+      a, args, [path](const std::string&) { return path; }, fs::path(path).parent_path().string());
+}
+
+// `training_args:` in a file: a map of TrainingArguments names, or the path of a JSON dump
+// (relative to this file, else to the working directory).
+void apply_training_args(Applier& a, const YAML::Node& v, const std::string& where,
+                         const std::string& file) {
+  if (!v.IsDefined() || v.IsNull()) return;
+  if (v.IsScalar()) {
+    fs::path p(trim(v.Scalar()));
+    std::error_code ec;
+    if (p.is_relative() && fs::exists(fs::path(a.base_dir) / p, ec)) p = fs::path(a.base_dir) / p;
+    apply_training_args_file(a, p.lexically_normal().string(), where + ": training_args");
+    return;
+  }
+  if (!v.IsMap()) {
+    Ctx c{"training_args", where, a.kind, a.base_dir, &a};
+    type_error(c, "a map of TrainingArguments names or the path of a TrainingArguments JSON", v);
+  }
+  std::map<std::string, std::string> lines;
+  for (auto it = v.begin(); it != v.end(); ++it)
+    if (it->first.IsScalar())
+      lines[it->first.Scalar()] = file + ":" + std::to_string(it->first.Mark().line + 1);
+  apply_training_args_json(
+      a, yaml_to_json(v),
+      [lines, where](const std::string& name) {
+        auto it = lines.find(name);
+        return it == lines.end() ? where : it->second;
+      },
+      a.base_dir);
+}
+
 // ---- files and extends ------------------------------------------------------------------------
 
+// `training_args` (the top-level file only): a TrainingArguments JSON applied with this file's
+// keys.
 void apply_file(Config& cfg, const std::string& path, const std::string& included_from,
-                std::vector<std::string>& chain) {
+                std::vector<std::string>& chain, const std::string& training_args = "") {
   std::error_code ec;
   fs::path canon = fs::weakly_canonical(fs::path(path), ec);
   std::string key = ec ? path : canon.string();
@@ -1302,7 +1486,7 @@ void apply_file(Config& cfg, const std::string& path, const std::string& include
   } catch (const YAML::Exception& e) {
     fail(path, std::string("cannot read: ") + e.what());
   }
-  if (!root.IsDefined() || root.IsNull()) return;  // an empty file sets nothing
+  if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);  // sets nothing
   if (!root.IsMap()) fail(path, "the top level must be a map of keys, got " + describe(root));
 
   chain.push_back(key);
@@ -1327,6 +1511,7 @@ void apply_file(Config& cfg, const std::string& path, const std::string& include
   }
   Applier a{cfg, LayerKind::File, dir.empty() ? "." : dir, {}};
   a.apply_map(root, "", path);
+  if (!training_args.empty()) apply_training_args_file(a, training_args, "--training-args");
   chain.pop_back();
 }
 
@@ -1366,6 +1551,13 @@ void resolve(Config& c) {
   c.deepspeed.gradient_clipping = c.optimizer.grad_clip;
   c.deepspeed.gradient_accumulation_steps = c.gradient_accumulation_steps;
 
+  // Accelerate runs a MULTI_GPU config's processes on the CPU when use_cpu is set.
+  if (c.use_cpu && c.distributed_type == DistributedType::MultiGpu) {
+    c.notices.push_back("use_cpu is true (" + origin(c, "use_cpu") +
+                        "): distributed_type MULTI_GPU runs as MULTI_CPU (DDP over CPU "
+                        "processes), as in Accelerate");
+    c.distributed_type = DistributedType::MultiCpu;
+  }
   if (c.use_cpu) {
     if (c.training.device == DeviceChoice::Cuda)
       throw ConfigError(origin(c, "training.device") +
@@ -1628,6 +1820,10 @@ void validate_config(const Config& c) {
 
 Config default_config() { return Config(); }
 
+size_t config_edit_distance(const std::string& a, const std::string& b) {
+  return edit_distance(a, b);
+}
+
 std::map<std::string, std::string> environment_variables() {
   std::map<std::string, std::string> env;
   for (char** e = environ; e && *e; ++e) {
@@ -1639,12 +1835,16 @@ std::map<std::string, std::string> environment_variables() {
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& set_overrides,
-                   const std::map<std::string, std::string>& env) {
+                   const std::map<std::string, std::string>& env,
+                   const std::string& training_args_path) {
   Config cfg;
   if (!path.empty()) {
     cfg.source_path = path;
     std::vector<std::string> chain;
-    apply_file(cfg, path, "", chain);
+    apply_file(cfg, path, "", chain, training_args_path);
+  } else if (!training_args_path.empty()) {
+    Applier a{cfg, LayerKind::File, ".", {}};
+    apply_training_args_file(a, training_args_path, "--training-args");
   }
 
   // Environment: ACCEL_<PATH> with '.' spelled "__" ("ACCEL_TRAINING__MAX_STEPS"). Variables

@@ -216,8 +216,11 @@ Config default_config();
 // defaults < `path` (and the files it extends) < env (ACCEL_<SECTION>__<KEY>, see docs/config.md)
 // < set_overrides ("a.b=c"). `path` may be empty (no file). Pass environment_variables() as env
 // in tools; tests pass a map. Throws ConfigError.
+// `training_args_path`, when given, is a Hugging Face TrainingArguments JSON (accel-train
+// --training-args) applied together with `path`'s own keys (see runtime/training_args.h).
 Config load_config(const std::string& path, const std::vector<std::string>& set_overrides = {},
-                   const std::map<std::string, std::string>& env = {});
+                   const std::map<std::string, std::string>& env = {},
+                   const std::string& training_args_path = "");
 
 // The process environment as a map (for load_config).
 std::map<std::string, std::string> environment_variables();
@@ -244,5 +247,9 @@ std::vector<ConfigKeyInfo> config_keys();
 
 // The per-section key tables of docs/config.md, generated from config_keys().
 std::string config_reference_markdown();
+
+// Edit distance used for "did you mean" suggestions (insertions, deletions, substitutions and
+// adjacent transpositions each cost one).
+size_t config_edit_distance(const std::string& a, const std::string& b);
 
 }  // namespace accel

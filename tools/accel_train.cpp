@@ -1,5 +1,5 @@
-// accel-train --config FILE [--set KEY=VALUE ...] [--output-dir DIR] [--resume auto|PATH]
-//             [--move-newer-checkpoints-aside] [--print-config]
+// accel-train --config FILE [--training-args FILE.json] [--set KEY=VALUE ...] [--output-dir DIR]
+//             [--resume auto|PATH] [--move-newer-checkpoints-aside] [--print-config]
 #include <CLI/CLI.hpp>
 
 #include "tools/cli.h"
@@ -9,6 +9,8 @@ int main(int argc, char** argv) {
   CLI::App app{"accel-train: train a Llama-class model from one YAML file"};
   accel::TrainOptions o;
   app.add_option("--config,-c", o.config_path, "YAML config (Accelerate keys + our sections)");
+  app.add_option("--training-args", o.training_args,
+                 "Hugging Face TrainingArguments JSON (to_json_string()), mapped onto our keys");
   app.add_option("--set", o.overrides, "override a key, e.g. --set training.max_steps=100")
       ->allow_extra_args(false);
   app.add_option("--output-dir,-o", o.output_dir, "output folder (overrides training.output_dir)");

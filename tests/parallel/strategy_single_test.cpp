@@ -71,7 +71,7 @@ std::vector<Variant> variants() {
   s.compute = DType::F16;
   out.push_back({"fp16", s});
   s = RunSpec{};
-  s.optimizer = "sgd";
+  s.optimizer = OptimizerName::Sgd;
   s.tied_embeddings = true;
   out.push_back({"sgd, tied embeddings", s});
   s = RunSpec{};

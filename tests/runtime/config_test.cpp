@@ -365,8 +365,6 @@ TEST_F(ConfigTest, ImpossibleCombinationsFail) {
        {"machine_rank 2 is outside 0..1"}},
       {"distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 3\n",
        {"num_processes 3 is not a multiple of num_machines 2"}},
-      {"distributed_type: MULTI_GPU\nnum_processes: 2\nuse_cpu: true\n",
-       {"use_cpu is true but distributed_type is MULTI_GPU"}},
       {"use_cpu: true\ntraining:\n  device: cuda\n",
        {"training.device is cuda but use_cpu is true"}},
       {"distributed_type: MULTI_CPU\ntraining:\n  device: cuda\n",

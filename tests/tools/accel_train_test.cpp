@@ -226,4 +226,78 @@ TEST(AccelTrain, PrintConfigPrintsEffectiveYaml) {
   EXPECT_NE(r.output.find("max_steps: 77"), std::string::npos) << r.output;
 }
 
+// A TrainingArguments dump (TrainingArguments(...).to_json_string()) trains with the mapping
+// listed at start: run length, batch, logging, evaluation and checkpoint cadence come from it.
+TEST(AccelTrain, TrainsFromAHuggingFaceTrainingArgumentsDump) {
+  fs::path d = temp_dir("training_args");
+  {
+    std::ofstream t(d / "text.txt");
+    for (int i = 0; i < 400; ++i) t << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  fs::path cfg = write_config(d, R"(
+model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 64,
+        max_position_embeddings: 64}
+training: {seq_len: 16, progress: plain}
+data: {source: text, text_files: [)" +
+                                     (d / "text.txt").string() + R"(], eval_fraction: 0.1}
+)");
+  const std::string args = std::string(ACCEL_TEST_DATA_DIR) + "/config/training_args.json";
+  Result r = run_accel_train("--config " + cfg.string() + " --training-args " + args +
+                             " --output-dir " + (d / "out").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* line :
+       {"note: training_args learning_rate=0.001 -> optimizer.lr: 0.001",
+        "note: training_args max_steps=30 -> training.max_steps: 30",
+        "note: training_args per_device_train_batch_size=4 -> training.micro_batch_size: 4",
+        "note: training_args eval_strategy=steps, eval_steps=10 -> training.eval_every: 10",
+        "note: key training_args.report_to=[\"tensorboard\"] has no effect"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  auto m = read_metrics(d / "out" / "metrics.jsonl");
+  std::vector<int64_t> logged, evaluated;
+  for (const auto& j : m) {
+    if (j.contains("loss")) logged.push_back(j["step"].get<int64_t>());
+    if (j.contains("eval_loss") && j.contains("step"))
+      evaluated.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(logged, (std::vector<int64_t>{5, 10, 15, 20, 25, 30}));  // logging_steps 5
+  EXPECT_EQ(evaluated, (std::vector<int64_t>{10, 20, 30}));          // eval_steps 10
+  // save_steps 10 with save_total_limit 2: the newest two remain.
+  EXPECT_FALSE(fs::exists(d / "out" / "checkpoints" / "step_10"));
+  EXPECT_TRUE(fs::exists(d / "out" / "checkpoints" / "step_20"));
+  EXPECT_TRUE(fs::exists(d / "out" / "checkpoints" / "step_30"));
+  // A YAML key disagreeing with the dump is an error naming both, before anything runs.
+  fs::path clash = d / "clash.yaml";
+  std::ofstream(clash) << "optimizer: {lr: 0.01}\n";
+  Result c = run_accel_train("--config " + clash.string() + " --training-args " + args);
+  EXPECT_EQ(c.code, 2) << c.output;
+  EXPECT_NE(c.output.find("training_args learning_rate=0.001"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("optimizer.lr = 0.01"), std::string::npos) << c.output;
+}
+
+// The configs Accelerate's and Transformers' docs print (tests/data/config/docs_*) train on the
+// CPU as they are: a run file extends each and adds only a tiny model and synthetic data; the
+// command line overrides num_processes and use_cpu.
+TEST(AccelTrain, TheDocsConfigsRunOnTheCpu) {
+  fs::path d = temp_dir("docs_configs");
+  for (const auto& [name, procs] :
+       std::vector<std::pair<std::string, int>>{{"docs_transformers_fsdp2", 2},
+                                                {"docs_fp8_te", 1},
+                                                {"docs_fp8_ao_fsdp2", 2},
+                                                {"docs_deepspeed_zero3", 2},
+                                                {"docs_multi_gpu", 2}}) {
+    fs::path run = d / (name + ".yaml");
+    std::ofstream(run)
+        << "extends: " << ACCEL_TEST_DATA_DIR << "/config/" << name << ".yaml\n"
+        << "model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,\n"
+           "        intermediate_size: 64, vocab_size: 64, max_position_embeddings: 64}\n"
+           "training: {max_steps: 3, micro_batch_size: 2, seq_len: 16, progress: plain}\n"
+           "data: {source: synthetic}\n";
+    Result r = run_accel_train(
+        "--config " + run.string() + " --set num_processes=" + std::to_string(procs) +
+        " --set use_cpu=true --output-dir " + (d / ("out_" + name)).string());
+    EXPECT_EQ(r.code, 0) << name << "\n" << r.output;
+    EXPECT_NE(r.output.find("done: 3 steps"), std::string::npos) << name << "\n" << r.output;
+  }
+}
+
 }  // namespace

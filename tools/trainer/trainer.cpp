@@ -16,7 +16,8 @@ namespace accel {
 namespace {
 int run(const TrainOptions& options, int argc, char** argv) {
   // The config is loaded and the launch environment detected once, here.
-  Config cfg = load_config(options.config_path, options.overrides, environment_variables());
+  Config cfg = load_config(options.config_path, options.overrides, environment_variables(),
+                           options.training_args);
   if (!options.output_dir.empty()) cfg.training.output_dir = options.output_dir;
   if (options.print_config) {
     std::cout << config_to_yaml(cfg);

@@ -9,6 +9,7 @@ namespace accel {
 struct TrainOptions {
   std::string config_path;             // may be empty: built-in defaults
   std::vector<std::string> overrides;  // --set key=value
+  std::string training_args;           // --training-args FILE.json (Hugging Face TrainingArguments)
   std::string output_dir;              // --output-dir (overrides training.output_dir)
   std::string resume;                  // --resume auto|PATH ("" = fresh run)
   bool print_config = false;           // print the effective config and exit
