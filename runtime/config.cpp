@@ -989,6 +989,9 @@ std::vector<Field> build_schema() {
   // ---- logging ----
   add(f_str("logging.metrics_file", ACCEL_REF(logging.metrics_file),
             "JSON-lines metrics file, relative to training.output_dir."));
+  add(f_bool("logging.tensorboard", ACCEL_REF(logging.tensorboard),
+             "TensorBoard event files in training.output_dir/tb/ (every number of "
+             "metrics.jsonl as a scalar; `tensorboard --logdir OUTPUT_DIR/tb`)."));
 
   // ---- distributed ----
   add(f_enum("distributed.backend", ACCEL_REF(distributed.backend),
@@ -1047,12 +1050,12 @@ const std::vector<Synonym>& key_synonyms() {
        "epochs are not supported yet: a run is counted in optimizer steps, set training.max_steps"},
       {"num_epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
       {"epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
-      {"report_to", "",
-       "there are no tracker integrations: metrics go to training.output_dir/metrics.jsonl "
-       "(logging.metrics_file) and loss.svg"},
-      {"log_with", "",
-       "there are no tracker integrations: metrics go to training.output_dir/metrics.jsonl "
-       "(logging.metrics_file) and loss.svg"},
+      {"report_to", "logging.tensorboard",
+       "TensorBoard files are written to training.output_dir/tb (on by default); metrics also go "
+       "to metrics.jsonl (logging.metrics_file)"},
+      {"log_with", "logging.tensorboard",
+       "TensorBoard files are written to training.output_dir/tb (on by default); metrics also go "
+       "to metrics.jsonl (logging.metrics_file)"},
       {"per_device_train_batch_size", "training.micro_batch_size", "sequences per process"},
       {"train_micro_batch_size_per_gpu", "training.micro_batch_size", "sequences per process"},
       {"train_batch_size", "training.micro_batch_size", "sequences per process"},

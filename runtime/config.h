@@ -126,6 +126,7 @@ struct CheckpointConfig {
 
 struct LoggingConfig {
   std::string metrics_file = "metrics.jsonl";
+  bool tensorboard = true;  // event files in <output_dir>/tb/
 };
 
 // Our `distributed:` section.

@@ -413,16 +413,27 @@ std::vector<Arg> build_table() {
            if (v.is_boolean() && v.get<bool>())
              m.set("disable_tqdm", m.shown("disable_tqdm"), "training.progress", "plain");
          });
-  mapped("report_to", json::array(), "-",
-         "none/[] is fine; an integration gets a notice: metrics go to metrics.jsonl "
-         "(logging.metrics_file) and loss.svg in output_dir.",
+  mapped("report_to", json::array(), "logging.tensorboard",
+         "tensorboard (alone or in a list) -> true; none/[] leaves it at its default (true); "
+         "another integration gets a notice: metrics go to metrics.jsonl, loss.svg and tb/.",
          [](Mapper& m, const json& v) {
-           bool none = empty_value(v) || (v.is_string() && lower(v.get<std::string>()) == "none") ||
-                       (v.is_array() && v.size() == 1 && v[0] == "none");
-           if (!none)
+           std::vector<std::string> names;
+           if (v.is_string()) names.push_back(lower(v.get<std::string>()));
+           if (v.is_array())
+             for (const json& e : v)
+               if (e.is_string()) names.push_back(lower(e.get<std::string>()));
+           std::string others;
+           for (const std::string& n : names) {
+             if (n == "tensorboard")
+               m.set("report_to", m.shown("report_to"), "logging.tensorboard", true);
+             else if (n != "none")
+               others += (others.empty() ? "" : ", ") + n;
+           }
+           if (!others.empty())
              m.notice("report_to", v,
-                      "no tracker integrations: metrics go to metrics.jsonl "
-                      "(logging.metrics_file) and loss.svg in training.output_dir");
+                      "no integration for " + others +
+                          ": metrics go to metrics.jsonl (logging.metrics_file), loss.svg and "
+                          "TensorBoard files in training.output_dir/tb");
          });
   no_effect("run_name", null, "only trackers use it", true);
   no_effect("project", "huggingface", "only trackers use it", true);

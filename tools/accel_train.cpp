@@ -1,6 +1,7 @@
 // accel-train --config FILE [--training-args FILE.json] [--set KEY=VALUE ...] [--output-dir DIR]
-//             [--resume auto|PATH] [--move-newer-checkpoints-aside] [--print-config]
+//             [--resume auto|PATH] [--move-newer-checkpoints-aside] [--print-config] [-v]
 #include <CLI/CLI.hpp>
+#include <cstdio>
 
 #include "tools/cli.h"
 #include "tools/trainer/trainer.h"
@@ -21,6 +22,13 @@ int main(int argc, char** argv) {
                "step_N.superseded instead of refusing")
       ->needs(resume);
   app.add_flag("--print-config", o.print_config, "print the effective config and exit");
+  app.add_flag("--verbose,-v", o.verbose,
+               "print the effective config at the start (it is always saved to the output folder)");
+  if (argc == 1) {  // nothing asked for: say how to ask, write nothing
+    std::fprintf(stderr, "%s\nexample: accel-train --config configs/llama-tiny.yaml\n",
+                 app.help().c_str());
+    return 2;
+  }
   if (auto code = accel::parse_command_line(app, argc, argv)) return *code;
   return accel::run_training(o, argc, argv);
 }

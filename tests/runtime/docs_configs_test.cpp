@@ -23,7 +23,6 @@ std::string spelled(const T& v) {
     return v;
 }
 
-
 const std::string kData = std::string(ACCEL_TEST_DATA_DIR) + "/config/";
 
 bool has_notice(const Config& c, const std::string& piece) {

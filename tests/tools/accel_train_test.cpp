@@ -250,7 +250,7 @@ data: {source: text, text_files: [)" +
         "note: training_args max_steps=30 -> training.max_steps: 30",
         "note: training_args per_device_train_batch_size=4 -> training.micro_batch_size: 4",
         "note: training_args eval_strategy=steps, eval_steps=10 -> training.eval_every: 10",
-        "note: key training_args.report_to=[\"tensorboard\"] has no effect"})
+        "note: training_args report_to=[\"tensorboard\"] -> logging.tensorboard: true"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
   auto m = read_metrics(d / "out" / "metrics.jsonl");
   std::vector<int64_t> logged, evaluated;

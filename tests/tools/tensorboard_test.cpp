@@ -7,11 +7,13 @@
 
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "tests/data/test_util.h"
+#include "tests/tools/run_tool.h"
 #include "trainer/tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
 
 namespace fs = std::filesystem;
@@ -114,6 +116,62 @@ TEST(TensorBoard, AFolderThatCannotBeMadeIsAnErrorNamingIt) {
     EXPECT_NE(std::string(e.what()).find(file.string()), std::string::npos) << e.what();
   }
   fs::remove(file);
+}
+
+// The scalars of every event file in `dir`, by (tag, step); each (tag, step) at most once.
+std::map<std::pair<std::string, int64_t>, float> scalars_in(const fs::path& dir) {
+  std::map<std::pair<std::string, int64_t>, float> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    for (const tensorflow::Event& ev : read_events(e.path().string()))
+      for (const auto& v : ev.summary().value()) {
+        const auto key = std::make_pair(v.tag(), ev.step());
+        EXPECT_EQ(out.count(key), 0u) << v.tag() << " at step " << ev.step() << " twice";
+        out[key] = v.simple_value();
+      }
+  return out;
+}
+
+// What metrics.jsonl says, in the same form (numbers as float32, as TensorBoard keeps them).
+std::map<std::pair<std::string, int64_t>, float> scalars_of_metrics(const fs::path& file) {
+  std::map<std::pair<std::string, int64_t>, float> out;
+  for (const nlohmann::json& j : accel::tool_test::read_metrics(file))
+    if (j.contains("step"))
+      for (const auto& [tag, v] : accel::metrics_scalars(j))
+        out[{tag, j["step"].get<int64_t>()}] = static_cast<float>(v);
+  return out;
+}
+
+const char* kTiny = R"(
+model: {hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,
+        intermediate_size: 64, vocab_size: 64, max_position_embeddings: 64}
+training: {seed: 7, max_steps: 8, micro_batch_size: 2, seq_len: 16, log_every: 2, progress: plain,
+           device: cpu}
+data: {source: synthetic}
+checkpoint: {every_steps: 4, keep_last: 0}
+)";
+
+TEST(TensorBoard, ARunsEventFilesHoldEveryMetricsScalarOnceAlsoAfterAResume) {
+  const fs::path d = accel::tool_test::fresh_temp_dir("accel_tb_run", "resume");
+  const fs::path cfg = accel::tool_test::write_config(d, kTiny);
+  const std::string out = (d / "out").string();
+  auto r = accel::tool_test::run_accel_train("--config " + cfg.string() + " --output-dir " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto want = scalars_of_metrics(d / "out" / "metrics.jsonl");
+  EXPECT_GT(want.size(), 20u);
+  EXPECT_EQ(scalars_in(d / "out" / "tb"), want);
+  // Resume from step 4: steps 5-8 run again; the event files still hold each step once.
+  r = accel::tool_test::run_accel_train("--config " + cfg.string() + " --output-dir " + out +
+                                        " --resume " + out + "/checkpoints/step_4" +
+                                        " --move-newer-checkpoints-aside");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto resumed = scalars_of_metrics(d / "out" / "metrics.jsonl");
+  EXPECT_EQ(scalars_in(d / "out" / "tb"), resumed);
+  EXPECT_EQ(resumed.count({"loss", 8}), 1u);
+  // logging.tensorboard: false writes none.
+  r = accel::tool_test::run_accel_train("--config " + cfg.string() + " --output-dir " + out +
+                                        "2 --set logging.tensorboard=false");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(d / "out2" / "tb"));
 }
 
 }  // namespace

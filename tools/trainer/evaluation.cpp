@@ -4,33 +4,10 @@
 #include <cmath>
 #include <vector>
 
+#include "tools/trainer/generate.h"
 #include "tools/trainer/run.h"
 
 namespace accel {
-
-namespace {
-std::string greedy_sample(LlamaForCausalLM& model, const Tokenizer& tok, const std::string& prompt,
-                          int64_t n, Device device) {
-  NoGradGuard no_grad;
-  std::vector<uint32_t> ids;
-  tok.encode(prompt, &ids);
-  if (ids.empty()) ids.push_back(0);
-  std::vector<uint32_t> generated;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t ctx =
-        std::min<int64_t>(static_cast<int64_t>(ids.size()), model.config.max_position_embeddings);
-    std::vector<int64_t> window(ids.end() - ctx, ids.end());
-    Tensor in = Tensor::from_vector(window, {1, ctx}, DType::I64, device);
-    Tensor logits = model.forward(in);
-    std::vector<double> last = narrow(reshape(logits, {ctx, -1}), 0, ctx - 1, 1).to_vector();
-    uint32_t best =
-        static_cast<uint32_t>(std::max_element(last.begin(), last.end()) - last.begin());
-    ids.push_back(best);
-    generated.push_back(best);
-  }
-  return tok.decode(generated);
-}
-}  // namespace
 
 double evaluate(Run& run) {
   BatchSource* eval = run.data.eval.get();
@@ -54,7 +31,12 @@ std::string final_sample(Run& run) {
   if (t.sample_tokens <= 0 || !run.tokenizer) return "";
   if (!run.main_rank() && !run.strategy->forward_is_collective()) return "";
   Precision::EvalScope scope(*run.precision);
-  return greedy_sample(*run.model, *run.tokenizer, t.sample_prompt, t.sample_tokens, run.device);
+  std::vector<uint32_t> prompt = run.tokenizer->encode(t.sample_prompt);
+  if (prompt.empty()) prompt.push_back(0);
+  SamplingOptions greedy;  // what accel-generate --temperature 0 gives
+  greedy.temperature = 0;
+  greedy.max_new_tokens = t.sample_tokens;
+  return run.tokenizer->decode(generate(*run.model, prompt, greedy, run.device));
 }
 
 }  // namespace accel

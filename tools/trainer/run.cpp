@@ -53,6 +53,13 @@ Device resolve_device(const Config& cfg, int local_rank) {
         "set training.device: cpu");
   const bool want_cuda =
       d == DeviceChoice::Cuda || (d == DeviceChoice::Auto && !cfg.use_cpu && cuda::available());
+  // MULTI_GPU means GPUs: DDP over CPU processes is asked for by name, never fallen back to.
+  if (!want_cuda && cfg.distributed_type == DistributedType::MultiGpu)
+    throw UsageError(std::string("distributed_type is MULTI_GPU but ") +
+                     (cuda::available() ? "training.device is cpu"
+                                        : "no CUDA device is usable in this build/machine") +
+                     ": set use_cpu: true (Accelerate's way) or distributed_type: MULTI_CPU to "
+                     "run DDP over CPU processes");
   if (!want_cuda) return Device::cpu();
   int n = cuda::device_count();
   int idx = cfg.gpu_id_list.empty() ? local_rank % std::max(n, 1) : cfg.gpu_id_list.at(local_rank);
@@ -167,7 +174,7 @@ OptimizerOptions optimizer_options(const OptimizerConfig& c) {
 
 }  // namespace
 
-Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming) {
+Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_config) {
   Run run;
   run.cfg = std::move(cfg);
   const Config& c = run.cfg;
@@ -189,8 +196,14 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming) {
   run.config_yaml = config_to_yaml(c);
   if (run.main_rank()) {
     write_config_yaml(out_dir, run.config_yaml);
-    std::fprintf(stderr, "accel-train: effective configuration (also in %s/config.yaml)\n%s",
-                 out_dir.c_str(), run.config_yaml.c_str());
+    if (print_config)
+      std::fprintf(stderr, "accel-train: effective configuration (also in %s/config.yaml)\n%s",
+                   out_dir.c_str(), run.config_yaml.c_str());
+    else
+      std::fprintf(stderr,
+                   "accel-train: output in %s (config.yaml there is the effective configuration; "
+                   "-v prints it)\n",
+                   out_dir.c_str());
     for (const std::string& n : c.notices) std::fprintf(stderr, "note: %s\n", n.c_str());
   }
 

@@ -71,6 +71,7 @@ struct Run {
 //   5. the strategy (precision attaches what it needs, then setup: master weights, compute
 //      copies, shards)
 //   6. data: training and evaluation sources, the tokenizer
-Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming);
+// `print_config`: the effective config goes to stderr too (it is always written to config.yaml).
+Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_config = false);
 
 }  // namespace accel

@@ -65,10 +65,28 @@ nlohmann::json HostTimes::take_ms_per_step(int64_t steps) {
   return j;
 }
 
-MetricsFile::MetricsFile(const std::string& path, bool append) : path_(path) {
+MetricsFile::MetricsFile(const std::string& path, bool append, const std::string& tensorboard_dir)
+    : path_(path) {
   errno = 0;
   out_.open(path, append ? std::ios::app : std::ios::trunc);
   if (!out_.is_open()) throw std::runtime_error(why_not(path, "opening the metrics file"));
+  if (tensorboard_dir.empty()) return;
+  // The event files say what metrics.jsonl says: older ones would keep a resumed run's re-run
+  // steps twice, so they go and the kept lines are written again.
+  std::error_code ec;
+  if (fs::is_directory(tensorboard_dir, ec))
+    for (const auto& e : fs::directory_iterator(tensorboard_dir))
+      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path());
+  tensorboard_ = std::make_unique<TensorBoardWriter>(tensorboard_dir);
+  if (append) {
+    std::ifstream in(path);
+    const double now = wall_time_now();
+    for (std::string line; std::getline(in, line);) {
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_discarded()) tensorboard_->add_metrics(j, now);
+    }
+  }
+  tensorboard_->flush();
 }
 
 void MetricsFile::write(const nlohmann::json& line) {
@@ -76,6 +94,10 @@ void MetricsFile::write(const nlohmann::json& line) {
   errno = 0;
   out_ << line.dump() << "\n" << std::flush;
   if (!out_) throw std::runtime_error(why_not(path_, "writing the metrics file"));
+  if (tensorboard_) {
+    tensorboard_->add_metrics(line, wall_time_now());
+    tensorboard_->flush();
+  }
 }
 
 void truncate_metrics_after(const std::string& path, int64_t step) {
@@ -119,7 +141,9 @@ RunLog::RunLog(const Run& run, int64_t first_step)
       (fs::path(run.output_dir()) / run.cfg.logging.metrics_file).string();
   if (main_) {
     if (run.resuming) truncate_metrics_after(metrics_path, first_step);
-    metrics_ = MetricsFile(metrics_path, run.resuming);
+    metrics_ = MetricsFile(
+        metrics_path, run.resuming,
+        run.cfg.logging.tensorboard ? (fs::path(run.output_dir()) / "tb").string() : "");
     // The loss chart of a resumed run starts from its metrics file. A chart that cannot be
     // written (or read back) is worth a warning, not the run.
     if (first_step > 0 && fs::exists(metrics_path)) {
@@ -167,7 +191,10 @@ void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
       write_chart();
     }
   }
-  if (!logged_step(step)) return;
+  if (!logged_step(step)) {
+    progress_.tick(step);  // the bar moves every step; its numbers change at logged ones
+    return;
+  }
   const auto now = std::chrono::steady_clock::now();
   const double dt = std::chrono::duration<double>(now - last_log_).count();
   const int64_t steps_logged = step - last_log_step_;
@@ -250,6 +277,12 @@ void RunLog::finish(int64_t step, double final_eval,
   if (!sample.empty())
     std::fprintf(stderr, "sample (greedy): %s%s\n", run_.cfg.training.sample_prompt.c_str(),
                  sample.c_str());
+  if (run_.cfg.checkpoint.at_end && step > 0)
+    std::fprintf(stderr,
+                 "sample more: accel-generate --model %s/checkpoints/step_%lld --prompt \"%s\" "
+                 "--temperature 0.8 --top-p 0.95\n",
+                 run_.output_dir().c_str(), static_cast<long long>(step),
+                 run_.cfg.training.sample_prompt.c_str());
 }
 
 }  // namespace accel

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "runtime/device.h"          // host_wait_seconds
 #include "tools/trainer/loss_chart.h"
 #include "tools/trainer/progress.h"
+#include "tools/trainer/tensorboard.h"
 
 namespace accel {
 
@@ -48,16 +50,20 @@ class HostTimes {
 };
 
 // metrics.jsonl: opened for writing at construction (an error naming the file when it cannot
-// be), every line flushed and checked.
+// be), every line flushed and checked; with a TensorBoard folder, each line's numbers are
+// written there too (tools/trainer/tensorboard.h).
 class MetricsFile {
  public:
   MetricsFile() = default;  // writes nothing (ranks other than 0)
-  MetricsFile(const std::string& path, bool append);
+  // `tensorboard_dir` empty: no event files. When appending (a resume), the folder's event files
+  // are written anew from the metrics file, which then holds each step once.
+  MetricsFile(const std::string& path, bool append, const std::string& tensorboard_dir);
   void write(const nlohmann::json& line);
 
  private:
   std::string path_;
   std::ofstream out_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 // A resumed run re-runs the steps after its checkpoint: their lines (and any summary line) are

@@ -29,7 +29,7 @@ int run(const TrainOptions& options, int argc, char** argv) {
                                static_cast<int>(cfg.num_machines)))
     return run_local_ranks(static_cast<int>(cfg.num_processes), argc, argv,
                            local_launch_options(cfg.main_process_ip, cfg.main_process_port));
-  Run r = assemble_run(std::move(cfg), env, !options.resume.empty());
+  Run r = assemble_run(std::move(cfg), env, !options.resume.empty(), options.verbose);
   return train(r, ResumeRequest{options.resume, options.move_newer_checkpoints_aside});
 }
 }  // namespace

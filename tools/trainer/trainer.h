@@ -13,6 +13,7 @@ struct TrainOptions {
   std::string output_dir;              // --output-dir (overrides training.output_dir)
   std::string resume;                  // --resume auto|PATH ("" = fresh run)
   bool print_config = false;           // print the effective config and exit
+  bool verbose = false;                // -v: also print the effective config at the start
   // --move-newer-checkpoints-aside: a resume from an older step renames the newer checkpoints
   // (tools/trainer/checkpoint.h, handle_newer_checkpoints) instead of refusing.
   bool move_newer_checkpoints_aside = false;
