@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "models/fp8_linear.h"
+#include "runtime/json.h"
 #include "runtime/safetensors.h"
 
 namespace accel {
@@ -111,10 +112,9 @@ std::optional<std::string> find_checkpoint(const std::string& output_dir, const 
 LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size) {
   LoadedCheckpoint c;
   c.dir = dir;
-  std::ifstream in(fs::path(dir) / "trainer_state.json");
   nlohmann::json j;
   try {
-    in >> j;
+    j = read_json_file((fs::path(dir) / "trainer_state.json").string());
     c.state.step = j.at("step");
     c.state.optimizer_steps = j.at("optimizer_steps");
     c.state.seed = j.at("seed");

@@ -239,6 +239,7 @@ int train(const TrainOptions& opt) {
   const Device device = resolve_device(cfg, pre.local_rank);
   const DType cdt = compute_dtype(cfg);
   const LlamaConfig mc = model_config(cfg);
+  mc.check_batch(cfg.training.micro_batch_size, cfg.training.seq_len);  // init_from sizes too
   set_allow_tf32(device, cfg.training.allow_tf32);
   Distributed dist = init_distributed(cfg, device);
   const int rank = dist.env.rank, world = dist.env.world_size;
