@@ -204,23 +204,25 @@ std::string flow(const YAML::Node& n) {
   return out;
 }
 
-// The nodes a value stands for with its aliases expanded, counted up to `limit` (then limit + 1).
-size_t expanded_nodes(const YAML::Node& n, size_t limit) {
-  size_t count = 1;
-  if (!n.IsSequence() && !n.IsMap()) return count;
-  for (auto it = n.begin(); it != n.end() && count <= limit; ++it) {
-    if (n.IsSequence()) {
-      count += expanded_nodes(*it, limit - count);
-    } else {
-      count += expanded_nodes(it->first, limit - count);
-      if (count <= limit) count += expanded_nodes(it->second, limit - count);
-    }
-  }
-  return std::min(count, limit + 1);
-}
+// What a value stands for once its aliases are expanded: nodes and bytes of scalar text, counted
+// while walking and stopping as soon as either passes its bound (a chain of aliases, or many
+// aliases of one long scalar, stands for exponentially or quadratically more than the file).
+struct Expansion {
+  size_t nodes = 0, bytes = 0;
+};
+constexpr size_t kMaxKeptValueNodes = 10000, kMaxKeptValueBytes = 1 << 20;
 
-// The most nodes a value kept as a whole (dynamo_config, debug, ...) may expand to.
-constexpr size_t kMaxKeptValueNodes = 10000;
+bool expands_past_bounds(const YAML::Node& n, Expansion& e) {
+  if (++e.nodes > kMaxKeptValueNodes) return true;
+  if (n.IsScalar()) return (e.bytes += n.Scalar().size()) > kMaxKeptValueBytes;
+  if (!n.IsSequence() && !n.IsMap()) return false;
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    if (n.IsSequence() ? expands_past_bounds(*it, e)
+                       : expands_past_bounds(it->first, e) || expands_past_bounds(it->second, e))
+      return true;
+  }
+  return false;
+}
 
 // What a wrong value looked like, for messages.
 std::string describe(const YAML::Node& n) {
@@ -380,8 +382,12 @@ std::vector<std::string> parse_str_list(const Ctx& c, const YAML::Node& n) {
   if (v.IsScalar()) return {v.Scalar()};
   if (!v.IsSequence()) type_error(c, expected, n);
   std::vector<std::string> out;
+  size_t bytes = 0;  // aliases of one long string could stand for far more than the file
   for (const auto& e : v) {
     if (!e.IsScalar()) type_error(c, expected, n);
+    if ((bytes += e.Scalar().size()) > kMaxKeptValueBytes)
+      fail(c.where, c.path + ": the list holds more than " +
+                        std::to_string(kMaxKeptValueBytes >> 20) + " MiB of text");
     out.push_back(e.Scalar());
   }
   return out;
@@ -1161,10 +1167,12 @@ struct Applier {
           val = v;
         }
       }
-      if (expanded_nodes(val, kMaxKeptValueNodes) > kMaxKeptValueNodes)
+      Expansion e;
+      if (expands_past_bounds(val, e))
         fail(where, path + ": the value stands for more than " +
-                        std::to_string(kMaxKeptValueNodes) +
-                        " YAML nodes once its aliases (*name) are expanded; accel-train keeps "
+                        std::to_string(kMaxKeptValueNodes) + " YAML nodes or " +
+                        std::to_string(kMaxKeptValueBytes >> 20) +
+                        " MiB of text once its aliases (*name) are expanded; accel-train keeps "
                         "this key as written, so give it a small value without alias chains");
       cfg.inert[path] = flow(val);
       cfg.origins[path] = where;
