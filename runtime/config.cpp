@@ -1066,6 +1066,10 @@ std::string leaf_of(const std::string& p) {
 
 // "unknown key 'training.max_stpes'; did you mean 'training.max_steps'?"
 std::string unknown_key_message(const std::string& path) {
+  // No valid key is this long; comparing a hostile 256 KB key with every key took seconds.
+  if (path.size() > 200)
+    return "unknown key '" + text_excerpt(path) + "' (" + std::to_string(path.size()) +
+           " characters)";
   const std::string parent = parent_of(path), leaf = lower(leaf_of(path));
   std::vector<std::string> siblings;
   for (const auto& f : schema())
@@ -1746,7 +1750,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& set_
       }
       bool structured = rest.find("__") != std::string::npos;
       if (!structured && !find_field(p)) continue;
-      const std::string where = "environment variable " + name;
+      const std::string where = "environment variable " + text_excerpt(name);
       if (p == "extends") fail(where, "extends can only be used inside a config file");
       a.apply_key(p, YAML::Node(value), where);
     }
@@ -1755,7 +1759,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& set_
   {
     Applier a{cfg, LayerKind::Set, "", {}};
     for (const auto& s : set_overrides) {
-      const std::string where = "--set " + s;
+      const std::string where = "--set " + text_excerpt(s);
       auto eq = s.find('=');
       if (eq == std::string::npos || trim(s.substr(0, eq)).empty())
         fail(where, "expected KEY=VALUE, e.g. --set training.max_steps=100");
