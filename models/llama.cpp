@@ -8,6 +8,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "runtime/json.h"
 #include "runtime/safetensors.h"
 
 namespace accel {
@@ -15,23 +16,76 @@ namespace fs = std::filesystem;
 
 void LlamaConfig::validate() const {
   auto fail = [](const std::string& m) { throw std::invalid_argument("llama config: " + m); };
-  if (hidden_size <= 0 || intermediate_size <= 0 || num_hidden_layers <= 0 || vocab_size <= 0)
-    fail("hidden_size, intermediate_size, num_hidden_layers and vocab_size must be positive");
-  if (num_attention_heads <= 0 || num_key_value_heads <= 0)
-    fail("num_attention_heads and num_key_value_heads must be positive");
+  auto positive = [&](const char* key, int64_t v) {
+    if (v <= 0) fail(std::string(key) + " must be positive, got " + std::to_string(v));
+  };
+  positive("hidden_size", hidden_size);
+  positive("intermediate_size", intermediate_size);
+  positive("num_hidden_layers", num_hidden_layers);
+  positive("vocab_size", vocab_size);
+  positive("num_attention_heads", num_attention_heads);
+  positive("num_key_value_heads", num_key_value_heads);
+  positive("max_position_embeddings", max_position_embeddings);
   if (num_attention_heads % num_key_value_heads != 0)
     fail("num_attention_heads (" + std::to_string(num_attention_heads) +
          ") must be a multiple of num_key_value_heads (" + std::to_string(num_key_value_heads) +
          ")");
-  if (head_dim <= 0 || head_dim % 2 != 0) fail("head_dim must be positive and even for RoPE");
+  if (head_dim <= 0 || head_dim % 2 != 0)
+    fail("head_dim must be positive and even for RoPE, got " + std::to_string(head_dim));
+  if (!(std::isfinite(rope_theta) && rope_theta > 0))
+    fail("rope_theta must be a positive number, got " + std::to_string(rope_theta));
+  if (!(std::isfinite(rms_norm_eps) && rms_norm_eps > 0))
+    fail("rms_norm_eps must be a positive number, got " + std::to_string(rms_norm_eps));
+  if (!(std::isfinite(initializer_range) && initializer_range >= 0))
+    fail("initializer_range must be a non-negative number, got " +
+         std::to_string(initializer_range));
+  // Every size product the model forms must fit: an overflowed element count allocates too
+  // little and is written past its end.
+  struct Product {
+    const char* what;
+    Shape factors;
+  };
+  const Product products[] = {
+      {"vocab_size x hidden_size (model.embed_tokens.weight)", {vocab_size, hidden_size}},
+      {"num_attention_heads x head_dim (q_proj outputs)", {num_attention_heads, head_dim}},
+      {"num_attention_heads x head_dim x hidden_size (q_proj.weight)",
+       {num_attention_heads, head_dim, hidden_size}},
+      {"num_key_value_heads x head_dim x hidden_size (k_proj.weight)",
+       {num_key_value_heads, head_dim, hidden_size}},
+      {"intermediate_size x hidden_size (mlp.gate_proj.weight)", {intermediate_size, hidden_size}},
+      {"max_position_embeddings x head_dim (RoPE tables)", {max_position_embeddings, head_dim}},
+  };
+  for (const Product& p : products)
+    if (checked_numel(p.factors) < 0)
+      fail(std::string(p.what) + " = " + shape_str(p.factors) +
+           " is more elements than a tensor can hold (2^60); check the sizes");
+  if (num_parameters() < 0)
+    fail("the parameter count of " + std::to_string(num_hidden_layers) +
+         " layers overflows; check num_hidden_layers and the sizes");
+}
+
+void LlamaConfig::check_batch(int64_t micro_batch_size, int64_t seq_len) const {
+  // The largest activations of one micro-batch: the logits and the MLP's hidden states.
+  for (int64_t width : {vocab_size, intermediate_size, num_attention_heads * head_dim})
+    if (checked_numel({micro_batch_size, seq_len, width}) < 0)
+      throw std::invalid_argument(
+          "training.micro_batch_size " + std::to_string(micro_batch_size) + " x training.seq_len " +
+          std::to_string(seq_len) + " x " + std::to_string(width) +
+          " (a layer width of the model) is more elements than a tensor can hold (2^60)");
 }
 
 int64_t LlamaConfig::num_parameters() const {
-  int64_t attn = hidden_size * head_dim * (2 * num_attention_heads + 2 * num_key_value_heads);
-  int64_t mlp = 3 * hidden_size * intermediate_size;
-  int64_t layer = attn + mlp + 2 * hidden_size;
-  int64_t emb = vocab_size * hidden_size;
-  return emb * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * layer + hidden_size;
+  // Overflow-checked: validate() relies on a negative result for sizes that do not fit.
+  int64_t attn = 0, mlp = 0, layer = 0, emb = 0, layers = 0, n = 0, body = 0;
+  bool bad = __builtin_mul_overflow(hidden_size * head_dim,
+                                    2 * (num_attention_heads + num_key_value_heads), &attn) ||
+             __builtin_mul_overflow(3 * hidden_size, intermediate_size, &mlp) ||
+             __builtin_add_overflow(attn, mlp + 2 * hidden_size, &layer) ||
+             __builtin_mul_overflow(vocab_size * hidden_size, tie_word_embeddings ? 1 : 2, &emb) ||
+             __builtin_mul_overflow(num_hidden_layers, layer, &layers) ||
+             __builtin_add_overflow(layers, hidden_size, &body) ||
+             __builtin_add_overflow(emb, body, &n);
+  return bad ? -1 : n;
 }
 
 double LlamaConfig::flops_per_token(int64_t seq_len) const {
@@ -43,34 +97,44 @@ double LlamaConfig::flops_per_token(int64_t seq_len) const {
 }
 
 LlamaConfig read_hf_llama_config(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error(path + ": cannot open Hugging Face config.json");
   nlohmann::json j;
   try {
-    in >> j;
-  } catch (const std::exception& e) {
-    throw std::runtime_error(path + ": not valid JSON (" + e.what() + ")");
+    j = read_json_file(path);
+  } catch (const JsonError& e) {
+    throw std::runtime_error(std::string(e.what()) + " (a Hugging Face config.json)");
   }
-  auto need = [&](const char* key) -> const nlohmann::json& {
-    if (!j.contains(key)) throw std::runtime_error(path + ": missing required field '" + key + "'");
-    return j[key];
+  if (!j.is_object()) throw std::runtime_error(path + ": config.json must hold a JSON object");
+  // Every field is checked before it is used (head_dim divides by num_attention_heads).
+  auto integer = [&](const char* key) -> int64_t {
+    const nlohmann::json& v = j[key];
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX))
+      throw std::invalid_argument(path + ": field '" + key + "' must be an integer, got " +
+                                  json_excerpt(v));
+    return v.get<int64_t>();
   };
+  auto need = [&](const char* key) -> int64_t {
+    if (!j.contains(key)) throw std::runtime_error(path + ": missing required field '" + key + "'");
+    return integer(key);
+  };
+  auto given = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
   try {
     if (j.contains("model_type") && j["model_type"] != "llama")
-      throw std::runtime_error(path + ": model_type is " + j["model_type"].dump() +
+      throw std::runtime_error(path + ": model_type is " + json_excerpt(j["model_type"]) +
                                ", only \"llama\" is supported");
     LlamaConfig c;
-    c.hidden_size = need("hidden_size").get<int64_t>();
-    c.intermediate_size = need("intermediate_size").get<int64_t>();
-    c.num_hidden_layers = need("num_hidden_layers").get<int64_t>();
-    c.num_attention_heads = need("num_attention_heads").get<int64_t>();
-    c.num_key_value_heads = j.value("num_key_value_heads", c.num_attention_heads);
-    if (j.contains("num_key_value_heads") && j["num_key_value_heads"].is_null())
-      c.num_key_value_heads = c.num_attention_heads;
-    c.vocab_size = need("vocab_size").get<int64_t>();
-    c.head_dim = c.hidden_size / c.num_attention_heads;
-    if (j.contains("head_dim") && !j["head_dim"].is_null()) c.head_dim = j["head_dim"];
-    c.max_position_embeddings = j.value("max_position_embeddings", int64_t{2048});
+    c.hidden_size = need("hidden_size");
+    c.intermediate_size = need("intermediate_size");
+    c.num_hidden_layers = need("num_hidden_layers");
+    c.num_attention_heads = need("num_attention_heads");
+    c.num_key_value_heads =
+        given("num_key_value_heads") ? integer("num_key_value_heads") : c.num_attention_heads;
+    c.vocab_size = need("vocab_size");
+    if (given("head_dim"))
+      c.head_dim = integer("head_dim");
+    else
+      c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
+    c.max_position_embeddings =
+        given("max_position_embeddings") ? integer("max_position_embeddings") : 2048;
     c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
     c.initializer_range = j.value("initializer_range", 0.02);
     c.tie_word_embeddings = j.value("tie_word_embeddings", false);
@@ -80,16 +144,20 @@ LlamaConfig read_hf_llama_config(const std::string& path) {
       const auto& rp = j["rope_parameters"];
       std::string type = rp.value("rope_type", std::string("default"));
       if (type != "default")
-        throw std::runtime_error(path + ": rope_parameters.rope_type '" + type +
+        throw std::runtime_error(path + ": rope_parameters.rope_type '" + text_excerpt(type) +
                                  "' is not supported (only 'default')");
       c.rope_theta = rp["rope_theta"].get<double>();
     }
     if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
       throw std::runtime_error(path + ": rope_scaling is not supported yet (found " +
-                               j["rope_scaling"].dump() + ")");
+                               json_excerpt(j["rope_scaling"]) + ")");
     if (j.value("attention_bias", false) || j.value("mlp_bias", false))
       throw std::runtime_error(path + ": attention_bias/mlp_bias are not supported");
-    c.validate();
+    try {
+      c.validate();
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(path + ": " + e.what());
+    }
     return c;
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(path + ": a field has the wrong type (" + e.what() + ")");
@@ -386,10 +454,9 @@ void load_hf_weights(Module& model, const std::string& dir) {
   fs::path single = fs::path(dir) / "model.safetensors";
   if (fs::exists(index)) {
     std::map<std::string, std::string> file_of;
-    std::ifstream in(index);
     nlohmann::json j;
     try {
-      in >> j;
+      j = read_json_file(index.string());
       for (auto& [name, file] : j.at("weight_map").items())
         file_of[name] = (fs::path(dir) / file.get<std::string>()).string();
     } catch (const std::exception& e) {

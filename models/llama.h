@@ -28,9 +28,13 @@ struct LlamaConfig {
   double initializer_range = 0.02;
   bool tie_word_embeddings = false;
 
-  // Throws std::invalid_argument naming the field when the shape is impossible.
+  // Throws std::invalid_argument naming the field when the shape is impossible, including sizes
+  // whose products (parameter shapes, the parameter count) overflow.
   void validate() const;
-  int64_t num_parameters() const;
+  // Throws std::invalid_argument when one micro-batch's activations would hold more elements than
+  // a tensor can (micro_batch_size x seq_len x the widest layer).
+  void check_batch(int64_t micro_batch_size, int64_t seq_len) const;
+  int64_t num_parameters() const;  // -1 when the count overflows int64
   // Training FLOPs per token: 6 * (non-embedding params + lm_head) + attention
   // 12 * layers * seq * hidden (causal attention counted as the full matrix, like nanoGPT/PaLM).
   double flops_per_token(int64_t seq_len) const;

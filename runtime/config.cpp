@@ -15,6 +15,8 @@
 #include <sstream>
 #include <type_traits>
 
+#include "runtime/json.h"
+#include "runtime/tensor.h"
 #include "runtime/training_args.h"
 
 extern char** environ;
@@ -155,36 +157,85 @@ std::string fmt_list(const std::vector<std::string>& v) {
   return "[" + join(q, ", ") + "]";
 }
 
-// A node as one line of YAML flow text. Scalars keep their form: quoted in the source ('no')
-// stays quoted, plain (false, 1024) stays plain unless it would not read back.
-std::string flow(const YAML::Node& n) {
-  if (!n.IsDefined() || n.IsNull()) return "null";
+// A node as one line of YAML flow text, appended to `out`. Scalars keep their form: quoted in the
+// source ('no') stays quoted, plain (false, 1024) stays plain unless it would not read back. Stops
+// once `out` is longer than `max_chars`, so YAML aliases (a node repeated by reference, which can
+// stand for exponentially many nodes) are never expanded past what is printed.
+void flow_into(const YAML::Node& n, std::string& out, size_t max_chars) {
+  if (out.size() > max_chars) return;
+  if (!n.IsDefined() || n.IsNull()) {
+    out += "null";
+    return;
+  }
   if (n.IsScalar()) {
     const std::string& s = n.Scalar();
-    if (n.Tag() == "!") return double_quoted(s);
+    if (n.Tag() == "!") {
+      out += double_quoted(s);
+      return;
+    }
     bool plain =
         !s.empty() && s.front() != ' ' && s.back() != ' ' && (s[0] != '-' || parses_as_number(s));
     for (char ch : s)
       if (!(std::isalnum(static_cast<unsigned char>(ch)) ||
             std::string("_./+-~ ").find(ch) != std::string::npos))
         plain = false;
-    return plain ? s : double_quoted(s);
+    out += plain ? s : double_quoted(s);
+    return;
   }
-  std::vector<std::string> parts;
-  if (n.IsSequence()) {
-    for (const auto& e : n) parts.push_back(flow(e));
-    return "[" + join(parts, ", ") + "]";
+  const bool seq = n.IsSequence();
+  out += seq ? "[" : "{";
+  bool first = true;
+  for (auto it = n.begin(); it != n.end() && out.size() <= max_chars; ++it) {
+    if (!first) out += ", ";
+    first = false;
+    if (seq) {
+      flow_into(*it, out, max_chars);
+    } else {
+      flow_into(it->first, out, max_chars);
+      out += ": ";
+      flow_into(it->second, out, max_chars);
+    }
   }
-  for (auto it = n.begin(); it != n.end(); ++it)
-    parts.push_back(flow(it->first) + ": " + flow(it->second));
-  return "{" + join(parts, ", ") + "}";
+  out += seq ? "]" : "}";
+}
+
+std::string flow(const YAML::Node& n) {
+  std::string out;
+  flow_into(n, out, std::string::npos - 1);
+  return out;
+}
+
+// What a value stands for once its aliases are expanded: nodes and bytes of scalar text, counted
+// while walking and stopping as soon as either passes its bound (a chain of aliases, or many
+// aliases of one long scalar, stands for exponentially or quadratically more than the file).
+struct Expansion {
+  size_t nodes = 0, bytes = 0;
+};
+constexpr size_t kMaxKeptValueNodes = 10000, kMaxKeptValueBytes = 1 << 20;
+
+bool expands_past_bounds(const YAML::Node& n, Expansion& e) {
+  if (++e.nodes > kMaxKeptValueNodes) return true;
+  if (n.IsScalar()) return (e.bytes += n.Scalar().size()) > kMaxKeptValueBytes;
+  if (!n.IsSequence() && !n.IsMap()) return false;
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    if (n.IsSequence() ? expands_past_bounds(*it, e)
+                       : expands_past_bounds(it->first, e) || expands_past_bounds(it->second, e))
+      return true;
+  }
+  return false;
 }
 
 // What a wrong value looked like, for messages.
 std::string describe(const YAML::Node& n) {
   if (!n.IsDefined() || n.IsNull()) return "nothing (null)";
-  if (n.IsScalar()) return nlohmann::json(n.Scalar()).dump();
-  std::string f = flow(n);
+  if (n.IsScalar()) {
+    const std::string& s = n.Scalar();
+    // Cut first (a huge value is never copied whole); a cut may split a UTF-8 sequence.
+    return nlohmann::json(s.size() > 60 ? s.substr(0, 57) + "..." : s)
+        .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  }
+  std::string f;
+  flow_into(n, f, 60);
   if (f.size() > 60) f = f.substr(0, 57) + "...";
   return (n.IsSequence() ? "a list " : "a map ") + f;
 }
@@ -334,8 +385,12 @@ std::vector<std::string> parse_str_list(const Ctx& c, const YAML::Node& n) {
   if (v.IsScalar()) return {v.Scalar()};
   if (!v.IsSequence()) type_error(c, expected, n);
   std::vector<std::string> out;
+  size_t bytes = 0;  // aliases of one long string could stand for far more than the file
   for (const auto& e : v) {
     if (!e.IsScalar()) type_error(c, expected, n);
+    if ((bytes += e.Scalar().size()) > kMaxKeptValueBytes)
+      fail(c.where, c.path + ": the list holds more than " +
+                        std::to_string(kMaxKeptValueBytes >> 20) + " MiB of text");
     out.push_back(e.Scalar());
   }
   return out;
@@ -1101,6 +1156,10 @@ const std::vector<Synonym>& key_synonyms() {
 
 // "unknown key 'training.max_stpes'; did you mean 'training.max_steps'?"
 std::string unknown_key_message(const std::string& path) {
+  // No valid key is this long; comparing a hostile 256 KB key with every key took seconds.
+  if (path.size() > 200)
+    return "unknown key '" + text_excerpt(path) + "' (" + std::to_string(path.size()) +
+           " characters)";
   const std::string parent = parent_of(path), leaf = lower(leaf_of(path));
   {
     const Synonym* hit = nullptr;
@@ -1169,12 +1228,20 @@ struct Applier {
   std::map<std::string, Seen> seen;  // by canonical key, within this layer
 
   void apply_map(const YAML::Node& m, const std::string& prefix, const std::string& file) {
+    std::map<std::string, std::string> line_of;  // keys of this map already read
     for (auto it = m.begin(); it != m.end(); ++it) {
-      std::string where = file + ":" + std::to_string(it->first.Mark().line + 1);
+      const std::string line = std::to_string(it->first.Mark().line + 1);
+      std::string where = file + ":" + line;
       if (!it->first.IsScalar())
         fail(where, (prefix.empty() ? std::string("top level") : prefix) +
                         ": keys must be plain names, got " + describe(it->first));
       std::string key = it->first.Scalar();
+      // YAML forbids a repeated key; yaml-cpp keeps both, which would merge two sections.
+      auto [first, fresh] = line_of.emplace(key, line);
+      if (!fresh)
+        fail(where, "'" + (prefix.empty() ? key : prefix + "." + key) +
+                        "' is given twice in this map (first at line " + first->second +
+                        "): give each key once");
       if (prefix.empty() && key == "extends") continue;  // handled by the file loader
       if (prefix.empty() && key == "training_args") {
         apply_training_args(*this, it->second, where, file);
@@ -1222,6 +1289,13 @@ struct Applier {
           val = v;
         }
       }
+      Expansion e;
+      if (expands_past_bounds(val, e))
+        fail(where, path + ": the value stands for more than " +
+                        std::to_string(kMaxKeptValueNodes) + " YAML nodes or " +
+                        std::to_string(kMaxKeptValueBytes >> 20) +
+                        " MiB of text once its aliases (*name) are expanded; accel-train keeps "
+                        "this key as written, so give it a small value without alias chains");
       cfg.inert[path] = flow(val);
       cfg.origins[path] = where;
       mark_present(path);
@@ -1289,9 +1363,9 @@ void apply_deepspeed_json(Config& c, const std::string& file, Ctx& ctx) {
   if (!in) fail(ctx.where, ctx.path + ": cannot open the DeepSpeed config file '" + file + "'");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(ctx.where, ctx.path + ": '" + file + "' is not valid JSON: " + e.what());
+    j = read_json_file(file);
+  } catch (const JsonError& e) {
+    fail(ctx.where, ctx.path + ": " + e.what());
   }
   if (!j.is_object()) fail(ctx.where, ctx.path + ": '" + file + "' must hold a JSON object");
   c.deepspeed.deepspeed_config_file = file;
@@ -1479,10 +1553,22 @@ void apply_file(Config& cfg, const std::string& path, const std::string& include
   }
   if (!fs::is_regular_file(path, ec))
     fail(included_from.empty() ? path : included_from,
-         "cannot open config file '" + path + "' (no such file)");
+         "cannot open config file '" + path + "' (" +
+             (fs::is_directory(path, ec) ? "it is a folder, not a YAML file"
+              : fs::exists(path, ec)     ? "not a regular file"
+                                         : "no such file") +
+             ")");
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
+    std::vector<YAML::Node> docs = YAML::LoadAllFromFile(path);
+    // A second document would be ignored: refuse it rather than drop its keys.
+    if (docs.size() > 1) {
+      const int line = docs[1].Mark().line;
+      fail(line >= 0 ? path + ":" + std::to_string(line + 1) : path,
+           "the file holds more than one YAML document (a '---' line after the first); put "
+           "every key in one document");
+    }
+    if (!docs.empty()) root = docs[0];
   } catch (const YAML::ParserException& e) {
     fail(path + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1),
          "invalid YAML: " + e.msg);
@@ -1777,6 +1863,54 @@ void validate_config(const Config& c) {
               std::to_string(m.num_key_value_heads) +
               " (each key/value head serves a whole group of query heads)");
   }
+  // Size products must fit in a tensor's element count: an overflowed count would allocate too
+  // little and be written past its end. Each check names its keys.
+  auto fits = [&](const std::vector<std::pair<const char*, int64_t>>& keys, const char* what) {
+    Shape sizes;
+    std::string terms;
+    for (const auto& [key, value] : keys) {
+      sizes.push_back(value);
+      terms += (terms.empty() ? "" : " x ") + std::string(key) + " " + std::to_string(value);
+    }
+    // Name the key given last among the layers (--set, then the environment, then a file).
+    const char* named = keys.front().first;
+    int rank = 0;
+    for (const auto& kv : keys) {
+      auto it = c.origins.find(kv.first);
+      if (it == c.origins.end()) continue;
+      const int r = starts_with(it->second, "--set")         ? 3
+                    : starts_with(it->second, "environment") ? 2
+                                                             : 1;
+      if (r > rank) named = kv.first, rank = r;
+    }
+    if (checked_numel(sizes) < 0)
+      err(named,
+          terms + " (" + what + ") is more elements than a tensor can hold (2^60): lower them");
+  };
+  fits({{"training.micro_batch_size", c.training.micro_batch_size},
+        {"training.seq_len", c.training.seq_len},
+        {"gradient_accumulation_steps", c.gradient_accumulation_steps},
+        {"num_processes", c.num_processes}},
+       "tokens per step");
+  if (m.init_from.empty()) {
+    const int64_t head_dim = m.head_dim ? m.head_dim : m.hidden_size / m.num_attention_heads;
+    fits({{"model.vocab_size", m.vocab_size}, {"model.hidden_size", m.hidden_size}},
+         "the embedding");
+    fits({{"model.intermediate_size", m.intermediate_size}, {"model.hidden_size", m.hidden_size}},
+         "an MLP weight");
+    fits({{"model.num_attention_heads", m.num_attention_heads},
+          {"model.head_dim", head_dim},
+          {"model.hidden_size", m.hidden_size}},
+         "q_proj's weight");
+    fits({{"training.micro_batch_size", c.training.micro_batch_size},
+          {"training.seq_len", c.training.seq_len},
+          {"model.vocab_size", m.vocab_size}},
+         "one micro-batch's logits");
+    fits({{"training.micro_batch_size", c.training.micro_batch_size},
+          {"training.seq_len", c.training.seq_len},
+          {"model.intermediate_size", m.intermediate_size}},
+         "one micro-batch's MLP activations");
+  }
   if (m.init_from.empty() && c.training.seq_len > m.max_position_embeddings)
     err("training.seq_len", "training.seq_len " + std::to_string(c.training.seq_len) +
                                 " exceeds model.max_position_embeddings " +
@@ -1868,7 +2002,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& set_
       }
       bool structured = rest.find("__") != std::string::npos;
       if (!structured && !find_field(p)) continue;
-      const std::string where = "environment variable " + name;
+      const std::string where = "environment variable " + text_excerpt(name);
       if (p == "extends") fail(where, "extends can only be used inside a config file");
       a.apply_key(p, YAML::Node(value), where);
     }
@@ -1877,7 +2011,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& set_
   {
     Applier a{cfg, LayerKind::Set, "", {}};
     for (const auto& s : set_overrides) {
-      const std::string where = "--set " + s;
+      const std::string where = "--set " + text_excerpt(s);
       auto eq = s.find('=');
       if (eq == std::string::npos || trim(s.substr(0, eq)).empty())
         fail(where, "expected KEY=VALUE, e.g. --set training.max_steps=100");

@@ -68,10 +68,16 @@ std::shared_ptr<Storage> allocate_storage(size_t nbytes, Device d, MemCategory c
   void* p = nullptr;
   if (d.is_cpu()) {
     // 64-byte alignment suits AVX-512 loads and Eigen; round the size up as aligned_alloc requires.
+    if (nbytes > static_cast<size_t>(INT64_MAX) - 63)
+      throw std::length_error("cannot allocate " + std::to_string(nbytes) + " bytes on the CPU");
     size_t rounded = (nbytes + 63) / 64 * 64;
     if (rounded > 0) {
       p = std::aligned_alloc(64, rounded);
-      if (!p) throw std::bad_alloc();
+      if (!p)
+        throw std::runtime_error("out of memory on the CPU: tried to allocate " +
+                                 std::to_string(nbytes >> 20) + " MiB for " + mem_category_name(c) +
+                                 "; " + std::to_string(memory_stats(d).current_total >> 20) +
+                                 " MiB held by accel-train (a smaller model or batch fits)");
     }
     memory_stats_add(d, c, static_cast<int64_t>(nbytes));
   } else {

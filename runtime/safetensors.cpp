@@ -9,7 +9,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <nlohmann/json.hpp>
+
+#include "runtime/json.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors I/O assumes a little-endian host"
@@ -132,9 +133,9 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
 
     json header;
     try {
-      header = json::parse(hb, hb + n);
-    } catch (const json::exception& e) {
-      fail(path, std::string("header is not valid JSON: ") + e.what());
+      header = parse_json(std::string_view(hb, n), "header");
+    } catch (const JsonError& e) {
+      fail(path, e.what());
     }
     if (!header.is_object()) fail(path, "header is not a JSON object");
 
@@ -146,14 +147,14 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
         if (!v.is_object()) fail(path, "__metadata__ must be an object of strings");
         for (auto m = v.begin(); m != v.end(); ++m) {
           if (!m.value().is_string())
-            fail(path,
-                 "__metadata__ entry '" + m.key() + "' must be a string, got " + m.value().dump());
+            fail(path, "__metadata__ entry '" + text_excerpt(m.key()) + "' must be a string, got " +
+                           json_excerpt(m.value()));
           metadata_[m.key()] = m.value().get<std::string>();
         }
         continue;
       }
-      const std::string where = "tensor '" + name + "'";
-      if (!v.is_object()) fail(path, where + ": entry must be an object, got " + v.dump());
+      const std::string where = "tensor '" + text_excerpt(name) + "'";
+      if (!v.is_object()) fail(path, where + ": entry must be an object, got " + json_excerpt(v));
       for (const char* field : {"dtype", "shape", "data_offsets"})
         if (!v.contains(field)) fail(path, where + ": missing field '" + field + "'");
       SafetensorsTensorInfo info;
@@ -162,8 +163,8 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
       info.dtype_name = v["dtype"].get<std::string>();
       const KnownDType* known = find_known(info.dtype_name);
       if (!known)
-        fail(path, where + ": unknown dtype '" + info.dtype_name + "' (accel-train reads " +
-                       kSupportedList + ")");
+        fail(path, where + ": unknown dtype '" + text_excerpt(info.dtype_name) +
+                       "' (accel-train reads " + kSupportedList + ")");
       for (int i = 0; i < kNumDTypes; ++i) {
         if (info.dtype_name == safetensors_dtype_name(static_cast<DType>(i))) {
           info.supported = true;
@@ -176,11 +177,12 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
       int64_t extent = 1;  // product of the non-zero dims: the strides must fit in int64 too
       for (const json& d : shape) {
         if (!d.is_number_unsigned())
-          fail(path, where + ": 'shape' entries must be non-negative integers, got " + d.dump());
+          fail(path,
+               where + ": 'shape' entries must be non-negative integers, got " + json_excerpt(d));
         uint64_t dim = d.get<uint64_t>();
         if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, dim, &numel) ||
             (dim && __builtin_mul_overflow(extent, static_cast<int64_t>(dim), &extent)))
-          fail(path, where + ": shape " + shape.dump() + " overflows");
+          fail(path, where + ": shape " + json_excerpt(shape) + " overflows");
         info.shape.push_back(static_cast<int64_t>(dim));
       }
       const json& off = v["data_offsets"];
@@ -188,25 +190,25 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
           !off[1].is_number_unsigned())
         fail(path, where +
                        ": 'data_offsets' must be [begin, end] with non-negative integers, got " +
-                       off.dump());
+                       json_excerpt(off));
       info.data_begin = off[0].get<uint64_t>();
       info.data_end = off[1].get<uint64_t>();
       if (info.data_end < info.data_begin)
-        fail(path, where + ": data_offsets " + off.dump() + " end before they begin");
+        fail(path, where + ": data_offsets " + json_excerpt(off) + " end before they begin");
       if (info.data_end > data_size)
-        fail(path, where + ": data_offsets " + off.dump() + " lie outside the data area (" +
+        fail(path, where + ": data_offsets " + json_excerpt(off) + " lie outside the data area (" +
                        std::to_string(data_size) + " bytes after the header): the file is " +
                        "truncated or the header is corrupt");
       uint64_t bits = 0;
       if (__builtin_mul_overflow(numel, static_cast<uint64_t>(known->bits), &bits))
-        fail(path, where + ": shape " + shape.dump() + " overflows");
+        fail(path, where + ": shape " + json_excerpt(shape) + " overflows");
       if (bits % 8 != 0)
         fail(path, where + ": " + std::to_string(numel) + " elements of " + info.dtype_name +
                        " do not fill whole bytes");
       if (info.nbytes() != bits / 8)
-        fail(path, where + ": data_offsets " + off.dump() + " span " +
-                       std::to_string(info.nbytes()) + " bytes but shape " + shape.dump() + " of " +
-                       info.dtype_name + " needs " + std::to_string(bits / 8) + " bytes");
+        fail(path, where + ": data_offsets " + json_excerpt(off) + " span " +
+                       std::to_string(info.nbytes()) + " bytes but shape " + json_excerpt(shape) +
+                       " of " + info.dtype_name + " needs " + std::to_string(bits / 8) + " bytes");
       index_[name] = tensors_.size();
       tensors_.push_back(std::move(info));
     }

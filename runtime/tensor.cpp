@@ -17,9 +17,25 @@ std::string shape_str(const Shape& s) {
   return o.str();
 }
 
+int64_t checked_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    if (d < 0) return -1;
+    if (d == 0) n = 0;
+  }
+  if (n == 0) return 0;
+  for (int64_t d : s)
+    if (__builtin_mul_overflow(n, d, &n) || n > kMaxNumel) return -1;
+  return n;
+}
+
 int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
-  for (int64_t d : s) n *= d;
+  for (int64_t d : s) {
+    if (d == 0) return 0;
+    if (__builtin_mul_overflow(n, d, &n) || n > kMaxNumel || n < -kMaxNumel)
+      throw std::length_error("[shape] " + shape_str(s) + " holds more than 2^60 elements");
+  }
   return n;
 }
 
@@ -28,7 +44,8 @@ Shape contiguous_strides(const Shape& s) {
   int64_t acc = 1;
   for (int i = static_cast<int>(s.size()) - 1; i >= 0; --i) {
     st[i] = acc;
-    acc *= s[i];
+    if (i > 0 && (__builtin_mul_overflow(acc, s[i], &acc) || acc > kMaxNumel || acc < -kMaxNumel))
+      throw std::length_error("[shape] the strides of " + shape_str(s) + " exceed 2^60 elements");
   }
   return st;
 }
@@ -86,6 +103,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, MemCategory
   for (int64_t d : shape)
     if (d < 0)
       throw std::invalid_argument("[empty] negative dimension in shape " + shape_str(shape));
+  // shape_numel bounds the count at kMaxNumel, so the byte count cannot overflow.
   auto storage = allocate_storage(static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype),
                                   device, category);
   return from_storage(std::move(storage), dtype, shape, contiguous_strides(shape), 0);

@@ -20,7 +20,15 @@ namespace accel {
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);  // "[2, 3]"
+// Largest element count of a tensor: its bytes in the widest dtype (8 bytes) still fit in int64.
+constexpr int64_t kMaxNumel = INT64_MAX / 8;
+// The element count of `s`, or -1 when a dimension is negative or the count exceeds kMaxNumel.
+int64_t checked_numel(const Shape& s);
+// The element count; throws std::length_error when it exceeds kMaxNumel (an overflowed count
+// would allocate too little and be written past its end).
 int64_t shape_numel(const Shape& s);
+// Row-major strides; throws std::length_error when they overflow (a zero-size shape whose other
+// dimensions multiply past kMaxNumel).
 Shape contiguous_strides(const Shape& s);
 
 struct Node;

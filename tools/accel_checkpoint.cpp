@@ -20,6 +20,7 @@
 
 #include "models/llama.h"
 #include "parallel/sharding.h"
+#include "runtime/json.h"
 #include "runtime/safetensors.h"
 #include "tools/cli.h"
 
@@ -32,11 +33,9 @@ nlohmann::json read_json(const fs::path& p) {
   std::ifstream in(p);
   if (!in) throw std::runtime_error(p.string() + ": cannot open (is this a checkpoint folder?)");
   try {
-    nlohmann::json j;
-    in >> j;
-    return j;
-  } catch (const std::exception& e) {
-    throw std::runtime_error(p.string() + ": not valid JSON (" + e.what() + ")");
+    return read_json_file(p.string());
+  } catch (const JsonError& e) {
+    throw std::runtime_error(e.what());
   }
 }
 

@@ -18,6 +18,7 @@
 #include "runtime/data/random.h"
 #include "runtime/data/shard.h"
 #include "runtime/data/tokenizer.h"
+#include "runtime/json.h"
 
 namespace accel {
 
@@ -213,9 +214,11 @@ ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const T
     const int64_t n_eval =
         static_cast<int64_t>(static_cast<double>(set.train_tokens) * o.eval_fraction);
     if (n_eval == 0 || n_eval >= set.train_tokens) {
-      throw std::runtime_error("the text holds " + std::to_string(set.train_tokens) +
-                               " tokens, too few to hold out eval_fraction " +
-                               std::to_string(o.eval_fraction));
+      std::string names = text_files[0];
+      if (text_files.size() > 1) names += " and " + std::to_string(text_files.size() - 1) + " more";
+      throw std::runtime_error(
+          "the text (" + names + ") holds " + std::to_string(set.train_tokens) +
+          " tokens, too few to hold out eval_fraction " + std::to_string(o.eval_fraction));
     }
     // The last n_eval tokens, in order, as (shard, first token) ranges to the end of each shard.
     std::vector<std::pair<size_t, int64_t>> tail;
@@ -276,10 +279,9 @@ TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_
 
   auto load = [&](bool built) {
     const fs::path manifest = dir / "manifest.json";
-    std::ifstream in(manifest);
     nlohmann::json j;
     try {
-      in >> j;
+      j = read_json_file(manifest.string());
       TextCorpusShards out;
       out.dir = dir.string();
       out.built = built;
@@ -289,7 +291,7 @@ TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_
       out.tokens = j.at("train_tokens").get<int64_t>();
       out.vocab_size = j.at("vocab_size").get<int64_t>();
       return out;
-    } catch (const nlohmann::json::exception& e) {
+    } catch (const std::exception& e) {  // JsonError or a missing/mistyped field
       throw std::runtime_error("token cache '" + manifest.string() + "' is unreadable (" +
                                e.what() + "); delete the folder '" + dir.string() +
                                "' to rebuild it");

@@ -62,8 +62,10 @@ std::string join_paths(const std::vector<std::string>& paths) {
 // target once); samples never span two shards.
 class SampleIndex {
  public:
+  // `what` names the config key and `sources` what it lists (the text files for data.source text,
+  // whose shards are an internal cache), for messages.
   SampleIndex(const std::vector<std::string>& files, int64_t seq_len, bool validate,
-              int64_t model_vocab, const std::string& what)
+              int64_t model_vocab, const std::string& what, const std::vector<std::string>& sources)
       : seq_len_(seq_len) {
     first_sample_.push_back(0);
     for (const std::string& f : files) {
@@ -84,7 +86,7 @@ class SampleIndex {
     }
     if (num_samples() == 0) {
       throw std::runtime_error(
-          what + " (" + join_paths(files) +
+          what + " (" + join_paths(sources) +
           "): the corpus is smaller than one "
           "sample: it holds " +
           std::to_string(tokens_) +
@@ -369,13 +371,14 @@ DataSources make_data_sources(const DataOptions& o) {
   std::vector<std::string> files;
   std::string what;
   if (o.source == DataSource::Shards) {
+    // The config keys that fill o.files / o.eval_files (docs/config.md).
     if (o.files.empty()) {
       throw std::runtime_error(
-          "data.files is empty: list token shards (made by accel-data), or "
+          "data.train_path is empty: give token shards (made by accel-data), or "
           "use data.source text or synthetic");
     }
-    files = expand_data_paths(o.files, "data.files", kShardExtension);
-    what = "data.files";
+    files = expand_data_paths(o.files, "data.train_path", kShardExtension);
+    what = "data.train_path";
   } else {  // text
     if (o.text_files.empty()) throw std::runtime_error("data.source text needs data.text_files");
     if (o.cache_dir.empty()) {
@@ -386,7 +389,8 @@ DataSources make_data_sources(const DataOptions& o) {
   }
 
   auto index =
-      std::make_shared<const SampleIndex>(files, o.seq_len, o.validate_tokens, o.vocab_size, what);
+      std::make_shared<const SampleIndex>(files, o.seq_len, o.validate_tokens, o.vocab_size, what,
+                                          o.source == DataSource::Text ? o.text_files : files);
   const int64_t n = index->num_samples();
   int64_t n_train = n;
   if (o.eval_files.empty() && o.eval_fraction > 0.0) {
@@ -404,11 +408,11 @@ DataSources make_data_sources(const DataOptions& o) {
   }
   out.train = std::make_unique<ShardSource>(index, 0, n_train, o, o.shuffle, what);
   if (!o.eval_files.empty()) {
-    auto eval_files = expand_data_paths(o.eval_files, "data.eval_files", kShardExtension);
-    auto eval_index = std::make_shared<const SampleIndex>(eval_files, o.seq_len, o.validate_tokens,
-                                                          o.vocab_size, "data.eval_files");
+    auto eval_files = expand_data_paths(o.eval_files, "data.eval_path", kShardExtension);
+    auto eval_index = std::make_shared<const SampleIndex>(
+        eval_files, o.seq_len, o.validate_tokens, o.vocab_size, "data.eval_path", eval_files);
     out.eval = std::make_unique<ShardSource>(eval_index, 0, eval_index->num_samples(), o, false,
-                                             "data.eval_files");
+                                             "data.eval_path");
   }
   return out;
 }

@@ -93,7 +93,7 @@ DataSources make_data_sources(const DataOptions& options);
 // Expands data paths in order: a pattern with * ? or [ gives its matches sorted by name; a folder
 // gives its files ending in `folder_extension` sorted by name (a folder is an error when
 // `folder_extension` is null); a file is itself. `what` names the option in errors
-// ("data.files"). Throws std::runtime_error when a path does not exist or a pattern matches
+// ("data.train_path"). Throws std::runtime_error when a path does not exist or a pattern matches
 // nothing.
 std::vector<std::string> expand_data_paths(const std::vector<std::string>& paths,
                                            const std::string& what, const char* folder_extension);

@@ -16,6 +16,7 @@
 #include "runtime/data/pretokenize.h"
 #include "runtime/data/random.h"
 #include "runtime/data/unicode.h"
+#include "runtime/json.h"
 
 namespace accel {
 
@@ -202,7 +203,7 @@ BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string name, uint64_t c
                           n.contains("normalizers") && n["normalizers"].is_array() &&
                           n["normalizers"].empty();
     if (!empty_sequence) {
-      fail("normalizer '" + (n.is_object() ? n.value("type", "?") : n.dump()) +
+      fail("normalizer '" + (n.is_object() ? text_excerpt(n.value("type", "?")) : json_excerpt(n)) +
            "' is not supported (byte-level BPE tokenizers have normalizer null)");
     }
   }
@@ -215,7 +216,7 @@ BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string name, uint64_t c
   if (j.contains("decoder") && !j["decoder"].is_null()) {
     const auto& d = j["decoder"];
     if (!d.is_object() || d.value("type", "") != "ByteLevel") {
-      fail("decoder '" + (d.is_object() ? d.value("type", "?") : d.dump()) +
+      fail("decoder '" + (d.is_object() ? text_excerpt(d.value("type", "?")) : json_excerpt(d)) +
            "' is not supported (expected ByteLevel)");
     }
   }
@@ -231,7 +232,7 @@ BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string name, uint64_t c
 
 void BpeTokenizer::parse_model(const nlohmann::json& model) {
   if (model.contains("type") && model["type"] != "BPE") {
-    fail("model.type is " + model["type"].dump() +
+    fail("model.type is " + json_excerpt(model["type"]) +
          "; only byte-level BPE models are supported (GPT-2, Llama 3 style)");
   }
   if (!model.contains("vocab") || !model["vocab"].is_object()) {
@@ -260,19 +261,26 @@ void BpeTokenizer::parse_model(const nlohmann::json& model) {
   uint32_t max_id = 0;
   for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
     if (!it.value().is_number_unsigned()) {
-      fail("model.vocab['" + it.key() + "'] is " + it.value().dump() +
+      fail("model.vocab['" + text_excerpt(it.key()) + "'] is " + json_excerpt(it.value()) +
            ", not a non-negative integer id");
     }
     uint64_t id = it.value().get<uint64_t>();
-    if (id >= (1ull << 31)) fail("model.vocab['" + it.key() + "'] has an id too large");
+    if (id >= (1ull << 31))
+      fail("model.vocab['" + text_excerpt(it.key()) + "'] has an id too large");
     vocab_[it.key()] = static_cast<uint32_t>(id);
     max_id = std::max<uint32_t>(max_id, static_cast<uint32_t>(id));
   }
   if (vocab_.empty()) fail("model.vocab is empty");
   id_to_token_.assign(max_id + 1, std::string());
   id_used_.assign(max_id + 1, false);
-  for (const auto& [tok, id] : vocab_) {
-    id_to_token_[id] = tok;
+  // In file order (nlohmann keeps keys sorted), so the message names the same pair every time.
+  for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
+    const uint32_t id = vocab_.at(it.key());
+    if (id_used_[id])
+      fail("model.vocab gives id " + std::to_string(id) + " to both '" +
+           text_excerpt(id_to_token_[id]) + "' and '" + text_excerpt(it.key()) +
+           "'; each token needs its own id");
+    id_to_token_[id] = it.key();
     id_used_[id] = true;
   }
 
@@ -287,7 +295,7 @@ void BpeTokenizer::parse_model(const nlohmann::json& model) {
     if (!model["unk_token"].is_string()) fail("model.unk_token is not a string");
     auto it = vocab_.find(model["unk_token"].get<std::string>());
     if (it == vocab_.end())
-      fail("model.unk_token " + model["unk_token"].dump() + " is not in model.vocab");
+      fail("model.unk_token " + json_excerpt(model["unk_token"]) + " is not in model.vocab");
     unk_id_ = it->second;
   }
 
@@ -295,7 +303,7 @@ void BpeTokenizer::parse_model(const nlohmann::json& model) {
   merges_.reserve(merges.size() * 2);
   for (size_t r = 0; r < merges.size(); ++r) {
     const auto& m = merges[r];
-    std::string where = "model.merges[" + std::to_string(r) + "] (" + m.dump() + ")";
+    std::string where = "model.merges[" + std::to_string(r) + "] (" + json_excerpt(m) + ")";
     std::string a, b;
     if (m.is_string()) {
       const std::string s = m.get<std::string>();
@@ -312,12 +320,14 @@ void BpeTokenizer::parse_model(const nlohmann::json& model) {
       fail(where + " is neither \"a b\" nor [\"a\", \"b\"]");
     }
     auto ia = vocab_.find(a);
-    if (ia == vocab_.end()) fail(where + " references '" + a + "', which is not in model.vocab");
+    if (ia == vocab_.end())
+      fail(where + " references '" + text_excerpt(a) + "', which is not in model.vocab");
     auto ib = vocab_.find(b);
-    if (ib == vocab_.end()) fail(where + " references '" + b + "', which is not in model.vocab");
+    if (ib == vocab_.end())
+      fail(where + " references '" + text_excerpt(b) + "', which is not in model.vocab");
     auto im = vocab_.find(a + b);
     if (im == vocab_.end())
-      fail(where + ": the merged token '" + a + b + "' is not in model.vocab");
+      fail(where + ": the merged token '" + text_excerpt(a + b) + "' is not in model.vocab");
     uint64_t key = (static_cast<uint64_t>(ia->second) << 32) | ib->second;
     merges_[key] = {static_cast<uint32_t>(r),
                     im->second};  // a repeated pair: the last wins, as in `tokenizers`
@@ -348,6 +358,11 @@ void BpeTokenizer::parse_added_tokens(const nlohmann::json& j) {
       id_to_token_.resize(a.id + 1);
       id_used_.resize(a.id + 1, false);
     }
+    // An added token may repeat its vocab entry (GPT-2's <|endoftext|>), not take another's id.
+    if (id_used_[a.id] && id_to_token_[a.id] != a.content)
+      fail(where + " gives id " + std::to_string(a.id) + " to '" + text_excerpt(a.content) +
+           "', which already belongs to '" + text_excerpt(id_to_token_[a.id]) +
+           "'; each token needs its own id");
     id_to_token_[a.id] = a.content;
     id_used_[a.id] = true;
     added_.push_back(a);
@@ -374,7 +389,7 @@ void BpeTokenizer::parse_split(const nlohmann::json& s, const std::string& where
   }
   std::string behavior = s.value("behavior", "Isolated");
   if (behavior != "Isolated") {
-    fail(where + ".behavior is '" + behavior + "'; only Isolated is supported");
+    fail(where + ".behavior is '" + text_excerpt(behavior) + "'; only Isolated is supported");
   }
   if (s.value("invert", false)) fail(where + ".invert is true; not supported");
   steps_.push_back(step);
@@ -409,7 +424,7 @@ void BpeTokenizer::parse_pre_tokenizer(const nlohmann::json& pt) {
       step.pattern = SplitPattern::Gpt2;
       steps_.push_back(step);
     } else {
-      fail(where + ".type '" + type +
+      fail(where + ".type '" + text_excerpt(type) +
            "' is not supported (supported: ByteLevel, Split with the GPT-2 or Llama 3 regex)");
     }
   }
@@ -662,12 +677,8 @@ std::unique_ptr<Tokenizer> make_byte_tokenizer() { return std::make_unique<ByteT
 
 std::unique_ptr<Tokenizer> load_bpe_tokenizer_from_json(const std::string& json_text,
                                                         const std::string& name) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw std::runtime_error("tokenizer '" + name + "': not valid JSON (" + e.what() + ")");
-  }
+  // JsonError's message starts "tokenizer 'NAME': ".
+  const nlohmann::json j = parse_json(json_text, "tokenizer '" + name + "'");
   try {
     return std::make_unique<BpeTokenizer>(j, name, fnv1a64(json_text));
   } catch (const nlohmann::json::exception& e) {

@@ -221,5 +221,28 @@ TEST(Corpus, BadOptions) {
             std::string::npos);
 }
 
+// Issue 26: an empty text file was reported as "data.text_files (): ... 0 tokens".
+TEST(Corpus, AnEmptyTextFileIsNamed) {
+  TempDir dir;
+  write_bytes(dir.file("empty.txt"), "");
+  DataOptions o;
+  o.source = DataSource::Text;
+  o.text_files = {dir.file("empty.txt")};
+  o.cache_dir = dir.file("cache");
+  o.seq_len = 32;
+  o.micro_batch_size = 2;
+  std::string err = error_of([&] { make_data_sources(o); });
+  EXPECT_NE(err.find("data.text_files (" + dir.file("empty.txt") + "): the corpus is smaller"),
+            std::string::npos)
+      << err;
+  auto tok = make_byte_tokenizer();
+  TextShardOptions t;
+  t.out_dir = dir.file("out");
+  t.eval_fraction = 0.1;
+  err = error_of([&] { tokenize_text_files({dir.file("empty.txt")}, *tok, t); });
+  EXPECT_NE(err.find("the text (" + dir.file("empty.txt") + ") holds 0 tokens"), std::string::npos)
+      << err;
+}
+
 }  // namespace
 }  // namespace accel

@@ -272,12 +272,13 @@ TEST(Loader, BadInputErrors) {
   auto o = options({c.dir.file("missing.tok")});
   EXPECT_NE(error_of([&] {
               make_data_sources(o);
-            }).find("data.files: '" + c.dir.file("missing.tok") + "' does not exist"),
+            }).find("data.train_path: '" + c.dir.file("missing.tok") + "' does not exist"),
             std::string::npos);
   o = options({c.dir.file("*.bin")});
   EXPECT_NE(error_of([&] { make_data_sources(o); }).find("matches no file"), std::string::npos);
   o = options({});
-  EXPECT_NE(error_of([&] { make_data_sources(o); }).find("data.files is empty"), std::string::npos);
+  EXPECT_NE(error_of([&] { make_data_sources(o); }).find("data.train_path is empty"),
+            std::string::npos);
   TempDir empty;
   o = options({empty.path().string()});
   EXPECT_NE(error_of([&] { make_data_sources(o); }).find("holds no *.tok files"),

@@ -361,6 +361,47 @@ TEST(BpeTokenizer, MalformedFilesNameTheFileAndField) {
   EXPECT_EQ(make_tokenizer(dir.path().string())->vocab_size(), 303);
 }
 
+// Issue 26: two tokens with one id were accepted (the later silently replaced the earlier).
+TEST(BpeTokenizer, TwoTokensWithOneIdAreRefused) {
+  auto j = tiny_tokenizer(kMerges);
+  auto twice = j;
+  twice["model"]["vocab"]["zz"] = j["model"]["vocab"]["Ġthe"];
+  const std::string id = std::to_string(j["model"]["vocab"]["Ġthe"].get<int>());
+  std::string err = error_of([&] { load_bpe_tokenizer_from_json(twice.dump(), "t.json"); });
+  EXPECT_NE(err.find("tokenizer 't.json': model.vocab gives id " + id + " to both 'zz' and 'Ġthe'"),
+            std::string::npos)
+      << err;
+  auto added = j;
+  added["added_tokens"].push_back({{"id", 301}, {"content", "<other>"}, {"special", true}});
+  err = error_of([&] { load_bpe_tokenizer_from_json(added.dump(), "t.json"); });
+  EXPECT_NE(
+      err.find("added_tokens[3] gives id 301 to '<other>', which already belongs to '<mask>'"),
+      std::string::npos)
+      << err;
+  // An added token that repeats its own vocab entry (as GPT-2's <|endoftext|> does) is fine.
+  auto repeated = j;
+  repeated["model"]["vocab"]["<|endoftext|>"] = 300;
+  EXPECT_NO_THROW(load_bpe_tokenizer_from_json(repeated.dump(), "t.json"));
+}
+
+// Issue 26 #2: a normalizer nested 100,000 levels deep overflowed the stack when its text went
+// into the error message.
+TEST(BpeTokenizer, DeeplyNestedJsonIsAnError) {
+  auto j = tiny_tokenizer(kMerges);
+  std::string text = j.dump();
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  text.replace(text.find("\"normalizer\":null"), 17, "\"normalizer\":" + deep);
+  std::string err = error_of([&] { load_bpe_tokenizer_from_json(text, "t.json"); });
+  EXPECT_NE(err.find("tokenizer 't.json': JSON nests arrays/objects deeper than"),
+            std::string::npos)
+      << err.substr(0, 300);
+  // Shallow but huge: the message quotes an excerpt.
+  j["normalizer"] = std::vector<int>(100000, 7);
+  err = error_of([&] { load_bpe_tokenizer_from_json(j.dump(), "t.json"); });
+  EXPECT_NE(err.find("normalizer '[7,7,7"), std::string::npos) << err.substr(0, 300);
+  EXPECT_LT(err.size(), 300u);
+}
+
 TEST(BpeTokenizer, FingerprintFollowsContent) {
   auto a = load_bpe_tokenizer_from_json(tiny_tokenizer(kMerges).dump(), "a");
   auto b = load_bpe_tokenizer_from_json(tiny_tokenizer(kMerges).dump(), "b");

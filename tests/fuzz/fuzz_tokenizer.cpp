@@ -1,13 +1,15 @@
-// libFuzzer: the tokenizer.json loader; what loads must also encode and decode a fixed text.
+// libFuzzer: the tokenizer.json loader (input runs expanded, fuzz_util.h); what loads must also
+// encode and decode a fixed text.
 #include <cstdint>
 #include <exception>
 #include <string>
 #include <vector>
 
 #include "runtime/data/tokenizer.h"
+#include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  std::string text(reinterpret_cast<const char*>(data), size);
+  const std::string text = accel_fuzz::expand_runs(data, size);
   try {
     auto tok = accel::load_bpe_tokenizer_from_json(text, "fuzz");
     std::vector<uint32_t> ids;

@@ -321,5 +321,27 @@ TEST_F(SafetensorsTest, EmptyTensorWithHugeDimsIsRejected) {
   EXPECT_NO_THROW(SafetensorsReader r(file("ok_empty")));
 }
 
+// Issue 26 #2: a 200 KB header nested 100,000 levels deep overflowed the stack (the entry went
+// into the error message through a recursive dump).
+TEST_F(SafetensorsTest, DeeplyNestedHeaderIsAnError) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string path = file("deep");
+  write_bytes(path, make_file("{\"a\":" + deep + "}", ""));
+  expect_open_error(path, {"header: JSON nests arrays/objects deeper than 256 levels"});
+  write_bytes(
+      path, make_file(R"({"w":{"dtype":"F32","shape":)" + deep + R"(,"data_offsets":[0,0]}})", ""));
+  expect_open_error(path, {"deeper than"});
+  // Shallow but long: the message shows an excerpt of the entry.
+  std::string many;
+  for (int i = 0; i < 50000; ++i) many += "1,";
+  write_bytes(path, make_file("{\"a\":[" + many + "1]}", ""));
+  try {
+    SafetensorsReader r(path);
+    FAIL();
+  } catch (const SafetensorsError& e) {
+    EXPECT_LT(std::string(e.what()).size(), 300u) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace accel

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/json.h"
 #include "tools/trainer/progress.h"
 
 namespace accel {
@@ -19,7 +20,7 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
-    nlohmann::json j = nlohmann::json::parse(line);
+    nlohmann::json j = parse_json(line, metrics_path);
     if (j.value("summary", false)) {
       summary = j;
     } else {

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "parallel/strategy.h"
+#include "runtime/json.h"
 #include "runtime/safetensors.h"
 
 namespace accel {
@@ -167,11 +168,10 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
   LoadedCheckpoint c;
   c.dir = dir;
   const std::string state_file = (fs::path(dir) / "trainer_state.json").string();
-  std::ifstream in(fs::path(dir) / "trainer_state.json");
   nlohmann::json j;
   bool optimizer_saved = true;
   try {
-    in >> j;
+    j = read_json_file(state_file);
     c.state.step = state_int(j, "step", 0, kMaxStep, state_file);
     c.state.optimizer_steps = state_int(j, "optimizer_steps", 0, c.state.step, state_file);
     if (!j.at("seed").is_number_unsigned())

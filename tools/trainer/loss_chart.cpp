@@ -10,6 +10,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/json.h"
+
 namespace accel {
 
 LossCurve LossHistory::curve(const std::string& label) const {
@@ -34,8 +36,10 @@ LossHistory LossHistory::read(const std::string& metrics_path) {
     if (bad_line)  // a line that did not parse was not the last one
       throw std::runtime_error(metrics_path + " line " + std::to_string(bad_line) +
                                " is not JSON: " + bad.substr(0, 80));
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) {
+    nlohmann::json j;
+    try {
+      j = parse_json(line, metrics_path);
+    } catch (const JsonError&) {
       bad_line = line_no;
       bad = line;
       continue;

@@ -185,6 +185,7 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.device = resolve_device(c, env.local_rank);
   run.precision = std::make_unique<Precision>(c);
   run.model_config = model_config(c);  // before the rendezvous: a bad shape fails at once
+  run.model_config.check_batch(c.training.micro_batch_size, c.training.seq_len);  // init_from too
   set_allow_tf32(run.device, c.training.allow_tf32);
   run.dist = init_distributed(c, env, run.device);
 
