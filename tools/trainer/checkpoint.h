@@ -70,7 +70,7 @@ struct LoadedCheckpoint {
   TrainerState state;
   std::vector<std::pair<std::string, Tensor>> weights;          // empty when only shards were saved
   std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
-  std::string optimizer_file;     // the file optimizer_state came from
+  std::string optimizer_file;    // the file optimizer_state came from
   nlohmann::json trainer_state;  // the whole file, for the parts with state of their own
 };
 
