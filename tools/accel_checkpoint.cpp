@@ -23,6 +23,7 @@
 #include "runtime/json.h"
 #include "runtime/safetensors.h"
 #include "tools/cli.h"
+#include "tools/trainer/model_folder.h"
 
 namespace fs = std::filesystem;
 
@@ -138,6 +139,14 @@ int consolidate(const std::string& ckpt, const std::string& out_dir, const std::
   if (fs::absolute(dir / "config.json") != fs::absolute(fs::path(out_dir) / "config.json"))
     fs::copy_file(dir / "config.json", fs::path(out_dir) / "config.json",
                   fs::copy_options::overwrite_existing);
+  // generation_config.json and the tokenizer files the run saved beside the weights.
+  copy_model_folder_extras(dir.string(), out_dir);
+  if (!fs::exists(fs::path(out_dir) / "tokenizer.json"))
+    std::fprintf(stderr,
+                 "accel-checkpoint: note: %s has no tokenizer.json (a byte-tokenizer or synthetic-"
+                 "data run, or an older checkpoint); pass --tokenizer byte (or the tokenizer.json "
+                 "it was trained with) to accel-generate\n",
+                 ckpt.c_str());
   std::fprintf(
       stderr, "accel-checkpoint: wrote %zu tensors (%s) from %s%s to %s\n", weights.size(),
       dtype_name(target), ckpt.c_str(),

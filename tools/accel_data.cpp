@@ -87,7 +87,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     auto tok = accel::make_tokenizer(tokenizer);
-    auto inputs = accel::expand_data_paths(files, "accel-data", nullptr);
+    accel::TextFileSelection selected =
+        accel::select_text_files(accel::expand_data_paths(files, "accel-data", nullptr), "FILES");
+    for (const std::string& n : selected.notices)
+      fprintf(stderr, "accel-data: warning: %s\n", n.c_str());
+    const std::vector<std::string>& inputs = selected.files;
     printf("tokenizer: %s\n", tok->description().c_str());
     accel::TextShardOptions o;
     o.out_dir = out_dir;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "runtime/data/random.h"
 #include "runtime/data/shard.h"
 #include "runtime/data/tokenizer.h"
+#include "runtime/data/unicode.h"
 #include "runtime/json.h"
 
 namespace accel {
@@ -258,10 +260,86 @@ ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const T
   return set;
 }
 
+namespace {
+
+std::string read_file_bytes(const std::string& path, size_t max_bytes, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes(max_bytes, '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(max_bytes));
+  if (in.bad() || (!in && !in.eof()))
+    throw std::runtime_error(what + ": cannot read '" + path + "'");
+  bytes.resize(static_cast<size_t>(in.gcount()));
+  return bytes;
+}
+
+// Why the start of a file says it is not text ("" when it is text).
+std::string binary_reason(const std::string& head, size_t window) {
+  for (size_t i = 0; i < head.size() && i < window;) {
+    if (head[i] == '\0') return "NUL byte at offset " + std::to_string(i);
+    uint32_t cp = 0;
+    const size_t len = utf8_decode(head.data() + i, head.size() - i, &cp);
+    // A sequence cut by the end of what was read is not evidence either way.
+    if (cp >= kInvalidCodePointBase && head.size() - i >= 4)
+      return "invalid UTF-8 at offset " + std::to_string(i);
+    i += len;
+  }
+  return "";
+}
+
+std::string notice(const std::string& what, size_t n, const std::string& kind,
+                   const std::vector<std::string>& examples, const std::string& reason) {
+  std::string list;
+  for (size_t i = 0; i < examples.size() && i < 3; ++i) list += (i ? ", " : "") + examples[i];
+  if (examples.size() > 3) list += ", ...";
+  return what + ": skipped " + std::to_string(n) + " " + kind + " (" + list + "): " + reason;
+}
+
+}  // namespace
+
+TextFileSelection select_text_files(const std::vector<std::string>& files,
+                                    const std::string& what) {
+  constexpr size_t kWindow = 1024;
+  TextFileSelection out;
+  std::vector<std::string> binary, duplicate;
+  std::string first_binary_reason;
+  std::map<std::pair<uintmax_t, uint64_t>, std::vector<std::string>> seen;  // (size, hash) -> files
+  for (const std::string& f : files) {
+    const std::string reason = binary_reason(read_file_bytes(f, kWindow + 3, what), kWindow);
+    if (!reason.empty()) {
+      if (binary.empty()) first_binary_reason = f + ": " + reason;
+      binary.push_back(f);
+      continue;
+    }
+    const std::string all = read_file_bytes(f, static_cast<size_t>(fs::file_size(f)), what);
+    std::vector<std::string>& same_key = seen[{all.size(), fnv1a64(all)}];
+    bool dup = false;
+    for (const std::string& earlier : same_key)
+      if (read_file_bytes(earlier, all.size(), what) == all) dup = true;
+    if (dup) {
+      duplicate.push_back(f);
+      continue;
+    }
+    same_key.push_back(f);
+    out.files.push_back(f);
+  }
+  if (!binary.empty())
+    out.notices.push_back(notice(what, binary.size(), "binary file(s)", binary,
+                                 "not text (" + first_binary_reason + ")"));
+  if (!duplicate.empty())
+    out.notices.push_back(notice(what, duplicate.size(), "duplicate file(s)", duplicate,
+                                 "the same bytes as a file listed earlier"));
+  if (out.files.empty())
+    throw std::runtime_error(what + ": no text file among the " + std::to_string(files.size()) +
+                             " given (all binary or duplicates); list UTF-8 text files");
+  return out;
+}
+
 TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_files,
                                            const std::string& tokenizer_spec,
                                            const std::string& cache_dir) {
-  const std::vector<std::string> files = expand_data_paths(text_files, "data.text_files", nullptr);
+  TextFileSelection selected = select_text_files(
+      expand_data_paths(text_files, "data.text_files", nullptr), "data.text_files");
+  const std::vector<std::string>& files = selected.files;
   const auto tokenizer = make_tokenizer(tokenizer_spec);
 
   std::string key_text = "accel-text-shards-v1\n" + tokenizer->fingerprint() + "\n";
@@ -285,6 +363,7 @@ TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_
       TextCorpusShards out;
       out.dir = dir.string();
       out.built = built;
+      out.notices = selected.notices;
       for (const auto& name : j.at("train_shards")) {
         out.shards.push_back((dir / name.get<std::string>()).string());
       }

@@ -36,10 +36,22 @@ struct ShardSet {
 ShardSet tokenize_text_files(const std::vector<std::string>& text_files, const Tokenizer& tokenizer,
                              const TextShardOptions& options);
 
+// The text files among `files` (paths, already expanded), in order: a binary file (a NUL byte or
+// invalid UTF-8 in its first KiB, such as fortune's .dat index files) and an exact duplicate of
+// an earlier file (a copy or a symlink, such as fortune's .u8 files) are left out, with one
+// notice line per kind giving the count and examples. `what` names the option in messages.
+// Throws std::runtime_error when no file is left.
+struct TextFileSelection {
+  std::vector<std::string> files;
+  std::vector<std::string> notices;
+};
+TextFileSelection select_text_files(const std::vector<std::string>& files, const std::string& what);
+
 struct TextCorpusShards {
   std::vector<std::string> shards;
-  std::string dir;     // cache_dir/text-<key>
-  bool built = false;  // false: reused from an earlier run
+  std::vector<std::string> notices;  // select_text_files' notices
+  std::string dir;                   // cache_dir/text-<key>
+  bool built = false;                // false: reused from an earlier run
   int64_t tokens = 0;
   int64_t vocab_size = 0;
 };

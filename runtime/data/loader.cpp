@@ -5,13 +5,17 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include "runtime/data/corpus.h"
 #include "runtime/data/random.h"
 #include "runtime/data/shard.h"
+#include "runtime/data/tokenizer.h"
+#include "runtime/json.h"
 
 namespace accel {
 
@@ -56,6 +60,39 @@ std::string join_paths(const std::vector<std::string>& paths) {
   for (size_t i = 0; i < paths.size() && i < 3; ++i) out += (i ? ", " : "") + paths[i];
   if (paths.size() > 3) out += ", ... (" + std::to_string(paths.size()) + " files)";
   return out;
+}
+
+// accel-data writes <out>/manifest.json beside <out>/train and <out>/eval, recording the
+// tokenizer: shards read with another tokenizer train on ids that mean other text.
+void check_shard_tokenizer(const std::vector<std::string>& files, const std::string& spec) {
+  std::unique_ptr<Tokenizer> tok;
+  std::set<std::string> checked;
+  for (const std::string& f : files) {
+    const fs::path dir = fs::path(f).parent_path();
+    fs::path manifest;
+    for (const fs::path& m : {dir / "manifest.json", dir.parent_path() / "manifest.json"})
+      if (manifest.empty() && fs::exists(m)) manifest = m;
+    if (manifest.empty() || !checked.insert(manifest.string()).second) continue;
+    nlohmann::json j;
+    try {
+      j = read_json_file(manifest.string());
+    } catch (const std::exception& e) {
+      throw std::runtime_error(manifest.string() + " (beside token shard '" + f +
+                               "') is not valid JSON (" + e.what() +
+                               "); remake the shards with accel-data");
+    }
+    if (!j.is_object() || !j.contains("tokenizer_fingerprint")) continue;
+    if (!tok) tok = make_tokenizer(spec);
+    if (j["tokenizer_fingerprint"] == tok->fingerprint()) continue;
+    const std::string made_with = j.contains("tokenizer") && j["tokenizer"].is_string()
+                                      ? j["tokenizer"].get<std::string>()
+                                      : "another tokenizer";
+    throw std::runtime_error("token shard '" + f + "' was made with " + made_with + " (" +
+                             manifest.string() + "), but data.tokenizer is '" + spec + "' (" +
+                             tok->description() +
+                             "); set data.tokenizer to the tokenizer.json the shards were made "
+                             "with");
+  }
 }
 
 // Samples of seq_len + 1 tokens taken every seq_len tokens within each shard (so each token is a
@@ -379,12 +416,15 @@ DataSources make_data_sources(const DataOptions& o) {
     }
     files = expand_data_paths(o.files, "data.train_path", kShardExtension);
     what = "data.train_path";
+    check_shard_tokenizer(files, o.tokenizer);
   } else {  // text
     if (o.text_files.empty()) throw std::runtime_error("data.source text needs data.text_files");
     if (o.cache_dir.empty()) {
       throw std::invalid_argument("data.source text needs a cache folder for the tokenized text");
     }
-    files = ensure_text_corpus_shards(o.text_files, o.tokenizer, o.cache_dir).shards;
+    TextCorpusShards text = ensure_text_corpus_shards(o.text_files, o.tokenizer, o.cache_dir);
+    files = text.shards;
+    out.notices = text.notices;
     what = "data.text_files";
   }
 
@@ -409,6 +449,7 @@ DataSources make_data_sources(const DataOptions& o) {
   out.train = std::make_unique<ShardSource>(index, 0, n_train, o, o.shuffle, what);
   if (!o.eval_files.empty()) {
     auto eval_files = expand_data_paths(o.eval_files, "data.eval_path", kShardExtension);
+    check_shard_tokenizer(eval_files, o.tokenizer);
     auto eval_index = std::make_shared<const SampleIndex>(
         eval_files, o.seq_len, o.validate_tokens, o.vocab_size, "data.eval_path", eval_files);
     out.eval = std::make_unique<ShardSource>(eval_index, 0, eval_index->num_samples(), o, false,

@@ -83,6 +83,7 @@ struct DataOptions {
 struct DataSources {
   std::unique_ptr<BatchSource> train;
   std::unique_ptr<BatchSource> eval;  // null when there is no held-out data (and for synthetic)
+  std::vector<std::string> notices;   // files of data.text_files left out (select_text_files)
 };
 
 // Builds the sources; every problem with the options or the files is a std::runtime_error (or

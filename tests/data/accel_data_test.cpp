@@ -47,7 +47,9 @@ TEST_F(AccelData, TokenizesTextIntoTrainAndEvalShards) {
   std::string text;
   for (int i = 0; i < 200; ++i) text += "Fortune " + std::to_string(i) + ": all is well.\n%\n";
   write_bytes(dir.file("a.txt"), text);
-  write_bytes(dir.file("b.txt"), text);
+  std::string other = text;  // the same size, not a duplicate (those are skipped)
+  other[0] = 'f';
+  write_bytes(dir.file("b.txt"), other);
   const std::string out = dir.file("shards");
   ToolRun r = run("--tokenizer byte --out " + out + " --eval-fraction 0.1 --shard-tokens 4000 '" +
                   dir.file("*.txt") + "'");

@@ -8,6 +8,9 @@
 //                                      precision part (tools/trainer/precision.h)
 //   trainer_state.json                 step, data position, seed, world size, the file manifest
 //   config.yaml                        the effective run configuration
+//   generation_config.json, tokenizer.json (+ tokenizer_config.json, special_tokens_map.json)
+//                                      written by the run's save_extra hook
+//                                      (tools/trainer/model_folder.h)
 // A checkpoint is written into step_N.tmp and renamed when complete, so a crash mid-save never
 // leaves a folder that looks complete; trainer_state.json is the last file written. With
 // checkpoint.save_optimizer false there are no optimizer files ("optimizer_saved": false): such a
@@ -67,7 +70,7 @@ struct LoadedCheckpoint {
   TrainerState state;
   std::vector<std::pair<std::string, Tensor>> weights;          // empty when only shards were saved
   std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
-  std::string optimizer_file;     // the file optimizer_state came from
+  std::string optimizer_file;    // the file optimizer_state came from
   nlohmann::json trainer_state;  // the whole file, for the parts with state of their own
 };
 

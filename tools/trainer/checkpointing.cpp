@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "tools/trainer/checkpoint.h"
+#include "tools/trainer/model_folder.h"
 #include "tools/trainer/run.h"
 #include "tools/trainer/run_log.h"
 
@@ -23,6 +24,10 @@ void save_run_checkpoint(Run& run, int64_t step, RunLog& log) {
   writer.barrier = [&run] { run.dist.barrier(); };
   writer.save_optimizer = run.cfg.checkpoint.save_optimizer;
   writer.save_extra = [&run](const std::string& dir) {
+    if (run.main_rank()) {  // a self-describing model folder (tools/trainer/model_folder.h)
+      write_generation_config(dir, run.tokenizer.get(), run.cfg.data.tokenizer);
+      if (run.tokenizer) copy_tokenizer_files(run.cfg.data.tokenizer, dir);
+    }
     return run.precision->save_state(dir, run.dist.rank(), run.dist.pg.get());
   };
   const std::string dir = save_checkpoint(run.output_dir(), st, run.strategy->full_state_dict(),

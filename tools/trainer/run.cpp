@@ -121,6 +121,30 @@ LlamaConfig model_config(const Config& cfg) {
   return c;
 }
 
+// model.init_from gives the shape: the effective config shows the loaded model's, each key's
+// origin the folder's config.json.
+void adopt_loaded_shape(Config& cfg, const LlamaConfig& mc) {
+  ModelConfig& m = cfg.model;
+  const std::string where = (fs::path(m.init_from) / "config.json").string();
+  auto take = [&](const char* key, auto& field, auto value) {
+    if (field == value) return;
+    field = value;
+    cfg.origins[std::string("model.") + key] = where;
+  };
+  take("hidden_size", m.hidden_size, mc.hidden_size);
+  take("intermediate_size", m.intermediate_size, mc.intermediate_size);
+  take("num_hidden_layers", m.num_hidden_layers, mc.num_hidden_layers);
+  take("num_attention_heads", m.num_attention_heads, mc.num_attention_heads);
+  take("num_key_value_heads", m.num_key_value_heads, mc.num_key_value_heads);
+  take("head_dim", m.head_dim, mc.head_dim);
+  take("vocab_size", m.vocab_size, mc.vocab_size);
+  take("max_position_embeddings", m.max_position_embeddings, mc.max_position_embeddings);
+  take("rope_theta", m.rope_theta, mc.rope_theta);
+  take("rms_norm_eps", m.rms_norm_eps, mc.rms_norm_eps);
+  take("initializer_range", m.initializer_range, mc.initializer_range);
+  take("tie_word_embeddings", m.tie_word_embeddings, mc.tie_word_embeddings);
+}
+
 // The previous run's files in an output folder we are about to write into.
 void check_output_dir(const std::string& dir, bool resuming) {
   if (resuming || !fs::exists(dir)) return;
@@ -186,6 +210,7 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.precision = std::make_unique<Precision>(c);
   run.model_config = model_config(c);  // before the rendezvous: a bad shape fails at once
   run.model_config.check_batch(c.training.micro_batch_size, c.training.seq_len);  // init_from too
+  if (!c.model.init_from.empty()) adopt_loaded_shape(run.cfg, run.model_config);
   set_allow_tf32(run.device, c.training.allow_tf32);
   run.dist = init_distributed(c, env, run.device);
 
@@ -212,8 +237,16 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   // fsdp_cpu_ram_efficient_loading only rank 0 reads them; setup() hands them out).
   run.model =
       std::make_unique<LlamaForCausalLM>(run.model_config, DType::F32, run.device, c.training.seed);
-  if (!c.model.init_from.empty() && reads_init_weights(c, run.dist.rank()))
+  if (!c.model.init_from.empty() && reads_init_weights(c, run.dist.rank())) {
     load_hf_weights(*run.model, c.model.init_from);
+    if (run.main_rank()) {
+      const std::vector<Parameter*> params = run.model->parameters();
+      int64_t numel = 0;
+      for (const Parameter* p : params) numel += p->value.numel();
+      std::fprintf(stderr, "model.init_from: read %zu tensors (%.2f M parameters) from %s\n",
+                   params.size(), static_cast<double>(numel) / 1e6, c.model.init_from.c_str());
+    }
+  }
   run.model->set_activation_checkpointing(c.training.activation_checkpointing ||
                                           c.fsdp.fsdp_activation_checkpointing);
 
@@ -229,6 +262,8 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.data =
       make_data_sources(data_options(c, run.model_config, run.dist.rank(), run.dist.world()));
   if (c.data.source != DataSource::Synthetic) run.tokenizer = make_tokenizer(c.data.tokenizer);
+  if (run.main_rank())
+    for (const std::string& n : run.data.notices) std::fprintf(stderr, "warning: %s\n", n.c_str());
   return run;
 }
 

@@ -107,6 +107,17 @@ int train(Run& run, const ResumeRequest& resume) {
   const TrainingConfig& tc = run.cfg.training;
   const CheckpointConfig& cc = run.cfg.checkpoint;
   int64_t step = resume.spec.empty() ? 0 : resume_run(run, resume);
+  if (step > 0 && step >= tc.max_steps) {
+    // A finished run resumed: no step to log, so no loss (never the NaN of an empty mean).
+    if (run.main_rank())
+      std::fprintf(stderr,
+                   "checkpoint step %lld is %s training.max_steps (%lld); nothing to train "
+                   "(raise training.max_steps to continue)\n",
+                   static_cast<long long>(step), step == tc.max_steps ? "already" : "past",
+                   static_cast<long long>(tc.max_steps));
+    run.dist.barrier();
+    return 0;
+  }
   print_run_line(run);
   const LRSchedule schedule{run.cfg.optimizer.lr_schedule, run.cfg.optimizer.lr,
                             run.cfg.optimizer.warmup_steps, tc.max_steps,
