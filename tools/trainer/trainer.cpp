@@ -27,8 +27,12 @@ int run(const TrainOptions& options, int argc, char** argv) {
   // Without a launcher, num_processes > 1 on one machine: become the launcher of local ranks.
   if (should_spawn_local_ranks(env.world_size, static_cast<int>(cfg.num_processes),
                                static_cast<int>(cfg.num_machines)))
-    return run_local_ranks(static_cast<int>(cfg.num_processes), argc, argv,
-                           local_launch_options(cfg.main_process_ip, cfg.main_process_port));
+    // main_process_port's default (29500) is only Accelerate's placeholder: a port the user
+    // did not give is picked free, so jobs on one machine do not collide.
+    return run_local_ranks(
+        static_cast<int>(cfg.num_processes), argc, argv,
+        local_launch_options(cfg.main_process_ip,
+                             cfg.origins.count("main_process_port") ? cfg.main_process_port : 0));
   Run r = assemble_run(std::move(cfg), env, !options.resume.empty(), options.verbose);
   return train(r, ResumeRequest{options.resume, options.move_newer_checkpoints_aside});
 }
