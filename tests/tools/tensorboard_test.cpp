@@ -14,7 +14,7 @@
 
 #include "tests/data/test_util.h"
 #include "tests/tools/run_tool.h"
-#include "trainer/tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
+#include "tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
 
 namespace fs = std::filesystem;
 

@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
-#include "trainer/tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
+#include "tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
 
 namespace accel {
 namespace fs = std::filesystem;
