@@ -437,7 +437,9 @@ std::vector<Arg> build_table() {
          });
   no_effect("run_name", null, "only trackers use it", true);
   no_effect("project", "huggingface", "only trackers use it", true);
-  no_effect("trackio_space_id", "trackio", "only trackers use it", true);
+  no_effect("trackio_space_id", null, "only trackers use it", true);
+  no_effect("trackio_bucket_id", null, "only trackers use it", true);
+  no_effect("trackio_static_space_id", null, "only trackers use it", true);
 
   // ---- evaluation ----
   mapped("eval_strategy", "no", "training.eval_every",
@@ -602,6 +604,8 @@ std::vector<Arg> build_table() {
   no_effect("dataloader_pin_memory", true, kLoader, true);
   no_effect("dataloader_persistent_workers", false, kLoader);
   no_effect("dataloader_prefetch_factor", null, kLoader);
+  no_effect("dataloader_multiprocessing_context", null, kLoader);
+  no_effect("dataloader_in_order", true, kLoader);
   no_effect("remove_unused_columns", true, "the data is token sequences", true);
   no_effect("label_names", null, "the labels are the input tokens shifted by one", true);
   mapped("train_sampling_strategy", "random", "data.shuffle",
@@ -621,6 +625,7 @@ std::vector<Arg> build_table() {
   same("ddp_find_unused_parameters", null, "distributed.find_unused_parameters");
   same("ddp_bucket_cap_mb", null, "distributed.ddp_bucket_cap_mb");
   no_effect("ddp_broadcast_buffers", null, "the model has no buffers to broadcast", true);
+  no_effect("ddp_static_graph", null, "the gradient buckets do not depend on a static graph", true);
   mapped("ddp_backend", null, "distributed.backend",
          "nccl -> nccl, gloo -> cpu (TCP); others are refused; null leaves it at auto.",
          [](Mapper& m, const json& v) {

@@ -4,6 +4,8 @@
 #include "runtime/config.h"
 
 #include <gtest/gtest.h>
+
+#include <filesystem>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -26,7 +28,7 @@ class ConfigTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
   }
-  void TearDown() override { std::system(("rm -rf '" + dir_ + "'").c_str()); }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
   // Writes `text` to a file in the temp folder and returns its path.
   std::string write(const std::string& name, const std::string& text) {
     std::string p = dir_ + "/" + name;

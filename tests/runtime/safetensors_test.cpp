@@ -3,6 +3,8 @@
 #include "runtime/safetensors.h"
 
 #include <gtest/gtest.h>
+
+#include <filesystem>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,7 +25,7 @@ class SafetensorsTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
   }
-  void TearDown() override { std::system(("rm -rf '" + dir_ + "'").c_str()); }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
   std::string file(const std::string& name) const { return dir_ + "/" + name; }
   std::string dir_;
 };
