@@ -10,32 +10,16 @@
 #include <vector>
 
 #include "runtime/config.h"
+#include "tests/runtime/config_test_util.h"
 
 namespace accel {
 namespace {
 
-// A config value as the YAML spells it (enums through name_of), for comparisons with literals.
-template <class T>
-std::string spelled(const T& v) {
-  if constexpr (std::is_enum_v<T>)
-    return accel::name_of(v);
-  else
-    return v;
-}
+using config_test::has_notice;
+using config_test::notices_text;
+using config_test::spelled;
 
 const std::string kData = std::string(ACCEL_TEST_DATA_DIR) + "/config/";
-
-bool has_notice(const Config& c, const std::string& piece) {
-  for (const auto& n : c.notices)
-    if (n.find(piece) != std::string::npos) return true;
-  return false;
-}
-
-std::string notices_text(const Config& c) {
-  std::string s;
-  for (const auto& n : c.notices) s += n + "\n";
-  return s;
-}
 
 // Loads a docs config with the CPU overrides; the effective config loads back the same.
 Config load_docs(const std::string& name, const std::vector<std::string>& overrides) {

@@ -5,10 +5,9 @@
 #include "runtime/training_args.h"
 
 #include <gtest/gtest.h>
-
-#include <filesystem>
 #include <stdlib.h>
 
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -18,18 +17,14 @@
 #include <vector>
 
 #include "runtime/config.h"
+#include "tests/runtime/config_test_util.h"
 
 namespace accel {
 namespace {
 
-// A config value as the YAML spells it (enums through name_of), for comparisons with literals.
-template <class T>
-std::string spelled(const T& v) {
-  if constexpr (std::is_enum_v<T>)
-    return accel::name_of(v);
-  else
-    return v;
-}
+using config_test::has_notice;
+using config_test::notices_text;
+using config_test::spelled;
 
 const std::string kData = std::string(ACCEL_TEST_DATA_DIR) + "/config/";
 const std::string kArgs = kData + "training_args.json";
@@ -61,18 +56,6 @@ std::string expect_error(const std::function<void()>& fn, std::vector<std::strin
   }
   ADD_FAILURE() << "expected a ConfigError";
   return "";
-}
-
-bool has_notice(const Config& c, const std::string& piece) {
-  for (const auto& n : c.notices)
-    if (n.find(piece) != std::string::npos) return true;
-  return false;
-}
-
-std::string notices_text(const Config& c) {
-  std::string s;
-  for (const auto& n : c.notices) s += n + "\n";
-  return s;
 }
 
 // The dump transformers writes holds exactly the fields the mapping knows, in Trainer's order
