@@ -94,7 +94,10 @@ int main(int argc, char** argv) {
       throw Usage("the tokenizer (" + tok->description() + ") has more ids than the model's " +
                   "vocab_size " + std::to_string(mc.vocab_size) +
                   ": pass the tokenizer it was trained with");
-    if (!ignore_eos) o.stop_token = eos_token(dir) ? eos_token(dir) : tok->end_of_text_id();
+    if (!ignore_eos) {
+      const std::optional<uint32_t> eos = eos_token(dir);  // config.json read once
+      o.stop_token = eos ? eos : tok->end_of_text_id();
+    }
     std::fprintf(stderr, "accel-generate: %s, %.1fM parameters on %s, %s\n", model_dir.c_str(),
                  static_cast<double>(mc.num_parameters()) / 1e6, device.str().c_str(),
                  tok->description().c_str());
