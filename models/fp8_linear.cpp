@@ -6,7 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "parallel/process_group.h"
 #include "runtime/safetensors.h"
 
@@ -62,7 +62,7 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
   }
   if (ao && !out.empty()) {
     // A tied LM head is no Linear here but is one in Hugging Face's model, where it is the last.
-    auto* lm = dynamic_cast<LlamaForCausalLM*>(&model);
+    auto* lm = dynamic_cast<CausalLM*>(&model);
     const bool tied_head = lm && !lm->lm_head;
     out.front().fp8 = false;
     out.front().reason = "first linear layer (AO keeps the first and last in high precision)";
@@ -117,13 +117,13 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
     run();
   };
   for (auto& [name, m] : model.named_modules()) {
-    if (auto* attn = dynamic_cast<LlamaAttention*>(m)) attn->shared_input = one_cast;
-    if (auto* mlp = dynamic_cast<LlamaMLP*>(m)) mlp->shared_input = one_cast;
+    if (auto* attn = dynamic_cast<SelfAttention*>(m)) attn->shared_input = one_cast;
+    if (auto* mlp = dynamic_cast<GatedMLP*>(m)) mlp->shared_input = one_cast;
   }
   // Llama MLPs whose three projections all run in fp8 take the fused form (fp8_swiglu_mlp), which
   // declines by itself where it does not apply.
   for (auto& [name, m] : model.named_modules()) {
-    auto* mlp = dynamic_cast<LlamaMLP*>(m);
+    auto* mlp = dynamic_cast<GatedMLP*>(m);
     if (!mlp) continue;
     std::shared_ptr<Fp8LinearContext> ctx[3];
     const char* parts[3] = {".gate_proj", ".up_proj", ".down_proj"};

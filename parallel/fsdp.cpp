@@ -58,7 +58,7 @@ std::vector<Module*> fsdp_units(Module& root, const FsdpOptions& o) {
     if (out.empty())
       throw std::invalid_argument(
           "fsdp_config.fsdp_transformer_layer_cls_to_wrap: no module of the model is of a listed "
-          "class; the model's layer class is LlamaDecoderLayer");
+          "class; the model's layer class is DecoderLayer");
     return out;
   }
   // SIZE_BASED_WRAP, bottom-up. Returns the parameters of `m` not inside a chosen unit and

@@ -719,7 +719,7 @@ std::vector<Field> build_schema() {
     Field f = acc_(f_str("fsdp_config.fsdp_transformer_layer_cls_to_wrap",
                          ACCEL_REF(fsdp.fsdp_transformer_layer_cls_to_wrap),
                          "Layer class(es) that form units under TRANSFORMER_BASED_WRAP (comma "
-                         "list). Llama's is LlamaDecoderLayer; empty means the model's own "
+                         "list). Llama's is DecoderLayer; empty means the model's own "
                          "decoder layer."));
     f.set = [](Config& c, const YAML::Node& n, Ctx& ctx) {
       if (n.IsSequence()) {
@@ -1685,7 +1685,7 @@ void resolve(Config& c) {
         c.notices.push_back("key fsdp_config.fsdp_transformer_layer_cls_to_wrap=" +
                             c.fsdp.fsdp_transformer_layer_cls_to_wrap +
                             " names no layer of the llama model (" + join(others, ", ") +
-                            "); each LlamaDecoderLayer is wrapped");
+                            "); each DecoderLayer is wrapped");
       c.fsdp.fsdp_transformer_layer_cls_to_wrap = "LlamaDecoderLayer";
     }
     if (c.fsdp.fsdp_activation_checkpointing || c.training.activation_checkpointing)

@@ -72,7 +72,7 @@ const char* name_of(E e) {
   return EnumNames<E>::names[static_cast<size_t>(e)];
 }
 
-// Hugging Face LlamaConfig names.
+// Hugging Face config.json names (LlamaConfig, Qwen2Config, ...).
 struct ModelConfig {
   std::string name = "llama";
   int64_t hidden_size = 256, num_hidden_layers = 4, num_attention_heads = 4,

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "parallel/sharding.h"
 #include "runtime/json.h"
 #include "runtime/safetensors.h"

@@ -85,9 +85,9 @@ int main(int argc, char** argv) {
     const bool on_gpu =
         device_name == "cuda" || (device_name == "auto" && accel::cuda::available());
     const accel::Device device = on_gpu ? accel::Device::cuda(0) : accel::Device::cpu();
-    const accel::LlamaConfig mc = accel::read_hf_llama_config((dir / "config.json").string());
+    const accel::DecoderConfig mc = accel::read_hf_model_config((dir / "config.json").string());
     // bf16 on the GPU (its attention kernels), fp32 on the CPU.
-    accel::LlamaForCausalLM model(mc, on_gpu ? accel::DType::BF16 : accel::DType::F32, device, 0);
+    accel::CausalLM model(mc, on_gpu ? accel::DType::BF16 : accel::DType::F32, device, 0);
     accel::load_hf_weights(model, model_dir);
     std::unique_ptr<accel::Tokenizer> tok = accel::make_tokenizer(tokenizer_spec(tokenizer, dir));
     if (tok->vocab_size() > mc.vocab_size)

@@ -12,8 +12,8 @@ namespace {
 
 using namespace accel;
 
-LlamaConfig small_config() {
-  LlamaConfig c;
+DecoderConfig small_config() {
+  DecoderConfig c;
   c.hidden_size = 128;
   c.intermediate_size = 256;
   c.num_hidden_layers = 2;
@@ -27,8 +27,8 @@ LlamaConfig small_config() {
 }
 
 // Logits of positions 0..n-1: the prompt's through an empty cache, then one position at a time.
-std::vector<double> cached_logits(LlamaForCausalLM& model, const std::vector<int64_t>& ids,
-                                  int64_t prompt, Device d) {
+std::vector<double> cached_logits(CausalLM& model, const std::vector<int64_t>& ids, int64_t prompt,
+                                  Device d) {
   NoGradGuard no_grad;
   KVCache cache;
   std::vector<int64_t> first(ids.begin(), ids.begin() + prompt);
@@ -63,7 +63,7 @@ std::vector<int64_t> some_ids() {
 TEST(CudaGenerate, Bf16CacheMatchesTheFullForwardOnTheGpu) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const Device d = cuda_test::gpu();
-  LlamaForCausalLM model(small_config(), DType::BF16, d, 5);
+  CausalLM model(small_config(), DType::BF16, d, 5);
   const std::vector<int64_t> ids = some_ids();
   NoGradGuard no_grad;
   const int64_t n = static_cast<int64_t>(ids.size());
@@ -77,8 +77,8 @@ TEST(CudaGenerate, Bf16CacheMatchesTheFullForwardOnTheGpu) {
 
 TEST(CudaGenerate, Fp32CacheMatchesTheCpu) {
   ACCEL_SKIP_WITHOUT_CUDA();
-  LlamaForCausalLM gpu_model(small_config(), DType::F32, cuda_test::gpu(), 5);
-  LlamaForCausalLM cpu_model(small_config(), DType::F32, Device::cpu(), 5);
+  CausalLM gpu_model(small_config(), DType::F32, cuda_test::gpu(), 5);
+  CausalLM cpu_model(small_config(), DType::F32, Device::cpu(), 5);
   const std::vector<int64_t> ids = some_ids();
   const std::vector<double> g = cached_logits(gpu_model, ids, 9, cuda_test::gpu());
   const std::vector<double> c = cached_logits(cpu_model, ids, 9, Device::cpu());
@@ -87,7 +87,7 @@ TEST(CudaGenerate, Fp32CacheMatchesTheCpu) {
 
 TEST(CudaGenerate, SamplingOnTheGpuStreamsTheRequestedTokens) {
   ACCEL_SKIP_WITHOUT_CUDA();
-  LlamaForCausalLM model(small_config(), DType::BF16, cuda_test::gpu(), 5);
+  CausalLM model(small_config(), DType::BF16, cuda_test::gpu(), 5);
   SamplingOptions o;
   o.temperature = 0.8;
   o.top_k = 20;

@@ -11,8 +11,8 @@ namespace {
 
 using namespace accel;
 
-LlamaConfig small_config(int64_t kv_heads) {
-  LlamaConfig c;
+DecoderConfig small_config(int64_t kv_heads) {
+  DecoderConfig c;
   c.hidden_size = 32;
   c.intermediate_size = 48;
   c.num_hidden_layers = 2;
@@ -27,7 +27,7 @@ LlamaConfig small_config(int64_t kv_heads) {
 }
 
 void expect_cache_matches_full_forward(int64_t kv_heads) {
-  LlamaForCausalLM model(small_config(kv_heads), DType::F32, Device::cpu(), 7);
+  CausalLM model(small_config(kv_heads), DType::F32, Device::cpu(), 7);
   NoGradGuard no_grad;
   const std::vector<int64_t> ids = {3, 17, 42, 5, 9, 11, 30, 2, 49, 0};
   const int64_t n = static_cast<int64_t>(ids.size()), prompt = 4, V = 50;
@@ -61,7 +61,7 @@ TEST(KVCache, LogitsEqualTheFullForwardAtEveryPosition) { expect_cache_matches_f
 TEST(KVCache, GroupedKeyValueHeadsToo) { expect_cache_matches_full_forward(2); }
 
 TEST(KVCache, PositionsBeyondTheModelAreRefused) {
-  LlamaForCausalLM model(small_config(4), DType::F32, Device::cpu(), 1);
+  CausalLM model(small_config(4), DType::F32, Device::cpu(), 1);
   NoGradGuard no_grad;
   KVCache cache;
   model.forward(Tensor::from_vector(std::vector<int64_t>(16, 1), {1, 16}, DType::I64), &cache);
@@ -71,7 +71,7 @@ TEST(KVCache, PositionsBeyondTheModelAreRefused) {
 }
 
 TEST(Generate, GreedyIsTheArgmaxOfTheFullForward) {
-  LlamaForCausalLM model(small_config(2), DType::F32, Device::cpu(), 3);
+  CausalLM model(small_config(2), DType::F32, Device::cpu(), 3);
   SamplingOptions o;
   o.temperature = 0;
   o.max_new_tokens = 6;
@@ -94,7 +94,7 @@ TEST(Generate, GreedyIsTheArgmaxOfTheFullForward) {
 }
 
 TEST(Generate, StopsAfterTheStopTokenAndAtTheLastPosition) {
-  LlamaForCausalLM model(small_config(4), DType::F32, Device::cpu(), 3);
+  CausalLM model(small_config(4), DType::F32, Device::cpu(), 3);
   SamplingOptions o;
   o.temperature = 0;
   o.max_new_tokens = 100;

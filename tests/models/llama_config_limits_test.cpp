@@ -8,7 +8,7 @@
 #include <functional>
 #include <string>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 
 namespace accel {
 namespace {
@@ -24,8 +24,8 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
-LlamaConfig small() {
-  LlamaConfig c;
+DecoderConfig small() {
+  DecoderConfig c;
   c.hidden_size = 64;
   c.intermediate_size = 128;
   c.num_hidden_layers = 2;
@@ -39,7 +39,7 @@ LlamaConfig small() {
 TEST(LlamaConfigLimits, SizeProductsThatOverflowAreRefused) {
   EXPECT_NO_THROW(small().validate());
   const int64_t huge = int64_t{1} << 62;
-  LlamaConfig c = small();
+  DecoderConfig c = small();
   c.hidden_size = huge;
   EXPECT_NE(error_of([&] { c.validate(); }).find("vocab_size x hidden_size"), std::string::npos);
   c = small();
@@ -81,33 +81,33 @@ const std::string kFields =
 
 TEST_F(HfConfig, ZeroHeadsIsAnErrorNotADivisionByZero) {
   const std::string p = write("{" + kFields + R"(, "num_attention_heads": 0})");
-  const std::string msg = error_of([&] { read_hf_llama_config(p); });
+  const std::string msg = error_of([&] { read_hf_model_config(p); });
   EXPECT_NE(msg.find(p), std::string::npos) << msg;
   EXPECT_NE(msg.find("num_attention_heads must be positive, got 0"), std::string::npos) << msg;
   write("{" + kFields + R"(, "num_attention_heads": 2, "num_key_value_heads": 0})");
-  EXPECT_NE(error_of([&] { read_hf_llama_config(p); }).find("num_key_value_heads must be positive"),
+  EXPECT_NE(error_of([&] { read_hf_model_config(p); }).find("num_key_value_heads must be positive"),
             std::string::npos);
   write("{" + kFields + R"(, "num_attention_heads": 2, "rms_norm_eps": -1})");
-  EXPECT_NE(error_of([&] { read_hf_llama_config(p); }).find("rms_norm_eps must be a positive"),
+  EXPECT_NE(error_of([&] { read_hf_model_config(p); }).find("rms_norm_eps must be a positive"),
             std::string::npos);
   write("{" + kFields + R"(, "num_attention_heads": 2.5})");
   EXPECT_NE(error_of([&] {
-              read_hf_llama_config(p);
+              read_hf_model_config(p);
             }).find("field 'num_attention_heads' must be an integer, got 2.5"),
             std::string::npos);
   write("{" + kFields + R"(, "num_attention_heads": 2})");
-  EXPECT_EQ(read_hf_llama_config(p).head_dim, 32);
+  EXPECT_EQ(read_hf_model_config(p).head_dim, 32);
 }
 
 TEST_F(HfConfig, HugeSizesAreRefused) {
   const std::string p = write(R"({"hidden_size": 4611686018427387904, "intermediate_size": 128,
       "num_hidden_layers": 1, "vocab_size": 256, "num_attention_heads": 2})");
-  const std::string msg = error_of([&] { read_hf_llama_config(p); });
+  const std::string msg = error_of([&] { read_hf_model_config(p); });
   EXPECT_NE(msg.find(p + ": llama config: vocab_size x hidden_size"), std::string::npos) << msg;
   write(R"({"hidden_size": 18446744073709551615, "intermediate_size": 128,
       "num_hidden_layers": 1, "vocab_size": 256, "num_attention_heads": 2})");
   EXPECT_NE(error_of([&] {
-              read_hf_llama_config(p);
+              read_hf_model_config(p);
             }).find("field 'hidden_size' must be an integer, got 18446744073709551615"),
             std::string::npos);
 }
@@ -116,13 +116,13 @@ TEST_F(HfConfig, DeepNestingIsAnErrorNotAStackOverflow) {
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   const std::string p =
       write("{" + kFields + R"(, "num_attention_heads": 2, "rope_scaling": )" + deep + "}");
-  const std::string msg = error_of([&] { read_hf_llama_config(p); });
+  const std::string msg = error_of([&] { read_hf_model_config(p); });
   EXPECT_NE(msg.find(p + ": JSON nests arrays/objects deeper than"), std::string::npos) << msg;
   // Shallow but long: the message shows an excerpt.
   std::string many;
   for (int i = 0; i < 50000; ++i) many += "1,";
   write("{" + kFields + R"(, "num_attention_heads": 2, "rope_scaling": [)" + many + "1]}");
-  EXPECT_LT(error_of([&] { read_hf_llama_config(p); }).size(), 300u);
+  EXPECT_LT(error_of([&] { read_hf_model_config(p); }).size(), 300u);
 }
 
 }  // namespace

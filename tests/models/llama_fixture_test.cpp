@@ -9,7 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "ops/optimizer.h"
 #include "runtime/safetensors.h"
 
@@ -40,8 +40,8 @@ TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   const bool on_gpu = std::get<1>(GetParam());
   if (on_gpu && !cuda::available()) GTEST_SKIP() << "no CUDA device: GPU fixture test skipped";
   const Device device = on_gpu ? Device::cuda(0) : Device::cpu();
-  LlamaConfig cfg = read_hf_llama_config(dir + "/config.json");
-  LlamaForCausalLM model(cfg, DType::F32, device, /*seed=*/123);
+  DecoderConfig cfg = read_hf_model_config(dir + "/config.json");
+  CausalLM model(cfg, DType::F32, device, /*seed=*/123);
   load_hf_weights(model, dir);
 
   SafetensorsReader batch(dir + "/batch.safetensors");
@@ -51,7 +51,7 @@ TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
 
   Tensor logits = model.forward(ids);
   EXPECT_LT(rel_error(logits, expected.load("logits")), 1e-4);
-  Tensor loss = LlamaForCausalLM::loss(logits, targets);
+  Tensor loss = CausalLM::loss(logits, targets);
   EXPECT_NEAR(loss.item(), expected.load("loss").item(),
               1e-4 * std::abs(expected.load("loss").item()));
   loss.backward();
@@ -84,7 +84,7 @@ TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   opts.weight_decay = o["weight_decay"];
   Optimizer opt(opts, params, names);
   for (size_t step = 0; step < train["losses_before_each_step"].size(); ++step) {
-    Tensor l = LlamaForCausalLM::loss(model.forward(ids), targets);
+    Tensor l = CausalLM::loss(model.forward(ids), targets);
     double want = train["losses_before_each_step"][step];
     EXPECT_NEAR(l.item(), want, 1e-4) << "step " << step;
     l.backward();
@@ -101,16 +101,16 @@ INSTANTIATE_TEST_SUITE_P(HuggingFace, LlamaFixture,
                                             ::testing::Values(false, true)));
 
 TEST(LlamaConfigFile, RopeThetaFromEitherSpelling) {
-  LlamaConfig c = read_hf_llama_config(fixture_dir("llama_gqa4_theta") + "/config.json");
+  DecoderConfig c = read_hf_model_config(fixture_dir("llama_gqa4_theta") + "/config.json");
   EXPECT_EQ(c.rope_theta, 500000.0);
   EXPECT_EQ(c.num_attention_heads, 8);
   EXPECT_EQ(c.num_key_value_heads, 2);
 }
 
 TEST(LlamaWeights, ShapeMismatchNamesTensorAndBothShapes) {
-  LlamaConfig cfg = read_hf_llama_config(fixture_dir("llama_default") + "/config.json");
+  DecoderConfig cfg = read_hf_model_config(fixture_dir("llama_default") + "/config.json");
   cfg.intermediate_size = 96;
-  LlamaForCausalLM model(cfg, DType::F32, Device::cpu(), 0);
+  CausalLM model(cfg, DType::F32, Device::cpu(), 0);
   try {
     load_hf_weights(model, fixture_dir("llama_default"));
     FAIL() << "expected an error";
@@ -152,8 +152,8 @@ TEST(LlamaWeights, ShardedIndexLoadsLikeTheSingleFile) {
   save_safetensors((dir / "model-00002-of-00002.safetensors").string(), b);
   std::ofstream(dir / "model.safetensors.index.json") << index.dump();
 
-  LlamaConfig cfg = read_hf_llama_config(src + "/config.json");
-  LlamaForCausalLM from_index(cfg, DType::F32, Device::cpu(), 1),
+  DecoderConfig cfg = read_hf_model_config(src + "/config.json");
+  CausalLM from_index(cfg, DType::F32, Device::cpu(), 1),
       from_file(cfg, DType::F32, Device::cpu(), 2);
   load_hf_weights(from_index, dir.string());
   load_hf_weights(from_file, src);

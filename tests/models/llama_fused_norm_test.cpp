@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 
 namespace accel {
 namespace {
@@ -16,12 +16,12 @@ namespace {
 // The decoder stack as it was written before the fusion: add, then rms_norm, each norm reading a
 // copy (x * 1, exact) so that its backward has nothing pending to fold and the engine sums the
 // residual gradients separately, as it used to.
-Tensor unfused_forward(LlamaForCausalLM& m, const Tensor& ids) {
+Tensor unfused_forward(CausalLM& m, const Tensor& ids) {
   auto norm = [](RMSNorm& n, const Tensor& x) {
     return rms_norm(mul(x, 1.0), n.weight.value, n.eps);
   };
   Tensor x = m.model.embed_tokens.forward(ids);
-  for (LlamaDecoderLayer* l : m.model.layers) {
+  for (DecoderLayer* l : m.model.layers) {
     Tensor h = add(x, l->self_attn.forward(norm(l->input_layernorm, x)));
     x = add(h, l->mlp.forward(norm(l->post_attention_layernorm, h)));
   }
@@ -30,7 +30,7 @@ Tensor unfused_forward(LlamaForCausalLM& m, const Tensor& ids) {
 }
 
 TEST(LlamaFusedNorm, ModelLossAndGradientsEqualTheUnfusedOpsBitForBit) {
-  LlamaConfig c;
+  DecoderConfig c;
   c.hidden_size = 64;
   c.intermediate_size = 96;
   c.num_hidden_layers = 2;
@@ -38,7 +38,7 @@ TEST(LlamaFusedNorm, ModelLossAndGradientsEqualTheUnfusedOpsBitForBit) {
   c.num_key_value_heads = 2;
   c.head_dim = 16;
   c.vocab_size = 50;
-  LlamaForCausalLM model(c, DType::F32, Device::cpu(), 7);
+  CausalLM model(c, DType::F32, Device::cpu(), 7);
   {
     // Norm weights start at 1: make them matter.
     NoGradGuard no_grad;
@@ -59,7 +59,7 @@ TEST(LlamaFusedNorm, ModelLossAndGradientsEqualTheUnfusedOpsBitForBit) {
   auto run = [&](bool fused) {
     for (Parameter* p : model.parameters()) p->value.zero_grad();
     Tensor logits = fused ? model.forward(ids) : unfused_forward(model, ids);
-    Tensor loss = LlamaForCausalLM::loss(logits, targets);
+    Tensor loss = CausalLM::loss(logits, targets);
     loss.backward();
     std::vector<std::vector<double>> out{loss.to_vector(), logits.to_vector()};
     for (Parameter* p : model.parameters()) out.push_back(p->value.grad().to_vector());

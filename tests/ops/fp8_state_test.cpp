@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "models/decoder.h"
 #include "models/fp8_linear.h"
-#include "models/llama.h"
 #include "runtime/safetensors.h"
 #include "tests/parallel/harness.h"
 
@@ -19,8 +19,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-LlamaConfig tiny(int64_t layers = 2) {
-  LlamaConfig c;
+DecoderConfig tiny(int64_t layers = 2) {
+  DecoderConfig c;
   c.hidden_size = 32;
   c.intermediate_size = 64;
   c.num_hidden_layers = layers;
@@ -49,10 +49,10 @@ Tensor batch(uint64_t seed) {
 }
 
 // Forward + backward + step_end (no optimizer: the weights stay put, the state moves).
-void steps(LlamaForCausalLM& m, Fp8Training& fp8, int n, uint64_t seed) {
+void steps(CausalLM& m, Fp8Training& fp8, int n, uint64_t seed) {
   for (int i = 0; i < n; ++i) {
     Tensor ids = batch(seed + static_cast<uint64_t>(i));
-    LlamaForCausalLM::loss(m.forward(ids), ids).backward();
+    CausalLM::loss(m.forward(ids), ids).backward();
     fp8.step_end(static_cast<ProcessGroup*>(nullptr));
   }
 }
@@ -74,7 +74,7 @@ std::string message_of(const std::function<void()>& f) {
 }
 
 TEST(Fp8State, FileRoundTripRestoresHistoriesScalesAndUpdateCount) {
-  LlamaForCausalLM a(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM a(tiny(), DType::F32, Device::cpu(), 1);
   auto fa = apply_fp8(a, te(), Device::cpu());
   steps(a, *fa, 5, 10);
   const std::string path = temp_file("roundtrip");
@@ -88,7 +88,7 @@ TEST(Fp8State, FileRoundTripRestoresHistoriesScalesAndUpdateCount) {
     EXPECT_EQ(f.metadata().at("updates"), "5");
     EXPECT_EQ(f.metadata().at("fp8_format"), "HYBRID");
   }
-  LlamaForCausalLM b(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM b(tiny(), DType::F32, Device::cpu(), 1);
   auto fb = apply_fp8(b, te(), Device::cpu());
   EXPECT_EQ(load_fp8_state(*fb, path), "");
   fs::remove(path);
@@ -104,18 +104,18 @@ TEST(Fp8State, FileRoundTripRestoresHistoriesScalesAndUpdateCount) {
   EXPECT_EQ(db.scales().to_vector(), da.scales().to_vector());
   EXPECT_EQ(db.amax_history().to_vector(), da.amax_history().to_vector());
   // A fresh state differs: the round trip above is not vacuous.
-  LlamaForCausalLM c(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM c(tiny(), DType::F32, Device::cpu(), 1);
   auto fc = apply_fp8(c, te(), Device::cpu());
   EXPECT_NE(fc->delayed()->scales().to_vector(), da.scales().to_vector());
 }
 
 TEST(Fp8State, StateThatDoesNotFitIsRefusedSayingWhatDiffers) {
-  LlamaForCausalLM a(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM a(tiny(), DType::F32, Device::cpu(), 1);
   auto fa = apply_fp8(a, te(4), Device::cpu());
   steps(a, *fa, 2, 10);
   const Fp8CheckpointState st = fp8_checkpoint_state(*fa);
 
-  LlamaForCausalLM b(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM b(tiny(), DType::F32, Device::cpu(), 1);
   auto longer = apply_fp8(b, te(8), Device::cpu());
   std::string m = message_of([&] { fp8_load_checkpoint_state(*longer, st, "ck/fp8"); });
   EXPECT_NE(m.find("ck/fp8: "), std::string::npos) << m;
@@ -125,19 +125,19 @@ TEST(Fp8State, StateThatDoesNotFitIsRefusedSayingWhatDiffers) {
 
   Fp8Config e4m3 = te(4);
   e4m3.fp8_format = Fp8Format::E4M3;
-  LlamaForCausalLM c(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM c(tiny(), DType::F32, Device::cpu(), 1);
   auto fc = apply_fp8(c, e4m3, Device::cpu());
   m = message_of([&] { fp8_load_checkpoint_state(*fc, st, "ck"); });
   EXPECT_NE(m.find("fp8_format HYBRID, this run uses E4M3"), std::string::npos) << m;
 
-  LlamaForCausalLM deep(tiny(3), DType::F32, Device::cpu(), 1);
+  CausalLM deep(tiny(3), DType::F32, Device::cpu(), 1);
   auto fdeep = apply_fp8(deep, te(4), Device::cpu());
   m = message_of([&] { fp8_load_checkpoint_state(*fdeep, st, "ck"); });
   EXPECT_NE(m.find("7 fp8 layer(s) of this run have no saved state (model.layers.2."),
             std::string::npos)
       << m;
 
-  LlamaForCausalLM shallow(tiny(1), DType::F32, Device::cpu(), 1);
+  CausalLM shallow(tiny(1), DType::F32, Device::cpu(), 1);
   auto fshallow = apply_fp8(shallow, te(4), Device::cpu());
   m = message_of([&] { fp8_load_checkpoint_state(*fshallow, st, "ck"); });
   EXPECT_NE(m.find("7 saved layer(s) are not fp8 layers of this run (model.layers.1."),
@@ -148,7 +148,7 @@ TEST(Fp8State, StateThatDoesNotFitIsRefusedSayingWhatDiffers) {
   // A tensor missing, a wrong shape.
   Fp8CheckpointState cut = st;
   cut.tensors.erase(cut.tensors.begin() + 1);
-  LlamaForCausalLM d(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM d(tiny(), DType::F32, Device::cpu(), 1);
   auto fd = apply_fp8(d, te(4), Device::cpu());
   m = message_of([&] { fp8_load_checkpoint_state(*fd, cut, "ck"); });
   EXPECT_NE(m.find("is missing"), std::string::npos) << m;
@@ -159,13 +159,13 @@ TEST(Fp8State, StateThatDoesNotFitIsRefusedSayingWhatDiffers) {
 }
 
 TEST(Fp8State, ChangedMarginAlgorithmOrIntervalIsAcceptedWithANote) {
-  LlamaForCausalLM a(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM a(tiny(), DType::F32, Device::cpu(), 1);
   auto fa = apply_fp8(a, te(4), Device::cpu());
   steps(a, *fa, 2, 10);
   Fp8Config other = te(4);
   other.margin = 1;
   other.amax_compute_algo = AmaxComputeAlgo::MostRecent;
-  LlamaForCausalLM b(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM b(tiny(), DType::F32, Device::cpu(), 1);
   auto fb = apply_fp8(b, other, Device::cpu());
   std::string note = fp8_load_checkpoint_state(*fb, fp8_checkpoint_state(*fa), "ck");
   EXPECT_NE(note.find("amax_compute_algo changed from max to most_recent"), std::string::npos)
@@ -176,7 +176,7 @@ TEST(Fp8State, ChangedMarginAlgorithmOrIntervalIsAcceptedWithANote) {
 }
 
 TEST(Fp8State, DynamicAndMxScalingHaveNoState) {
-  LlamaForCausalLM m(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM m(tiny(), DType::F32, Device::cpu(), 1);
   Fp8Config ao;
   ao.backend = Fp8Backend::AO;
   auto f = apply_fp8(m, ao, Device::cpu());
@@ -185,13 +185,13 @@ TEST(Fp8State, DynamicAndMxScalingHaveNoState) {
   EXPECT_TRUE(fp8_checkpoint_state(*f).metadata.empty());
   EXPECT_THROW(save_fp8_state(*f, temp_file("ao")), std::logic_error);
   EXPECT_FALSE(fs::exists(temp_file("ao")));
-  LlamaForCausalLM m2(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM m2(tiny(), DType::F32, Device::cpu(), 1);
   Fp8Config mx = te();
   mx.use_mxfp8_block_scaling = true;
   auto f2 = apply_fp8(m2, mx, Device::cpu());
   EXPECT_FALSE(fp8_has_checkpoint_state(f2.get()));
   EXPECT_FALSE(fp8_has_checkpoint_state(nullptr));
-  LlamaForCausalLM m3(tiny(), DType::F32, Device::cpu(), 1);
+  CausalLM m3(tiny(), DType::F32, Device::cpu(), 1);
   auto f3 = apply_fp8(m3, te(), Device::cpu());
   EXPECT_TRUE(fp8_has_checkpoint_state(f3.get()));
 }
@@ -205,14 +205,14 @@ TEST(Fp8State, ReplicationCheckOverTwoRanks) {
   auto exits = testing::run_ranks(n, [&](int rank) {
     if (omp_set_num_threads) omp_set_num_threads(1);
     testing::World w = testing::make_world(rank, n, port);
-    LlamaForCausalLM model(tiny(), DType::F32, Device::cpu(), 3);
+    CausalLM model(tiny(), DType::F32, Device::cpu(), 3);
     auto fp8 = apply_fp8(model, te(), Device::cpu());
     Tensor ids = batch(100 + static_cast<uint64_t>(rank));  // different data per rank
-    LlamaForCausalLM::loss(model.forward(ids), ids).backward();
+    CausalLM::loss(model.forward(ids), ids).backward();
     fp8->step_end(w.pg.get());
     check_fp8_state_replicated(*fp8, w.pg.get());  // the same after the all-reduce
     // Rank 1 skips the all-reduce once: the ranks' states now differ.
-    LlamaForCausalLM::loss(model.forward(ids), ids).backward();
+    CausalLM::loss(model.forward(ids), ids).backward();
     if (rank == 0)
       fp8->step_end(w.pg.get());
     else

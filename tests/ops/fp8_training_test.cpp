@@ -9,16 +9,16 @@
 #include <random>
 #include <vector>
 
+#include "models/decoder.h"
 #include "models/fp8_linear.h"
-#include "models/llama.h"
 #include "parallel/ddp.h"
 #include "tests/parallel/harness.h"
 
 namespace accel {
 namespace {
 
-LlamaConfig tiny_config() {
-  LlamaConfig c;
+DecoderConfig tiny_config() {
+  DecoderConfig c;
   c.hidden_size = 64;
   c.intermediate_size = 128;
   c.num_hidden_layers = 2;
@@ -52,7 +52,7 @@ std::vector<std::string> fp8_names(const std::vector<Fp8LayerChoice>& layers) {
 }
 
 TEST(Fp8Layers, TransformerEngineConvertsEveryAlignedLinear) {
-  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
+  CausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
   auto te = choose_fp8_layers(model, te_config());
   ASSERT_EQ(te.size(), 15u);  // 2 x (q k v o gate up down) + lm_head
   EXPECT_EQ(fp8_names(te).size(), 15u);
@@ -60,9 +60,9 @@ TEST(Fp8Layers, TransformerEngineConvertsEveryAlignedLinear) {
   EXPECT_EQ(te.back().name, "lm_head");
   EXPECT_EQ(te.back().out_features, 64);
 
-  LlamaConfig odd = tiny_config();
+  DecoderConfig odd = tiny_config();
   odd.intermediate_size = 120;  // gate/up/down not divisible by 16
-  LlamaForCausalLM m2(odd, DType::F32, Device::cpu(), 1);
+  CausalLM m2(odd, DType::F32, Device::cpu(), 1);
   auto t2 = choose_fp8_layers(m2, te_config());
   EXPECT_EQ(fp8_names(t2).size(), 15u - 6u);
   for (const auto& l : t2)
@@ -76,7 +76,7 @@ TEST(Fp8Layers, TransformerEngineConvertsEveryAlignedLinear) {
 }
 
 TEST(Fp8Layers, TorchAoKeepsFirstLastAndExcludedLayers) {
-  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
+  CausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
   auto ao = choose_fp8_layers(model, ao_config());
   EXPECT_FALSE(ao.front().fp8);
   EXPECT_FALSE(ao.back().fp8);
@@ -92,9 +92,9 @@ TEST(Fp8Layers, TorchAoKeepsFirstLastAndExcludedLayers) {
   }
   // With a tied head, Hugging Face's last Linear is the (tied) lm_head: the last down_proj
   // converts.
-  LlamaConfig tied = tiny_config();
+  DecoderConfig tied = tiny_config();
   tied.tie_word_embeddings = true;
-  LlamaForCausalLM mt(tied, DType::F32, Device::cpu(), 1);
+  CausalLM mt(tied, DType::F32, Device::cpu(), 1);
   auto at = choose_fp8_layers(mt, ao_config());
   ASSERT_EQ(at.size(), 14u);
   EXPECT_FALSE(at.front().fp8);
@@ -135,7 +135,7 @@ TEST(Fp8Recipe, FromConfig) {
 }
 
 TEST(Fp8Training, DescribeNamesTheEffectiveRecipe) {
-  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
+  CausalLM model(tiny_config(), DType::F32, Device::cpu(), 1);
   auto te = apply_fp8(model, te_config(), Device::cpu());
   std::string d = te->describe();
   EXPECT_NE(d.find("backend TE: delayed scaling (amax_history_len 16, amax_compute_algo max"),
@@ -147,13 +147,13 @@ TEST(Fp8Training, DescribeNamesTheEffectiveRecipe) {
   EXPECT_NE(d.find("emulation"), std::string::npos) << d;
   EXPECT_EQ(te->delayed()->num_slots(), 45);
 
-  LlamaForCausalLM m2(tiny_config(), DType::F32, Device::cpu(), 1);
+  CausalLM m2(tiny_config(), DType::F32, Device::cpu(), 1);
   Fp8Config mx = te_config();
   mx.use_mxfp8_block_scaling = true;
   std::string dm = apply_fp8(m2, mx, Device::cpu())->describe();
   EXPECT_NE(dm.find("EMULATED"), std::string::npos) << dm;
 
-  LlamaForCausalLM m3(tiny_config(), DType::F32, Device::cpu(), 1);
+  CausalLM m3(tiny_config(), DType::F32, Device::cpu(), 1);
   std::string da = apply_fp8(m3, ao_config(), Device::cpu())->describe();
   EXPECT_NE(da.find("dynamic per-tensor scaling"), std::string::npos) << da;
   EXPECT_NE(da.find("kept in bf16: model.layers.0.self_attn.q_proj"), std::string::npos) << da;
@@ -174,14 +174,14 @@ std::pair<Tensor, Tensor> make_batch(uint64_t seed, int64_t B, int64_t S, int64_
 
 // `adjust` (if set) edits the model after fp8 is applied.
 std::vector<double> train(const Fp8Config* fp8_cfg, int steps,
-                          const std::function<void(LlamaForCausalLM&)>& adjust = nullptr) {
-  LlamaConfig c = tiny_config();  // smaller still: 5 runs of 30 steps must take ~1 s
+                          const std::function<void(CausalLM&)>& adjust = nullptr) {
+  DecoderConfig c = tiny_config();  // smaller still: 5 runs of 30 steps must take ~1 s
   c.hidden_size = 32;
   c.intermediate_size = 64;
   c.num_attention_heads = 2;
   c.num_key_value_heads = 1;
   c.vocab_size = 32;
-  LlamaForCausalLM model(c, DType::F32, Device::cpu(), 42);
+  CausalLM model(c, DType::F32, Device::cpu(), 42);
   std::unique_ptr<Fp8Training> fp8 = fp8_cfg ? apply_fp8(model, *fp8_cfg, Device::cpu()) : nullptr;
   if (adjust) adjust(model);
   SingleProcessStrategy strategy(DType::BF16);
@@ -191,7 +191,7 @@ std::vector<double> train(const Fp8Config* fp8_cfg, int steps,
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     auto [ids, targets] = make_batch(static_cast<uint64_t>(s), 8, 24, 32);
-    Tensor loss = LlamaForCausalLM::loss(model.forward(ids), targets);
+    Tensor loss = CausalLM::loss(model.forward(ids), targets);
     losses.push_back(loss.item());
     loss.backward();
     strategy.step(3e-3, 1.0, 1.0);
@@ -238,9 +238,9 @@ TEST(Fp8Training, TinyLlamaLossFallsAndTracksBf16) {
 TEST(Fp8Training, FusedMlpTrainsLikeLayerByLayer) {
   for (const Fp8Config& cfg : {te_config(), ao_config()}) {
     int taken = 0, calls = 0;
-    auto count = [&](LlamaForCausalLM& m) {
+    auto count = [&](CausalLM& m) {
       for (auto& [name, mod] : m.named_modules())
-        if (auto* mlp = dynamic_cast<LlamaMLP*>(mod)) {
+        if (auto* mlp = dynamic_cast<GatedMLP*>(mod)) {
           ASSERT_TRUE(mlp->fused_fn) << name;
           mlp->fused_fn = [&, f = mlp->fused_fn](const Tensor& x) {
             Tensor y = f(x);
@@ -250,9 +250,9 @@ TEST(Fp8Training, FusedMlpTrainsLikeLayerByLayer) {
           };
         }
     };
-    auto layers = [](LlamaForCausalLM& m) {
+    auto layers = [](CausalLM& m) {
       for (auto& [name, mod] : m.named_modules())
-        if (auto* mlp = dynamic_cast<LlamaMLP*>(mod)) mlp->fused_fn = nullptr;
+        if (auto* mlp = dynamic_cast<GatedMLP*>(mod)) mlp->fused_fn = nullptr;
     };
     const std::vector<double> fused = train(&cfg, 4, count), plain = train(&cfg, 4, layers);
     EXPECT_EQ(fused, plain) << name_of(cfg.backend);
@@ -262,8 +262,8 @@ TEST(Fp8Training, FusedMlpTrainsLikeLayerByLayer) {
 }
 
 TEST(Fp8Training, EvalScope) {
-  LlamaForCausalLM plain(tiny_config(), DType::F32, Device::cpu(), 7);
-  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 7);
+  CausalLM plain(tiny_config(), DType::F32, Device::cpu(), 7);
+  CausalLM model(tiny_config(), DType::F32, Device::cpu(), 7);
   Fp8Config cfg = te_config();
   auto fp8 = apply_fp8(model, cfg, Device::cpu());
   auto [ids, targets] = make_batch(1, 2, 16, 64);
@@ -277,7 +277,7 @@ TEST(Fp8Training, EvalScope) {
   EXPECT_NE(model.forward(ids).to_vector(), want);  // outside the scope: fp8, recording
   EXPECT_GT(fp8->delayed()->current_amaxes().to_vector()[0], 0.0);
 
-  LlamaForCausalLM m2(tiny_config(), DType::F32, Device::cpu(), 7);
+  CausalLM m2(tiny_config(), DType::F32, Device::cpu(), 7);
   cfg.use_autocast_during_eval = true;
   auto fp8b = apply_fp8(m2, cfg, Device::cpu());
   {
@@ -290,10 +290,10 @@ TEST(Fp8Training, EvalScope) {
 }
 
 TEST(Fp8Training, StepEndReducesThenUpdates) {
-  LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 3);
+  CausalLM model(tiny_config(), DType::F32, Device::cpu(), 3);
   auto fp8 = apply_fp8(model, te_config(), Device::cpu());
   auto [ids, targets] = make_batch(2, 2, 16, 64);
-  LlamaForCausalLM::loss(model.forward(ids), targets).backward();
+  CausalLM::loss(model.forward(ids), targets).backward();
   int calls = 0;
   fp8->step_end([&](const Tensor& amaxes) {
     ++calls;
@@ -307,7 +307,7 @@ TEST(Fp8Training, StepEndReducesThenUpdates) {
   EXPECT_EQ(s[2], 57344.0 / 2);  // grad-output slot, e5m2
   EXPECT_EQ(fp8->delayed()->updates(), 1);
   // Dynamic scaling has nothing to reduce.
-  LlamaForCausalLM m2(tiny_config(), DType::F32, Device::cpu(), 3);
+  CausalLM m2(tiny_config(), DType::F32, Device::cpu(), 3);
   auto ao = apply_fp8(m2, ao_config(), Device::cpu());
   ao->step_end([&](const Tensor&) { ++calls; });
   EXPECT_EQ(calls, 1);
@@ -323,10 +323,10 @@ TEST(Fp8Training, AmaxAllReduceGivesEveryRankTheSameScales) {
   auto exits = testing::run_ranks(n, [&](int rank) {
     if (omp_set_num_threads) omp_set_num_threads(1);
     testing::World w = testing::make_world(rank, n, port);
-    LlamaForCausalLM model(tiny_config(), DType::F32, Device::cpu(), 3);
+    CausalLM model(tiny_config(), DType::F32, Device::cpu(), 3);
     auto fp8 = apply_fp8(model, te_config(), Device::cpu());
     auto [ids, targets] = make_batch(100 + rank, 2, 16, 64);  // different data per rank
-    LlamaForCausalLM::loss(model.forward(ids), targets).backward();
+    CausalLM::loss(model.forward(ids), targets).backward();
     Tensor local = fp8->delayed()->current_amaxes().clone();
     fp8->step_end(w.pg.get());
     Tensor all = Tensor::empty({n * local.numel()});

@@ -17,7 +17,7 @@ TEST(StrategyDdp, SetupBroadcastsRankZerosWeights) {
   auto exits = run_ranks(3, [&](int rank) -> int {
     World w = make_world(rank, 3, port);
     Trainee t = make_trainee(s, w.pg, 100 + rank);  // different weights on every rank
-    LlamaForCausalLM rank0(tiny_llama(), DType::F32, Device::cpu(), 100);
+    CausalLM rank0(tiny_llama(), DType::F32, Device::cpu(), 100);
     Weights want;
     for (Parameter* p : rank0.parameters()) want.push_back({p->name, p->value});
     std::string diff = compare_weights(full_weights(*t.strategy), want, 0.0);
@@ -52,7 +52,7 @@ TEST(StrategyDdp, AllReducesDuringBackwardOfTheLastMicroBatchOnly) {
         const bool last = micro == 1;
         t.strategy->begin_micro_batch(last);
         auto [ids, labels] = rank_batch(s, step, micro, rank, 64);
-        Tensor loss = LlamaForCausalLM::loss(t.model->forward(ids), labels);
+        Tensor loss = CausalLM::loss(t.model->forward(ids), labels);
         mul(loss, 0.5).backward();
         RANK_CHECK(at_last_grad - before == (last ? buckets : 0),
                    "micro-batch %d: %lld all-reduces issued during backward, want %d", micro,

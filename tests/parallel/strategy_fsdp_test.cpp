@@ -57,8 +57,7 @@ Config fsdp_config(const FsdpCase& c) {
 Trainee make_fsdp_trainee(const RunSpec& s, const FsdpCase& c, std::shared_ptr<ProcessGroup> pg,
                           uint64_t model_seed) {
   Trainee t;
-  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(),
-                                               model_seed);
+  t.model = std::make_unique<CausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(), model_seed);
   Config cfg = fsdp_config(c);
   t.model->set_activation_checkpointing(cfg.fsdp.fsdp_activation_checkpointing);
   t.strategy = make_strategy(cfg, pg, c.compute);
@@ -153,7 +152,7 @@ std::vector<std::string> unit_types(Module& root, const FsdpOptions& o) {
 }
 
 TEST(FsdpUnits, WrapPolicies) {
-  LlamaForCausalLM model(tiny_llama(3), DType::F32, Device::cpu(), 1);
+  CausalLM model(tiny_llama(3), DType::F32, Device::cpu(), 1);
   FsdpOptions o;
   EXPECT_EQ(unit_types(model, o), std::vector<std::string>(3, "LlamaDecoderLayer"));
   o.auto_wrap_policy = FsdpWrapPolicy::NoWrap;
@@ -348,7 +347,7 @@ void checkpoint_case(const std::string& type, int world) {
                               ck_dir.string() + " " + out.string() + " >/dev/null 2>&1";
       RANK_CHECK(std::system(cmd.c_str()) == 0, "%s failed (is accel-checkpoint built?)",
                  cmd.c_str());
-      LlamaForCausalLM plain(tiny_llama(s.layers), DType::F32, Device::cpu(), 98);
+      CausalLM plain(tiny_llama(s.layers), DType::F32, Device::cpu(), 98);
       load_hf_weights(plain, out.string());
       Weights loaded;
       for (Parameter* p : plain.parameters()) loaded.push_back({p->name, p->value});
@@ -356,7 +355,7 @@ void checkpoint_case(const std::string& type, int world) {
       RANK_CHECK(diff.empty(), "consolidated weights differ: %s", diff.c_str());
     }
     if (has_model) {
-      LlamaForCausalLM plain(tiny_llama(s.layers), DType::F32, Device::cpu(), 99);
+      CausalLM plain(tiny_llama(s.layers), DType::F32, Device::cpu(), 99);
       load_hf_weights(plain, ck_dir.string());
       Weights loaded;
       for (Parameter* p : plain.parameters()) loaded.push_back({p->name, p->value});
@@ -389,7 +388,7 @@ void fp8_gather_case(int world) {
   auto exits = run_ranks(world, [&](int rank) -> int {
     World w = make_world(rank, world, port);
     Comm comm(w.pg);
-    LlamaForCausalLM model(tiny_llama(2), DType::F32, Device::cpu(), 5);
+    CausalLM model(tiny_llama(2), DType::F32, Device::cpu(), 5);
     std::vector<std::vector<Parameter*>> units;
     for (Module* layer : fsdp_units(model, FsdpOptions{})) {
       units.emplace_back();
@@ -488,7 +487,7 @@ Fp8Trainee make_fp8_trainee(const FsdpCase& c, bool fsdp, bool all_gather,
                             std::shared_ptr<ProcessGroup> pg, uint64_t seed) {
   Fp8Trainee f;
   const Config cfg = fp8_fsdp_config(c, all_gather);
-  f.t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(2), DType::F32, Device::cpu(), seed);
+  f.t.model = std::make_unique<CausalLM>(tiny_llama(2), DType::F32, Device::cpu(), seed);
   f.t.model->set_activation_checkpointing(c.ac);
   f.fp8 = apply_fp8(*f.t.model, cfg.fp8, Device::cpu());
   f.t.strategy =
@@ -509,7 +508,7 @@ double eval_loss(Fp8Trainee& f, const RunSpec& s, int rank, ProcessGroup* pg) {
   Fp8EvalScope scope(f.fp8.get());
   NoGradGuard no_grad;
   auto [ids, labels] = rank_batch(s, 99, 0, rank, f.t.model->config.vocab_size);
-  double l = LlamaForCausalLM::loss(f.t.model->forward(ids), labels).item();
+  double l = CausalLM::loss(f.t.model->forward(ids), labels).item();
   if (pg && pg->size() > 1) {
     Tensor v = Tensor::full({1}, l, DType::F64);
     pg->all_reduce(v, ReduceOp::Avg)->wait();
@@ -707,7 +706,7 @@ TEST(FsdpFp8AllGather, ConfigNeedsDynamicScaling) {
   // Layers of another recipe handed to the fp8 all-gather are refused before setup.
   cfg = fp8_fsdp_config(FsdpCase{}, true);
   cfg.fp8.backend = Fp8Backend::TE;
-  LlamaForCausalLM model(tiny_llama(1), DType::F32, Device::cpu(), 1);
+  CausalLM model(tiny_llama(1), DType::F32, Device::cpu(), 1);
   auto fp8 = apply_fp8(model, cfg.fp8, Device::cpu());
   Fp8WeightGathering::Fp8Layers layers;
   for (const Fp8LayerChoice& l : fp8->layers())
@@ -733,7 +732,7 @@ void ram_efficient_case(int world) {
     RunSpec s;
     s.world = world;
     s.steps = 3;
-    LlamaForCausalLM pretrained(tiny_llama(s.layers), DType::F32, Device::cpu(), 123);
+    CausalLM pretrained(tiny_llama(s.layers), DType::F32, Device::cpu(), 123);
     if (rank == 0) save_hf_model(pretrained, pretrained.config, dir.string());
     w.pg->barrier()->wait();
     Weights file;
@@ -746,8 +745,8 @@ void ram_efficient_case(int world) {
       cfg.fsdp.fsdp_cpu_ram_efficient_loading = efficient;
       cfg.model.init_from = rank == 0 || !efficient ? dir.string() : (dir / "absent").string();
       Trainee t;
-      t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(),
-                                                   1000 + rank);
+      t.model =
+          std::make_unique<CausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(), 1000 + rank);
       const bool reads = reads_init_weights(cfg, rank);
       if (reads) load_hf_weights(*t.model, cfg.model.init_from);  // as the trainer does
       t.strategy = make_strategy(cfg, w.pg, DType::F32);

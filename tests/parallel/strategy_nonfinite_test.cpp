@@ -21,7 +21,7 @@ Parameter* find_param(Module& m, const std::string& name) {
 StepResult poisoned_step(const RunSpec& s, Trainee& t, int rank, const std::string& poisoned) {
   t.strategy->begin_micro_batch(true);
   auto [ids, labels] = rank_batch(s, 0, 0, rank, t.model->config.vocab_size);
-  Tensor loss = LlamaForCausalLM::loss(t.model->forward(ids), labels);
+  Tensor loss = CausalLM::loss(t.model->forward(ids), labels);
   if (!poisoned.empty()) {
     Parameter* p = find_param(*t.model, poisoned);
     if (!p) throw std::logic_error("no parameter " + poisoned);
@@ -46,8 +46,8 @@ TEST(StrategyNonFinite, EveryRankNamesTheFirstBadParameterInModelOrder) {
       s.strategy = kind;
       Trainee t;
       if (s.strategy == "fsdp") {
-        t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers), DType::F32,
-                                                     Device::cpu(), s.seed);
+        t.model =
+            std::make_unique<CausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(), s.seed);
         t.strategy = std::make_unique<FsdpStrategy>(w.pg, FsdpOptions{});
         t.strategy->setup(*t.model, test_optimizer());
       } else {

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "parallel/ddp.h"
 #include "parallel/strategy.h"
 #include "parallel/zero.h"
@@ -20,8 +20,8 @@
 
 namespace accel::testing {
 
-inline LlamaConfig tiny_llama(int64_t layers = 2, bool tied = false) {
-  LlamaConfig c;
+inline DecoderConfig tiny_llama(int64_t layers = 2, bool tied = false) {
+  DecoderConfig c;
   c.tie_word_embeddings = tied;
   c.hidden_size = 32;
   c.intermediate_size = 64;
@@ -203,15 +203,15 @@ inline std::pair<Tensor, Tensor> rank_batch(const RunSpec& s, int step, int micr
 }
 
 struct Trainee {
-  std::unique_ptr<LlamaForCausalLM> model;
+  std::unique_ptr<CausalLM> model;
   std::unique_ptr<Strategy> strategy;
 };
 
 inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
                             uint64_t model_seed) {
   Trainee t;
-  t.model = std::make_unique<LlamaForCausalLM>(tiny_llama(s.layers, s.tied_embeddings), DType::F32,
-                                               Device::cpu(), model_seed);
+  t.model = std::make_unique<CausalLM>(tiny_llama(s.layers, s.tied_embeddings), DType::F32,
+                                       Device::cpu(), model_seed);
   t.model->set_activation_checkpointing(s.activation_checkpointing);
   t.strategy = make_test_strategy(s, pg);
   t.strategy->setup(*t.model, test_optimizer(s.optimizer));
@@ -225,7 +225,7 @@ inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, Proce
   for (int micro = 0; micro < s.accum; ++micro) {
     t.strategy->begin_micro_batch(micro == s.accum - 1);
     auto [ids, labels] = rank_batch(s, step, micro, rank, t.model->config.vocab_size);
-    Tensor loss = LlamaForCausalLM::loss(t.model->forward(ids), labels);
+    Tensor loss = CausalLM::loss(t.model->forward(ids), labels);
     loss_sum += loss.item();
     mul(loss, 1.0 / s.accum).backward();
     t.strategy->end_micro_batch();

@@ -102,7 +102,7 @@ TEST(StrategyZero, Stage2ReduceScattersDuringBackwardAndNeverAllReducesGradients
         int64_t before = w.pg->stats()[CommKind::ReduceScatter].calls;
         t.strategy->begin_micro_batch(micro == 1);
         auto [ids, labels] = rank_batch(s, 0, micro, rank, 64);
-        mul(LlamaForCausalLM::loss(t.model->forward(ids), labels), 0.5).backward();
+        mul(CausalLM::loss(t.model->forward(ids), labels), 0.5).backward();
         // Stage 2 reduces every micro-batch (its gradients are partitioned); stage 1 only the
         // last one. Either way the buckets go out while backward runs.
         int want = (std::string(kind) == "zero2" || micro == 1) ? groups : 0;
@@ -140,7 +140,7 @@ TEST(StrategyZero, Stage3GathersOneLayerAheadAndReleasesAfterUse) {
     };
     for (int g = 0; g < 5; ++g) RANK_CHECK(!z.group(g).materialized(), "group %d after setup", g);
     int most = 0;
-    for (LlamaDecoderLayer* layer : t.model->model.layers) {
+    for (DecoderLayer* layer : t.model->model.layers) {
       layer->add_pre_forward_hook([&](Module&) { most = std::max(most, gathered_layers()); });
       for (Parameter* p : layer->parameters())
         p->value.add_grad_ready_hook(

@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "ops/ops.h"
 #include "ops/optimizer.h"
 
@@ -263,7 +263,7 @@ TEST(Views, CastRoundsToNearestEven) {
 }
 
 TEST(Modules, ParameterNamesFollowHuggingFace) {
-  LlamaConfig c;
+  DecoderConfig c;
   c.hidden_size = 16;
   c.intermediate_size = 32;
   c.num_hidden_layers = 2;
@@ -271,7 +271,7 @@ TEST(Modules, ParameterNamesFollowHuggingFace) {
   c.num_key_value_heads = 1;
   c.head_dim = 8;
   c.vocab_size = 11;
-  LlamaForCausalLM m(c, DType::F32, Device::cpu(), 0);
+  CausalLM m(c, DType::F32, Device::cpu(), 0);
   std::vector<std::string> names;
   for (Parameter* p : m.parameters()) names.push_back(p->name);
   ASSERT_EQ(names.size(), 2u + 2 * 9 + 1);

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "runtime/safetensors.h"
 #include "tests/data/test_util.h"
 #include "tests/tools/run_tool.h"
@@ -53,8 +53,8 @@ TEST(AccelTrain, TrainsWritesMetricsAndHfCheckpoint) {
   ASSERT_TRUE(fs::exists(ck / "trainer_state.json"));
   EXPECT_TRUE(fs::exists(ck / "config.yaml"));
   // The checkpoint is a Hugging Face folder our own loader (and transformers) reads.
-  accel::LlamaConfig lc = accel::read_hf_llama_config((ck / "config.json").string());
-  accel::LlamaForCausalLM model(lc, accel::DType::F32, accel::Device::cpu(), 0);
+  accel::DecoderConfig lc = accel::read_hf_model_config((ck / "config.json").string());
+  accel::CausalLM model(lc, accel::DType::F32, accel::Device::cpu(), 0);
   accel::load_hf_weights(model, ck.string());
   EXPECT_TRUE(fs::exists(d / "out" / "config.yaml"));
 }
@@ -163,9 +163,9 @@ TEST(AccelTrain, InitFromCheckpointWithWrongShapesNamesTensorAndShapes) {
   // A folder whose config.json promises a wider MLP than its weights have.
   fs::path bad = d / "bad";
   fs::copy(d / "a" / "checkpoints" / "step_1", bad, fs::copy_options::recursive);
-  accel::LlamaConfig lc = accel::read_hf_llama_config((bad / "config.json").string());
+  accel::DecoderConfig lc = accel::read_hf_model_config((bad / "config.json").string());
   lc.intermediate_size = 48;
-  accel::write_hf_llama_config(lc, (bad / "config.json").string());
+  accel::write_hf_model_config(lc, (bad / "config.json").string());
   Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "b").string() +
                              " --set model.init_from=" + bad.string());
   EXPECT_EQ(r.code, 1) << r.output;

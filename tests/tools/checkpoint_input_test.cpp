@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "runtime/safetensors.h"
 #include "tests/tools/run_tool.h"
 #include "tools/trainer/checkpoint.h"
@@ -285,7 +285,7 @@ TEST_F(CheckpointInput, KeepLastNeverDeletesTheCheckpointJustSaved) {
     fs::create_directories(root / ("step_" + std::to_string(s)));
     std::ofstream(root / ("step_" + std::to_string(s)) / "trainer_state.json") << "{}";
   }
-  accel::LlamaConfig lc;
+  accel::DecoderConfig lc;
   lc.hidden_size = 8;
   lc.intermediate_size = 16;
   lc.num_hidden_layers = 1;

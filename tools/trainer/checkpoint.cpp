@@ -90,7 +90,7 @@ void write_text(const fs::path& p, const std::string& text) {
 
 std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
                             const std::vector<std::pair<std::string, Tensor>>& full_weights,
-                            const LlamaConfig& model_config,
+                            const DecoderConfig& model_config,
                             const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                             const std::string& config_yaml, const CheckpointWriter& w,
                             int64_t keep_last) {
@@ -115,7 +115,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
     // then holds no model.safetensors (accel-checkpoint consolidate writes one).
     if (!full_weights.empty())
       save_safetensors((tmp / "model.safetensors").string(), full_weights, {{"format", "pt"}});
-    write_hf_llama_config(model_config, (tmp / "config.json").string());
+    write_hf_model_config(model_config, (tmp / "config.json").string());
     write_text(tmp / "config.yaml", config_yaml);
   }
   const nlohmann::json extra_files = w.save_extra ? w.save_extra(tmp.string()) : nlohmann::json();

@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 
 namespace accel {
 
@@ -60,7 +60,7 @@ struct CheckpointWriter {
 // one just written. Returns the final folder.
 std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
                             const std::vector<std::pair<std::string, Tensor>>& full_weights,
-                            const LlamaConfig& model_config,
+                            const DecoderConfig& model_config,
                             const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                             const std::string& config_yaml, const CheckpointWriter& w,
                             int64_t keep_last);

@@ -20,7 +20,7 @@ double evaluate(Run& run) {
   for (int64_t i = 0; i < n; ++i) {
     Batch b = eval->next();
     Tensor logits = run.model->forward(b.input_ids.to(run.device));
-    total += LlamaForCausalLM::loss(logits, b.labels.to(run.device)).item();
+    total += CausalLM::loss(logits, b.labels.to(run.device)).item();
   }
   eval->restore(start);
   return run.dist.mean_across_ranks(n ? total / static_cast<double>(n) : NAN, run.device);

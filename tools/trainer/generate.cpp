@@ -72,7 +72,7 @@ uint32_t sample_next(std::vector<double> logits, const std::vector<uint32_t>& co
   return order[keep - 1];
 }
 
-std::vector<uint32_t> generate(LlamaForCausalLM& model, const std::vector<uint32_t>& prompt,
+std::vector<uint32_t> generate(CausalLM& model, const std::vector<uint32_t>& prompt,
                                const SamplingOptions& o, Device device,
                                const std::function<void(uint32_t)>& on_token) {
   o.validate();

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "runtime/data/tokenizer.h"
 
 namespace accel {
@@ -36,7 +36,7 @@ uint32_t sample_next(std::vector<double> logits, const std::vector<uint32_t>& co
 // Generates after `prompt` (not empty). The prompt runs through the model once, filling the KV
 // cache; each new token then runs alone. on_token sees every token as it is chosen. Stops at
 // max_new_tokens, after the stop token, or when the model's positions run out.
-std::vector<uint32_t> generate(LlamaForCausalLM& model, const std::vector<uint32_t>& prompt,
+std::vector<uint32_t> generate(CausalLM& model, const std::vector<uint32_t>& prompt,
                                const SamplingOptions& o, Device device,
                                const std::function<void(uint32_t)>& on_token = nullptr);
 

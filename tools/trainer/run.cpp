@@ -95,16 +95,16 @@ Distributed init_distributed(const Config& cfg, const LaunchEnv& launch, Device 
   return d;
 }
 
-LlamaConfig model_config(const Config& cfg) {
+DecoderConfig model_config(const Config& cfg) {
   if (!cfg.model.init_from.empty()) {
     fs::path p = fs::path(cfg.model.init_from) / "config.json";
     if (!fs::exists(p))
       throw UsageError("model.init_from: " + cfg.model.init_from +
                        " has no config.json (expected a Hugging Face model folder)");
-    return read_hf_llama_config(p.string());
+    return read_hf_model_config(p.string());
   }
   const ModelConfig& m = cfg.model;
-  LlamaConfig c;
+  DecoderConfig c;
   c.hidden_size = m.hidden_size;
   c.intermediate_size = m.intermediate_size;
   c.num_hidden_layers = m.num_hidden_layers;
@@ -123,7 +123,7 @@ LlamaConfig model_config(const Config& cfg) {
 
 // model.init_from gives the shape: the effective config shows the loaded model's, each key's
 // origin the folder's config.json.
-void adopt_loaded_shape(Config& cfg, const LlamaConfig& mc) {
+void adopt_loaded_shape(Config& cfg, const DecoderConfig& mc) {
   ModelConfig& m = cfg.model;
   const std::string where = (fs::path(m.init_from) / "config.json").string();
   auto take = [&](const char* key, auto& field, auto value) {
@@ -165,7 +165,7 @@ void write_config_yaml(const std::string& dir, const std::string& yaml) {
                              "writable?); free space or choose another --output-dir");
 }
 
-DataOptions data_options(const Config& cfg, const LlamaConfig& mc, int rank, int world) {
+DataOptions data_options(const Config& cfg, const DecoderConfig& mc, int rank, int world) {
   DataOptions o;
   o.source = cfg.data.source;
   if (!cfg.data.train_path.empty()) o.files = {cfg.data.train_path};
@@ -235,8 +235,7 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
 
   // 3. The model: seeded initialization, then init_from's weights (with
   // fsdp_cpu_ram_efficient_loading only rank 0 reads them; setup() hands them out).
-  run.model =
-      std::make_unique<LlamaForCausalLM>(run.model_config, DType::F32, run.device, c.training.seed);
+  run.model = std::make_unique<CausalLM>(run.model_config, DType::F32, run.device, c.training.seed);
   if (!c.model.init_from.empty() && reads_init_weights(c, run.dist.rank())) {
     load_hf_weights(*run.model, c.model.init_from);
     if (run.main_rank()) {

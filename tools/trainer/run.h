@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "parallel/launch_env.h"
 #include "parallel/strategy.h"
 #include "runtime/config.h"
@@ -50,8 +50,8 @@ struct Run {
   std::chrono::steady_clock::time_point start_time;
   Device device = Device::cpu();
   Distributed dist;
-  LlamaConfig model_config;
-  std::unique_ptr<LlamaForCausalLM> model;
+  DecoderConfig model_config;
+  std::unique_ptr<CausalLM> model;
   std::unique_ptr<Precision> precision;
   std::unique_ptr<Strategy> strategy;
   DataSources data;

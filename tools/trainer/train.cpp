@@ -42,7 +42,7 @@ Tensor forward_backward(Run& run, const Batch& b, double scale, Poison poison, H
   Tensor loss, scaled;
   t.time(HostTimes::kForward, [&] {
     Tensor logits = run.model->forward(b.input_ids.to(run.device));
-    loss = LlamaForCausalLM::loss(logits, b.labels.to(run.device));
+    loss = CausalLM::loss(logits, b.labels.to(run.device));
     if (poison == Poison::Loss) loss = mul(loss, NAN);
     scaled = mul(loss, scale);
     if (poison == Poison::Gradients) scaled = mul(scaled, NAN);
@@ -87,7 +87,7 @@ StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
 
 void print_run_line(const Run& run) {
   if (!run.main_rank()) return;
-  const LlamaConfig& mc = run.model_config;
+  const DecoderConfig& mc = run.model_config;
   std::fprintf(
       stderr,
       "model: llama %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "

@@ -1,5 +1,5 @@
-// Llama (Hugging Face LlamaForCausalLM) in C++: the same architecture, the same parameter names,
-// loadable from and savable to a Hugging Face model folder.
+// The decoder-only transformer of the Hugging Face Llama family (LlamaForCausalLM) in C++: the same
+// architecture, the same parameter names, loadable from and savable to a Hugging Face model folder.
 #pragma once
 
 #include <functional>
@@ -14,7 +14,7 @@
 
 namespace accel {
 
-struct LlamaConfig {
+struct DecoderConfig {
   int64_t hidden_size = 256;
   int64_t intermediate_size = 688;
   int64_t num_hidden_layers = 4;
@@ -42,8 +42,8 @@ struct LlamaConfig {
 
 // Reads a Hugging Face config.json (rope theta either top-level `rope_theta` or transformers 5's
 // `rope_parameters.rope_theta`). Throws naming the file and the field on bad input.
-LlamaConfig read_hf_llama_config(const std::string& path);
-void write_hf_llama_config(const LlamaConfig& c, const std::string& path,
+DecoderConfig read_hf_model_config(const std::string& path);
+void write_hf_model_config(const DecoderConfig& c, const std::string& path,
                            const std::string& torch_dtype = "float32");
 
 class Linear : public Module {
@@ -86,9 +86,9 @@ struct KVCache {
   int64_t length() const { return layers.empty() ? 0 : layers[0].length(); }
 };
 
-class LlamaAttention : public Module {
+class SelfAttention : public Module {
  public:
-  LlamaAttention(const LlamaConfig& c, DType dtype, Device device);
+  SelfAttention(const DecoderConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaAttention"; }
   // [B, S, hidden] -> [B, S, hidden]. With a cache, x holds the positions after the cached ones
   // (all of a prompt into an empty cache, then one token at a time), and k/v are appended to it.
@@ -98,12 +98,12 @@ class LlamaAttention : public Module {
   // conversion of the linear layers may share work on their common input (models/fp8_linear.h
   // casts x once for all of them).
   std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
-  const LlamaConfig config;
+  const DecoderConfig config;
 };
 
-class LlamaMLP : public Module {
+class GatedMLP : public Module {
  public:
-  LlamaMLP(const LlamaConfig& c, DType dtype, Device device);
+  GatedMLP(const DecoderConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaMLP"; }
   Tensor forward(const Tensor& x);
   Linear &gate_proj, &up_proj, &down_proj;
@@ -116,13 +116,13 @@ class LlamaMLP : public Module {
   std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
 };
 
-class LlamaDecoderLayer : public Module {
+class DecoderLayer : public Module {
  public:
-  LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device device);
+  DecoderLayer(const DecoderConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaDecoderLayer"; }
   Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr);
-  LlamaAttention& self_attn;
-  LlamaMLP& mlp;
+  SelfAttention& self_attn;
+  GatedMLP& mlp;
   RMSNorm &input_layernorm, &post_attention_layernorm;
 };
 
@@ -138,21 +138,21 @@ class ModuleList : public Module {
   int64_t size_ = 0;
 };
 
-class LlamaModel : public Module {
+class DecoderModel : public Module {
  public:
-  LlamaModel(const LlamaConfig& c, DType dtype, Device device);
+  DecoderModel(const DecoderConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaModel"; }
   Embedding& embed_tokens;
   ModuleList& layers_list;
-  std::vector<LlamaDecoderLayer*> layers;
+  std::vector<DecoderLayer*> layers;
   RMSNorm& norm;
 };
 
-class LlamaForCausalLM : public Module {
+class CausalLM : public Module {
  public:
   // Parameters are created with dtype on device and initialized like Hugging Face does
   // (normal(0, initializer_range) for linear and embedding weights, ones for norms), from `seed`.
-  LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device device, uint64_t seed);
+  CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed);
   std::string type_name() const override { return "LlamaForCausalLM"; }
 
   // ids [B, S] -> logits [B, S, vocab]. With a cache (generation), ids are the positions after
@@ -164,8 +164,8 @@ class LlamaForCausalLM : public Module {
   // Recompute each decoder layer in backward instead of keeping its activations.
   void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
 
-  const LlamaConfig config;
-  LlamaModel& model;
+  const DecoderConfig config;
+  DecoderModel& model;
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
 
  private:
@@ -202,6 +202,6 @@ void check_offered_weights(Module& model, const std::map<std::string, OfferedWei
 // and both shapes, or its dtype). A weight that holds NaN or Inf is refused, naming the tensor.
 void load_hf_weights(Module& model, const std::string& dir);
 // Writes config.json + model.safetensors (dtype as the parameters) that transformers loads.
-void save_hf_model(Module& model, const LlamaConfig& config, const std::string& dir);
+void save_hf_model(Module& model, const DecoderConfig& config, const std::string& dir);
 
 }  // namespace accel

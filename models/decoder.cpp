@@ -1,4 +1,4 @@
-#include "models/llama.h"
+#include "models/decoder.h"
 
 #include <cmath>
 #include <filesystem>
@@ -14,7 +14,7 @@
 namespace accel {
 namespace fs = std::filesystem;
 
-void LlamaConfig::validate() const {
+void DecoderConfig::validate() const {
   auto fail = [](const std::string& m) { throw std::invalid_argument("llama config: " + m); };
   auto positive = [&](const char* key, int64_t v) {
     if (v <= 0) fail(std::string(key) + " must be positive, got " + std::to_string(v));
@@ -64,7 +64,7 @@ void LlamaConfig::validate() const {
          " layers overflows; check num_hidden_layers and the sizes");
 }
 
-void LlamaConfig::check_batch(int64_t micro_batch_size, int64_t seq_len) const {
+void DecoderConfig::check_batch(int64_t micro_batch_size, int64_t seq_len) const {
   // The largest activations of one micro-batch: the logits and the MLP's hidden states.
   for (int64_t width : {vocab_size, intermediate_size, num_attention_heads * head_dim})
     if (checked_numel({micro_batch_size, seq_len, width}) < 0)
@@ -74,7 +74,7 @@ void LlamaConfig::check_batch(int64_t micro_batch_size, int64_t seq_len) const {
           " (a layer width of the model) is more elements than a tensor can hold (2^60)");
 }
 
-int64_t LlamaConfig::num_parameters() const {
+int64_t DecoderConfig::num_parameters() const {
   // Overflow-checked: validate() relies on a negative result for sizes that do not fit.
   int64_t attn = 0, mlp = 0, layer = 0, emb = 0, layers = 0, n = 0, body = 0;
   bool bad = __builtin_mul_overflow(hidden_size * head_dim,
@@ -88,7 +88,7 @@ int64_t LlamaConfig::num_parameters() const {
   return bad ? -1 : n;
 }
 
-double LlamaConfig::flops_per_token(int64_t seq_len) const {
+double DecoderConfig::flops_per_token(int64_t seq_len) const {
   // Same formula as the PyTorch reference (tools/reference/llama_shapes.py; docs/algorithms.md).
   double matmul_params = static_cast<double>(num_parameters() - vocab_size * hidden_size);
   if (tie_word_embeddings) matmul_params += static_cast<double>(vocab_size * hidden_size);
@@ -96,7 +96,7 @@ double LlamaConfig::flops_per_token(int64_t seq_len) const {
          12.0 * static_cast<double>(num_hidden_layers * seq_len * hidden_size);
 }
 
-LlamaConfig read_hf_llama_config(const std::string& path) {
+DecoderConfig read_hf_model_config(const std::string& path) {
   nlohmann::json j;
   try {
     j = read_json_file(path);
@@ -121,7 +121,7 @@ LlamaConfig read_hf_llama_config(const std::string& path) {
     if (j.contains("model_type") && j["model_type"] != "llama")
       throw std::runtime_error(path + ": model_type is " + json_excerpt(j["model_type"]) +
                                ", only \"llama\" is supported");
-    LlamaConfig c;
+    DecoderConfig c;
     c.hidden_size = need("hidden_size");
     c.intermediate_size = need("intermediate_size");
     c.num_hidden_layers = need("num_hidden_layers");
@@ -164,7 +164,7 @@ LlamaConfig read_hf_llama_config(const std::string& path) {
   }
 }
 
-void write_hf_llama_config(const LlamaConfig& c, const std::string& path,
+void write_hf_model_config(const DecoderConfig& c, const std::string& path,
                            const std::string& torch_dtype) {
   nlohmann::json j = {
       {"architectures", {"LlamaForCausalLM"}},
@@ -222,7 +222,7 @@ std::pair<Tensor, Tensor> RMSNorm::add_forward(const Tensor& x, const Tensor& r)
   return with_forward_hooks(*this, [&] { return add_rms_norm(x, r, weight.value, eps); });
 }
 
-LlamaAttention::LlamaAttention(const LlamaConfig& c, DType dtype, Device device)
+SelfAttention::SelfAttention(const DecoderConfig& c, DType dtype, Device device)
     : q_proj(register_module(
           "q_proj", std::make_unique<Linear>(c.hidden_size, c.num_attention_heads * c.head_dim,
                                              dtype, device))),
@@ -252,7 +252,7 @@ Tensor attend_one_position(const Tensor& q, const Tensor& k, const Tensor& v) {
 
 }  // namespace
 
-Tensor LlamaAttention::forward(const Tensor& x, KVCache::Layer* cache) {
+Tensor SelfAttention::forward(const Tensor& x, KVCache::Layer* cache) {
   return with_forward_hooks(*this, [&] {
     const int64_t B = x.size(0), S = x.size(1), D = config.head_dim;
     Tensor q, k, v;
@@ -288,7 +288,7 @@ Tensor LlamaAttention::forward(const Tensor& x, KVCache::Layer* cache) {
   });
 }
 
-LlamaMLP::LlamaMLP(const LlamaConfig& c, DType dtype, Device device)
+GatedMLP::GatedMLP(const DecoderConfig& c, DType dtype, Device device)
     : gate_proj(register_module(
           "gate_proj",
           std::make_unique<Linear>(c.hidden_size, c.intermediate_size, dtype, device))),
@@ -298,7 +298,7 @@ LlamaMLP::LlamaMLP(const LlamaConfig& c, DType dtype, Device device)
           "down_proj",
           std::make_unique<Linear>(c.intermediate_size, c.hidden_size, dtype, device))) {}
 
-Tensor LlamaMLP::forward(const Tensor& x) {
+Tensor GatedMLP::forward(const Tensor& x) {
   return with_forward_hooks(*this, [&] {
     if (fused_fn) {
       Tensor y = fused_fn(x);
@@ -317,9 +317,9 @@ Tensor LlamaMLP::forward(const Tensor& x) {
   });
 }
 
-LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device device)
-    : self_attn(register_module("self_attn", std::make_unique<LlamaAttention>(c, dtype, device))),
-      mlp(register_module("mlp", std::make_unique<LlamaMLP>(c, dtype, device))),
+DecoderLayer::DecoderLayer(const DecoderConfig& c, DType dtype, Device device)
+    : self_attn(register_module("self_attn", std::make_unique<SelfAttention>(c, dtype, device))),
+      mlp(register_module("mlp", std::make_unique<GatedMLP>(c, dtype, device))),
       input_layernorm(
           register_module("input_layernorm",
                           std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))),
@@ -327,7 +327,7 @@ LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, DType dtype, Device d
           "post_attention_layernorm",
           std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {}
 
-Tensor LlamaDecoderLayer::forward(const Tensor& x, KVCache::Layer* cache) {
+Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache) {
   return with_forward_hooks(*this, [&] {
     // h = x + attn(norm(x)); the residual add is fused into the post-attention norm.
     auto [h, normed] = post_attention_layernorm.add_forward(
@@ -336,18 +336,18 @@ Tensor LlamaDecoderLayer::forward(const Tensor& x, KVCache::Layer* cache) {
   });
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& c, DType dtype, Device device)
+DecoderModel::DecoderModel(const DecoderConfig& c, DType dtype, Device device)
     : embed_tokens(register_module(
           "embed_tokens", std::make_unique<Embedding>(c.vocab_size, c.hidden_size, dtype, device))),
       layers_list(register_module("layers", std::make_unique<ModuleList>())),
       norm(register_module(
           "norm", std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    layers.push_back(&layers_list.append(std::make_unique<LlamaDecoderLayer>(c, dtype, device)));
+    layers.push_back(&layers_list.append(std::make_unique<DecoderLayer>(c, dtype, device)));
 }
 
-LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device device, uint64_t seed)
-    : config(c), model(register_module("model", std::make_unique<LlamaModel>(c, dtype, device))) {
+CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed)
+    : config(c), model(register_module("model", std::make_unique<DecoderModel>(c, dtype, device))) {
   c.validate();
   if (!c.tie_word_embeddings)
     lm_head = &register_module(
@@ -369,7 +369,7 @@ LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& c, DType dtype, Device dev
   }
 }
 
-Tensor LlamaForCausalLM::forward(const Tensor& ids, KVCache* cache) {
+Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
   if (ids.dim() != 2) throw std::invalid_argument("[llama] ids must be [B, S], got " + ids.str());
   const int64_t past = cache ? cache->length() : 0;
   if (past + ids.size(1) > config.max_position_embeddings)
@@ -380,7 +380,7 @@ Tensor LlamaForCausalLM::forward(const Tensor& ids, KVCache* cache) {
   return with_forward_hooks(*this, [&] {
     Tensor x = model.embed_tokens.forward(ids);
     for (size_t i = 0; i < model.layers.size(); ++i) {
-      LlamaDecoderLayer* layer = model.layers[i];
+      DecoderLayer* layer = model.layers[i];
       if (cache) {
         x = layer->forward(x, &cache->layers[i]);
       } else if (checkpoint_layers_) {
@@ -396,7 +396,7 @@ Tensor LlamaForCausalLM::forward(const Tensor& ids, KVCache* cache) {
   });
 }
 
-Tensor LlamaForCausalLM::loss(const Tensor& logits, const Tensor& targets) {
+Tensor CausalLM::loss(const Tensor& logits, const Tensor& targets) {
   const int64_t V = logits.size(-1);
   return cross_entropy(reshape(logits, {-1, V}), reshape(targets, {-1}));
 }
@@ -495,7 +495,7 @@ void load_hf_weights(Module& model, const std::string& dir) {
   }
 }
 
-void save_hf_model(Module& model, const LlamaConfig& config, const std::string& dir) {
+void save_hf_model(Module& model, const DecoderConfig& config, const std::string& dir) {
   fs::create_directories(dir);
   std::vector<std::pair<std::string, Tensor>> tensors;
   DType dtype = DType::F32;
@@ -504,7 +504,7 @@ void save_hf_model(Module& model, const LlamaConfig& config, const std::string& 
     dtype = p->value.dtype();
   }
   save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
-  write_hf_llama_config(config, (fs::path(dir) / "config.json").string(),
+  write_hf_model_config(config, (fs::path(dir) / "config.json").string(),
                         dtype == DType::BF16  ? "bfloat16"
                         : dtype == DType::F16 ? "float16"
                                               : "float32");
