@@ -252,7 +252,7 @@ Tensor attend_one_position(const Tensor& q, const Tensor& k, const Tensor& v) {
 
 }  // namespace
 
-Tensor SelfAttention::forward(const Tensor& x, KVCache::Layer* cache) {
+Tensor SelfAttention::forward(const Tensor& x, KVCache::Layer* cache, const TokenLayout& layout) {
   return with_forward_hooks(*this, [&] {
     const int64_t B = x.size(0), S = x.size(1), D = config.head_dim;
     Tensor q, k, v;
@@ -266,11 +266,17 @@ Tensor SelfAttention::forward(const Tensor& x, KVCache::Layer* cache) {
     else
       project();
     const int64_t past = cache ? cache->length() : 0;
+    if (layout.position_ids.defined())
+      throw std::invalid_argument("[llama] position_ids are not supported yet");
+    if (cache && layout.segment_ids.defined())
+      throw std::invalid_argument("[llama] a KV cache takes one document, not segment_ids");
     q = rope(q, config.rope_theta, past);
     k = rope(k, config.rope_theta, past);
     Tensor a;
     if (past == 0) {
-      a = attention(q, k, v, /*causal=*/true);
+      AttentionMask mask;
+      mask.segment_ids = layout.segment_ids;
+      a = attention(q, k, v, mask);
     } else {
       if (S != 1)
         throw std::invalid_argument("[llama] a KV cache holding " + std::to_string(past) +
@@ -327,11 +333,11 @@ DecoderLayer::DecoderLayer(const DecoderConfig& c, DType dtype, Device device)
           "post_attention_layernorm",
           std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device))) {}
 
-Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache) {
+Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache, const TokenLayout& layout) {
   return with_forward_hooks(*this, [&] {
     // h = x + attn(norm(x)); the residual add is fused into the post-attention norm.
     auto [h, normed] = post_attention_layernorm.add_forward(
-        x, self_attn.forward(input_layernorm.forward(x), cache));
+        x, self_attn.forward(input_layernorm.forward(x), cache, layout));
     return add(h, mlp.forward(normed));
   });
 }
@@ -369,7 +375,7 @@ CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t 
   }
 }
 
-Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
+Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& layout) {
   if (ids.dim() != 2) throw std::invalid_argument("[llama] ids must be [B, S], got " + ids.str());
   const int64_t past = cache ? cache->length() : 0;
   if (past + ids.size(1) > config.max_position_embeddings)
@@ -384,10 +390,13 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
       if (cache) {
         x = layer->forward(x, &cache->layers[i]);
       } else if (checkpoint_layers_) {
-        x = checkpoint([layer](const std::vector<Tensor>& in) { return layer->forward(in[0]); },
-                       {x});
+        x = checkpoint(
+            [layer, layout](const std::vector<Tensor>& in) {
+              return layer->forward(in[0], nullptr, layout);
+            },
+            {x});
       } else {
-        x = layer->forward(x);
+        x = layer->forward(x, nullptr, layout);
       }
     }
     x = model.norm.forward(x);

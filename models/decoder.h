@@ -86,13 +86,20 @@ struct KVCache {
   int64_t length() const { return layers.empty() ? 0 : layers[0].length(); }
 };
 
+// Where the tokens of a batch sit when several documents are packed into one row. Both fields
+// are optional (undefined: one document per row, positions 0 .. S-1).
+struct TokenLayout {
+  Tensor position_ids;  // [B, S] integer: each document's positions, restarting at 0
+  Tensor segment_ids;   // [B, S] int32: a token attends only to tokens of its own segment
+};
+
 class SelfAttention : public Module {
  public:
   SelfAttention(const DecoderConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaAttention"; }
   // [B, S, hidden] -> [B, S, hidden]. With a cache, x holds the positions after the cached ones
   // (all of a prompt into an empty cache, then one token at a time), and k/v are appended to it.
-  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr);
+  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {});
   Linear &q_proj, &k_proj, &v_proj, &o_proj;
   // When set, the projections that read x together run inside shared_input(x, run): a
   // conversion of the linear layers may share work on their common input (models/fp8_linear.h
@@ -120,7 +127,7 @@ class DecoderLayer : public Module {
  public:
   DecoderLayer(const DecoderConfig& c, DType dtype, Device device);
   std::string type_name() const override { return "LlamaDecoderLayer"; }
-  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr);
+  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {});
   SelfAttention& self_attn;
   GatedMLP& mlp;
   RMSNorm &input_layernorm, &post_attention_layernorm;
@@ -156,8 +163,8 @@ class CausalLM : public Module {
   std::string type_name() const override { return "LlamaForCausalLM"; }
 
   // ids [B, S] -> logits [B, S, vocab]. With a cache (generation), ids are the positions after
-  // the cached ones; the cache is sized on first use.
-  Tensor forward(const Tensor& ids, KVCache* cache = nullptr);
+  // the cached ones; the cache is sized on first use. `layout` describes packed rows (training).
+  Tensor forward(const Tensor& ids, KVCache* cache = nullptr, const TokenLayout& layout = {});
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
   static Tensor loss(const Tensor& logits, const Tensor& targets);

@@ -41,4 +41,11 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                 });
 }
 
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
+                 std::optional<double> scale) {
+  if (mask.window != 0 || mask.segment_ids.defined())
+    op_error("attention", "sliding windows and document masks are not implemented yet");
+  return attention(q, k, v, mask.causal, scale);
+}
+
 }  // namespace accel

@@ -100,6 +100,18 @@ Tensor swiglu(const Tensor& gate, const Tensor& up);
 // fused backends; the CPU version works one query row at a time.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
                  std::optional<double> scale = std::nullopt);
+// Which keys each query sees, beyond (optional) causality.
+struct AttentionMask {
+  bool causal = true;
+  // 0: no window. W > 0: query i sees keys j with i - W < j <= i (Hugging Face's sliding_window
+  // of Mistral and Qwen2: W keys, the query's own included). Needs causal.
+  int64_t window = 0;
+  // Undefined, or [B, S] int32: query i sees key j only when both carry the same id (documents
+  // packed into one row). Needs causal.
+  Tensor segment_ids;
+};
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
+                 std::optional<double> scale = std::nullopt);
 
 // ---- random (counter-based Philox: the same stream on every device) ----------------------------
 Tensor rand_uniform(const Shape& shape, uint64_t seed, uint64_t offset, DType dtype = DType::F32,
