@@ -27,9 +27,9 @@ agree, the batch and the initial weights must be equal (same seed, same torch), 
 difference of every other tensor and of the losses is printed. It exits with status 1 when
 something differs.
 
-Model families: FAMILIES below maps a family name to its transformers classes and a function that
-turns the shape options into config arguments. A new family (qwen2, qwen3, mistral, ...) is an
-entry there, plus presets in FIXTURES once the C++ side can load it.
+Model families: FAMILIES below maps a family name (llama, mistral, qwen2, qwen3) to its
+transformers classes and a function that turns the shape options into config arguments; FIXTURES
+has one or more presets per family (RoPE scalings, biases, q/k norms, sliding windows).
 """
 import argparse
 import json
@@ -41,24 +41,67 @@ REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 # Shape and training options with their defaults. A preset changes some of them (and no more:
 # it must keep making what tests/data/hf holds); a new fixture takes them from the command line.
 DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=16, batch=2,
-                tied=0, rope_theta=10000.0, rms_eps=1e-5, steps=5, lr=1e-3, seed=0)
+                tied=0, rope_theta=10000.0, rms_eps=1e-5, steps=5, lr=1e-3, seed=0,
+                # rope: "" (default RoPE) or a JSON object of the scaling parameters, e.g.
+                # '{"rope_type": "linear", "factor": 2.0}'; max_pos: max_position_embeddings
+                # (0: max(seq, 64)); head_dim: 0 = hidden / heads; window: sliding window (0: none)
+                rope="", max_pos=0, head_dim=0, window=0, max_window_layers=0)
 
 # The AdamW settings written to train.json, which the C++ test reads back (its optimizer defaults).
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def llama_config_args(o):
-    return dict(hidden_size=o["hidden"], num_hidden_layers=o["layers"],
+def rope_args(o):
+    """RoPE keyword arguments in the spelling of the installed transformers: transformers 5 takes
+    rope_parameters (theta included), 4.x a top-level rope_theta plus rope_scaling."""
+    import transformers
+
+    scaling = json.loads(o["rope"]) if o["rope"] else None
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = dict(scaling or {"rope_type": "default"})
+        params["rope_theta"] = o["rope_theta"]
+        return dict(rope_parameters=params)
+    return dict(rope_theta=o["rope_theta"], rope_scaling=scaling)
+
+
+def common_config_args(o):
+    args = dict(hidden_size=o["hidden"], num_hidden_layers=o["layers"],
                 num_attention_heads=o["heads"], num_key_value_heads=o["kv_heads"],
                 intermediate_size=o["ffn"], vocab_size=o["vocab"],
-                max_position_embeddings=max(o["seq"], 64), rope_theta=o["rope_theta"],
-                rms_norm_eps=o["rms_eps"], tie_word_embeddings=bool(o["tied"]),
-                attention_bias=False, mlp_bias=False)
+                max_position_embeddings=o["max_pos"] or max(o["seq"], 64),
+                rms_norm_eps=o["rms_eps"], tie_word_embeddings=bool(o["tied"]), **rope_args(o))
+    if o["head_dim"]:
+        args["head_dim"] = o["head_dim"]
+    return args
+
+
+def llama_config_args(o):
+    return dict(common_config_args(o), attention_bias=False, mlp_bias=False)
+
+
+def mistral_config_args(o):
+    # sliding_window None is full attention.
+    return dict(common_config_args(o), sliding_window=o["window"] or None)
+
+
+def qwen2_config_args(o):
+    # Qwen2's q/k/v projections always have biases; layers from max_window_layers on use the
+    # sliding window when use_sliding_window is set.
+    return dict(common_config_args(o), use_sliding_window=bool(o["window"]),
+                sliding_window=o["window"] or None, max_window_layers=o["max_window_layers"])
+
+
+def qwen3_config_args(o):
+    # Qwen3: per-head RMSNorm of q and k (q_norm, k_norm), head_dim independent of the width.
+    return dict(qwen2_config_args(o), attention_bias=False)
 
 
 # family -> (config class, model class, options -> config keyword arguments)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", llama_config_args),
+    "mistral": ("MistralConfig", "MistralForCausalLM", mistral_config_args),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", qwen2_config_args),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", qwen3_config_args),
 }
 
 # The committed fixtures (tests/data/hf/NAME): family and the options that differ from DEFAULTS.
@@ -68,6 +111,26 @@ FIXTURES = {
     "llama_tied_mha": ("llama", dict(kv_heads=4, tied=1)),
     # Four query heads per KV head, head_dim 8, and Llama 3's rope theta.
     "llama_gqa4_theta": ("llama", dict(heads=8, kv_heads=2, rope_theta=500000.0)),
+    # Llama 3.1's RoPE: with head_dim 16 and an original context of 64 the frequencies fall in all
+    # three bands of the llama3 rule (kept, smoothed, divided by the factor).
+    "llama31_rope": ("llama", dict(rope_theta=500000.0, max_pos=256, rope=json.dumps(
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64}))),
+    "llama_rope_linear": ("llama", dict(rope=json.dumps({"rope_type": "linear", "factor": 2.0}))),
+    # Dynamic NTK only changes the frequencies past the original context: 16 tokens over 8.
+    "llama_rope_dynamic": ("llama", dict(max_pos=8, rope=json.dumps(
+        {"rope_type": "dynamic", "factor": 2.0}))),
+    "llama_rope_yarn": ("llama", dict(max_pos=64, rope=json.dumps(
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+         "beta_fast": 32.0, "beta_slow": 1.0}))),
+    # Qwen2.5: q/k/v biases, embeddings tied (as the 0.5B-3B checkpoints have them).
+    "qwen2_bias_tied": ("qwen2", dict(tied=1, rope_theta=1000000.0)),
+    # Qwen2 with use_sliding_window: layer 0 full, layer 1 a window of 5 over 16 tokens.
+    "qwen2_sliding": ("qwen2", dict(window=5, max_window_layers=1)),
+    # Qwen3: q/k RMSNorm and head_dim 32 with hidden 64 and 4 heads (hidden / heads would be 16).
+    "qwen3_qknorm_head_dim": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, rms_eps=1e-6)),
+    # Mistral v0.1: a sliding window of 5, shorter than the 16-token sequence, in every layer.
+    "mistral_window": ("mistral", dict(window=5, kv_heads=1)),
 }
 
 
@@ -90,6 +153,12 @@ def make_fixture(out_dir, family, o):
     # then the batch. Nothing else may draw from torch's generator in between.
     torch.manual_seed(o["seed"])
     model = build_model(family, o)
+    # transformers initialises biases to zero, which would leave their addition untested by the
+    # logits; fixtures with biases (qwen2) draw them instead.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.02)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     ids = torch.randint(0, o["vocab"], (o["batch"], o["seq"]), dtype=torch.int64)
