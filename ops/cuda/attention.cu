@@ -386,9 +386,13 @@ void set_attention_impl(const char* impl) { g_impl = parse_impl(impl); }
 }  // namespace cuda
 
 void CudaBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                            const Tensor& v, bool causal, double scale) {
+                            const Tensor& v, const AttentionMask& mask, double scale) {
   using namespace cuda;
   check_attention("attention", out, lse, q, k, v);
+  if (mask.window != 0 || mask.segment_ids.defined())
+    throw std::invalid_argument(
+        "[attention] sliding windows and segment_ids are not implemented on CUDA yet");
+  const bool causal = mask.causal;
   if (out.numel() == 0 && lse.numel() == 0) return;
   OpScope sc(q);
   AttnParams p = make_params(q, k, causal, scale);
@@ -419,9 +423,13 @@ void CudaBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& 
 void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
                                      const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
                                      const Tensor& k, const Tensor& v, const Tensor& out,
-                                     const Tensor& lse, bool causal, double scale) {
+                                     const Tensor& lse, const AttentionMask& mask, double scale) {
   using namespace cuda;
   check_attention("attention", out, lse, q, k, v);
+  if (mask.window != 0 || mask.segment_ids.defined())
+    throw std::invalid_argument(
+        "[attention] sliding windows and segment_ids are not implemented on CUDA yet");
+  const bool causal = mask.causal;
   require(grad_q.shape() == q.shape() && grad_k.shape() == k.shape() &&
               grad_v.shape() == v.shape() && grad_out.shape() == q.shape() &&
               grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous() &&

@@ -207,22 +207,25 @@ int main(int argc, char** argv) {
     const double fwd_flops = 4.0 * B * HQ * S * S * D / 2;  // causal: half the score matrix
     // cuDNN's fused kernels (what "auto" runs for these problems), then ours.
     cuda::set_attention_impl("cudnn");
-    double ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    double ms = time_ms([&] { be.attention(o, lse, q, k, v, AttentionMask{}, 0.125); });
     row_flops("attention fwd (cuDNN)", ms, fwd_flops);
     Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)),
            dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    ms = time_ms(
+        [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125); });
     row_flops("attention bwd (cuDNN)", ms, 2.5 * fwd_flops);
     cuda::set_attention_impl("flash");
-    ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    ms = time_ms([&] { be.attention(o, lse, q, k, v, AttentionMask{}, 0.125); });
     row_flops("attention fwd", ms, fwd_flops);
     // Both tensor-core backward paths (ACCEL_ATTN_BWD is read per call), then the caller's setting.
     const char* bwd_env = std::getenv("ACCEL_ATTN_BWD");
     const std::string bwd_saved = bwd_env ? bwd_env : "";
     for (const char* impl : {"fa2", "split"}) {
       setenv("ACCEL_ATTN_BWD", impl, 1);
-      ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+      ms = time_ms([&] {
+        be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125);
+      });
       row_flops((std::string("attention bwd (") + impl + ")").c_str(), ms, 2.5 * fwd_flops);
     }
     // fa2 with one q head per block (fp32 dK/dV partial sums) instead of the whole group.
@@ -230,7 +233,8 @@ int main(int argc, char** argv) {
     const std::string heads_saved = heads_env ? heads_env : "";
     setenv("ACCEL_ATTN_BWD", "fa2", 1);
     setenv("ACCEL_ATTN_FA2_HEADS", "1", 1);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    ms = time_ms(
+        [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125); });
     row_flops("attention bwd (fa2, 1 head/block)", ms, 2.5 * fwd_flops);
     if (heads_env)
       setenv("ACCEL_ATTN_FA2_HEADS", heads_saved.c_str(), 1);
@@ -247,12 +251,13 @@ int main(int argc, char** argv) {
              dk2 = Tensor::empty(k2.shape(), bf, Device::cuda(0)),
              dv2 = Tensor::empty(v2.shape(), bf, Device::cuda(0));
       const double flops2 = 4.0 * B * hq2 * S * S * d2 / 2;
-      ms = time_ms([&] { be.attention(o2, lse2, q2, k2, v2, true, sc2); });
+      ms = time_ms([&] { be.attention(o2, lse2, q2, k2, v2, AttentionMask{}, sc2); });
       row_flops("attention fwd (d128)", ms, flops2);
       for (const char* impl : {"fa2", "split"}) {
         setenv("ACCEL_ATTN_BWD", impl, 1);
-        ms = time_ms(
-            [&] { be.attention_backward(dq2, dk2, dv2, dout2, q2, k2, v2, o2, lse2, true, sc2); });
+        ms = time_ms([&] {
+          be.attention_backward(dq2, dk2, dv2, dout2, q2, k2, v2, o2, lse2, AttentionMask{}, sc2);
+        });
         row_flops((std::string("attention bwd (d128, ") + impl + ")").c_str(), ms, 2.5 * flops2);
       }
     }
@@ -273,19 +278,21 @@ int main(int argc, char** argv) {
       for (const char* impl : {"cudnn", "flash"}) {
         cuda::set_attention_impl(impl);
         const std::string tag = std::string(" (125m: B=16 S=1024 H=12, ") + impl + ")";
-        ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, true, 0.125); });
+        ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, AttentionMask{}, 0.125); });
         row_flops(("attention fwd" + tag).c_str(), ms, flops5);
-        ms = time_ms(
-            [&] { be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, true, 0.125); });
+        ms = time_ms([&] {
+          be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, AttentionMask{}, 0.125);
+        });
         row_flops(("attention bwd" + tag).c_str(), ms, 2.5 * flops5);
       }
     }
     cuda::set_attention_impl("auto");
     if (attn_only) return 0;
     cuda::set_attention_impl("generic");
-    ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    ms = time_ms([&] { be.attention(o, lse, q, k, v, AttentionMask{}, 0.125); });
     row_flops("attention fwd (generic kernel)", ms, fwd_flops);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    ms = time_ms(
+        [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125); });
     row_flops("attention bwd (generic kernel)", ms, 2.5 * fwd_flops);
     cuda::set_attention_impl("auto");
   }

@@ -151,19 +151,20 @@ TEST_P(CudaAttention, ForwardAndBackwardMatchCpu) {
   Tensor v = random_tensor(ks, t, rng);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   Tensor want = cpu_out(qs, t), wl = cpu_out(ls, DType::F32);
-  cpu_backend().attention(want, wl, q, k, v, c.causal, scale);
+  cpu_backend().attention(want, wl, q, k, v, AttentionMask{c.causal, 0, {}}, scale);
   Tensor qg = q.to(gpu()), kg = k.to(gpu()), vg = v.to(gpu());
   Tensor got = poisoned(qs, t), gl = poisoned(ls, DType::F32);
-  cuda_backend().attention(got, gl, qg, kg, vg, c.causal, scale);
+  cuda_backend().attention(got, gl, qg, kg, vg, AttentionMask{c.causal, 0, {}}, scale);
   expect_matches(got, want, t, "attention out", 2.0);
   expect_close(gl, wl, t == DType::F32 ? 1e-5 : 2e-3, t == DType::F32 ? 1e-5 : 2e-3, "lse");
 
   Tensor dout = random_tensor(qs, t, rng);
   Tensor wdq = cpu_out(qs, t), wdk = cpu_out(ks, t), wdv = cpu_out(ks, t);
-  cpu_backend().attention_backward(wdq, wdk, wdv, dout, q, k, v, want, wl, c.causal, scale);
+  cpu_backend().attention_backward(wdq, wdk, wdv, dout, q, k, v, want, wl,
+                                   AttentionMask{c.causal, 0, {}}, scale);
   Tensor gdq = poisoned(qs, t), gdk = poisoned(ks, t), gdv = poisoned(ks, t);
   cuda_backend().attention_backward(gdq, gdk, gdv, dout.to(gpu()), qg, kg, vg, want.to(gpu()),
-                                    wl.to(gpu()), c.causal, scale);
+                                    wl.to(gpu()), AttentionMask{c.causal, 0, {}}, scale);
   // Gradients sum over many rows: compare against each tensor's scale. A gradient can be exactly
   // zero (one visible key: softmax is 1, dS = 0), where the GPU's rounding noise of dP - delta
   // remains: the scale has a floor of 1e-3 of the incoming gradient's. The kernels round P to
@@ -288,7 +289,7 @@ TEST(CudaAttentionOps, ForcedCudnnRefusesUnsupportedProblems) {
   Tensor out = poisoned({1, 16, 2, 32}, DType::F32), lse = poisoned({1, 2, 16}, DType::F32);
   cuda::set_attention_impl("cudnn");
   try {
-    cuda_backend().attention(out, lse, q, q, q, true, 0.5);
+    cuda_backend().attention(out, lse, q, q, q, AttentionMask{}, 0.5);
     ADD_FAILURE() << "cuDNN accepted an f32 problem";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("bf16 or f16"), std::string::npos) << e.what();
@@ -305,8 +306,8 @@ TEST(CudaAttentionOps, AutogradThroughOpsLayer) {
   Tensor q = random_tensor({1, 20, 2, 32}, DType::F32, rng);
   Tensor k = random_tensor({1, 20, 1, 32}, DType::F32, rng);
   Tensor v = random_tensor({1, 20, 1, 32}, DType::F32, rng);
-  Tensor want = attention(q, k, v, true);
-  Tensor got = attention(q.to(gpu()), k.to(gpu()), v.to(gpu()), true);
+  Tensor want = attention(q, k, v);
+  Tensor got = attention(q.to(gpu()), k.to(gpu()), v.to(gpu()));
   expect_matches(got, want, DType::F32, "attention op", 2.0);
 }
 
