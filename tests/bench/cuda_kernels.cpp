@@ -3,6 +3,7 @@
 // Shapes are Llama-3.2-1B's at 8192 tokens per step (hidden 2048, MLP 8192, 32 q / 8 kv heads of
 // 64, vocab 128256), plus llama-125m's rms_norm and rope (16384 tokens, hidden 768, 12 heads of
 // 64). Plain main: `bench_cuda_kernels [--bw TBps] [--iters N]`.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -285,6 +286,44 @@ int main(int argc, char** argv) {
         });
         row_flops(("attention bwd" + tag).c_str(), ms, 2.5 * flops5);
       }
+    }
+    {  // Masks at the shape above: a sliding window of S/4 (Mistral-style), and packed documents
+       // of S/16, S/8 and 3S/16 positions in turn; FLOPs count only the visible (query, key) pairs.
+      const int64_t w = S / 4;
+      std::vector<int64_t> ids;
+      for (int64_t d = 0; static_cast<int64_t>(ids.size()) < S; ++d)
+        ids.insert(ids.end(),
+                   std::min<int64_t>(S / 16 * (1 + d % 3), S - static_cast<int64_t>(ids.size())),
+                   d);
+      std::vector<int64_t> all_ids;
+      for (int64_t b = 0; b < B; ++b) all_ids.insert(all_ids.end(), ids.begin(), ids.end());
+      const Tensor seg = Tensor::from_vector(all_ids, {B, S}, DType::I32).to(Device::cuda(0));
+      double window_pairs = 0, doc_pairs = 0;
+      for (int64_t i = 0; i < S; ++i) {
+        window_pairs += static_cast<double>(std::min<int64_t>(i + 1, w));
+        int64_t start = i;
+        while (start > 0 && ids[start - 1] == ids[i]) --start;
+        doc_pairs += static_cast<double>(i - start + 1);
+      }
+      struct M {
+        const char* name;
+        AttentionMask mask;
+        double pairs;
+        bool cudnn;
+      } masks[] = {{"window S/4", AttentionMask{true, w, {}}, window_pairs, true},
+                   {"documents", AttentionMask{true, 0, seg}, doc_pairs, false}};
+      for (const M& mk : masks)
+        for (const char* impl : {"cudnn", "flash"}) {
+          if (!mk.cudnn && std::string(impl) == "cudnn") continue;
+          cuda::set_attention_impl(impl);
+          const double flops = 4.0 * B * HQ * mk.pairs * D;
+          const std::string tag = std::string(" (") + mk.name + ", " + impl + ")";
+          ms = time_ms([&] { be.attention(o, lse, q, k, v, mk.mask, 0.125); });
+          row_flops(("attention fwd" + tag).c_str(), ms, flops);
+          ms = time_ms(
+              [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, mk.mask, 0.125); });
+          row_flops(("attention bwd" + tag).c_str(), ms, 2.5 * flops);
+        }
     }
     cuda::set_attention_impl("auto");
     if (attn_only) return 0;
