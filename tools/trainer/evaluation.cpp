@@ -19,8 +19,7 @@ double evaluate(Run& run) {
   const int64_t n = std::min(run.cfg.training.eval_batches, eval->batches_per_epoch());
   for (int64_t i = 0; i < n; ++i) {
     Batch b = eval->next();
-    Tensor logits = run.model->forward(b.input_ids.to(run.device));
-    total += CausalLM::loss(logits, b.labels.to(run.device)).item();
+    total += run.model->forward_loss(b.input_ids.to(run.device), b.labels.to(run.device)).item();
   }
   eval->restore(start);
   return run.dist.mean_across_ranks(n ? total / static_cast<double>(n) : NAN, run.device);

@@ -41,8 +41,7 @@ enum class Poison { None, Loss, Gradients };
 Tensor forward_backward(Run& run, const Batch& b, double scale, Poison poison, HostTimes& t) {
   Tensor loss, scaled;
   t.time(HostTimes::kForward, [&] {
-    Tensor logits = run.model->forward(b.input_ids.to(run.device));
-    loss = CausalLM::loss(logits, b.labels.to(run.device));
+    loss = run.model->forward_loss(b.input_ids.to(run.device), b.labels.to(run.device));
     if (poison == Poison::Loss) loss = mul(loss, NAN);
     scaled = mul(loss, scale);
     if (poison == Poison::Gradients) scaled = mul(scaled, NAN);
