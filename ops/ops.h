@@ -82,6 +82,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // logits [N, V] (any float dtype), targets [N] i64; mean over targets != ignore_index, computed in
 // fp32 (f64 for f64 logits). Returns a scalar of the logits' dtype (f32 for 16-bit logits).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+// cross_entropy(linear(x, weight), targets) for x [..., D], weight [V, D], targets with one id per
+// row of x, computed chunk_rows rows at a time (0: about 2^27 logits per chunk) so that the
+// [N, V] logits never exist; the gradients are made in the forward pass. Same value as the two
+// ops; in 16-bit dtypes the weight's gradient is rounded once per chunk.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets,
+                            int64_t ignore_index = -100, int64_t chunk_rows = 0);
 // weight [V, D], ids [...] (i32/i64) -> [..., D]. An id outside [0, V) is an error.
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x [..., D] * rsqrt(mean(x^2) + eps) * weight[D]; statistics in fp32.
