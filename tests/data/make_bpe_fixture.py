@@ -19,9 +19,9 @@ docstrings of Python's standard library, which every Python install has):
            <unk> <s> </s> are ids 0..2 and <0x00>..<0xFF> ids 3..258 (vocab entries, not added
            tokens, as in real checkpoints); the training text lacks CJK, emoji, Arabic, ... so
            those characters fall back to byte tokens
-  spm_metaspace/  the same model and vocab in the newer conversion's layout: no normalizer,
-           Metaspace pre-tokenizer (prepend_scheme "first", split false), Metaspace decoder
-           preceded by ByteFallback and Fuse
+  spm_metaspace/  the same model, vocab and decoder in the newer conversion's layout
+           (transformers' legacy=False): no normalizer, Metaspace pre-tokenizer
+           (prepend_scheme "first", split false)
 The qwen2 and spm variants also train on a few lines of accented Latin and Cyrillic
 (EXTRA_TRAINING_TEXT), so some non-ASCII characters are in their vocab and others are not.
 Writes for each OUT/<variant>/tokenizer.json and OUT/<variant>/expected.json:
@@ -164,23 +164,19 @@ def spm_layout(tok, json_text, metaspace):
     for i, name in enumerate(SPM_SPECIALS + SPM_BYTE_TOKENS):
         if vocab.get(name) != i:
             sys.exit(f"spm: {name} has id {vocab.get(name)}, expected {i}")
-    if metaspace:
+    if metaspace:  # transformers' LlamaConverter with legacy=False
         j["normalizer"] = None
-        j["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁",
+        j["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
                               "prepend_scheme": "first", "split": False}
-        j["decoder"] = {"type": "Sequence", "decoders": [
-            {"type": "ByteFallback"}, {"type": "Fuse"},
-            {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
-             "split": False}]}
-    else:
+    else:  # legacy=True, as the Llama 2 and Mistral checkpoints ship it
         j["normalizer"] = {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "▁"},
-            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
         j["pre_tokenizer"] = None
-        j["decoder"] = {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    j["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
     return Tokenizer.from_str(json.dumps(j, ensure_ascii=False))
 
 
