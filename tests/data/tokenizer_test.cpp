@@ -1,10 +1,13 @@
 #include "runtime/data/tokenizer.h"
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
 
 #include "runtime/data/pretokenize.h"
 #include "runtime/data/unicode.h"
@@ -147,6 +150,247 @@ TEST(PreTokenize, OnigurumaMeaningsOnPcre2) {
   EXPECT_NE(refused("(a").find("offset"), std::string::npos);  // PCRE2's own message
   EXPECT_NE(refused("\\s\\p{Letter}").find("PCRE2 form"), std::string::npos)
       << "the translated form is quoted when it differs";
+}
+
+// libonig (Debian's libonig5, the Oniguruma that `tokenizers` runs, found with dlopen so the build
+// needs no headers): what it matches, as the onig crate's find_iter reports it. Null when the
+// library is not installed.
+class Oniguruma {
+ public:
+  static const Oniguruma* get() {
+    static const Oniguruma* instance = [] {
+      void* lib = dlopen("libonig.so.5", RTLD_NOW);
+      return lib ? new Oniguruma(lib) : nullptr;
+    }();
+    return instance;
+  }
+
+  // The [begin, end) of each match of `pattern` in `text`; nullopt when onig refuses the pattern.
+  std::optional<std::vector<std::pair<size_t, size_t>>> matches(const std::string& pattern,
+                                                                const std::string& text) const {
+    using UChar = unsigned char;
+    if (pattern != compiled_pattern_) {  // compiling is most of the cost: once per pattern
+      if (compiled_) free_(compiled_);
+      compiled_ = nullptr;
+      compiled_pattern_ = pattern;
+      const auto* p = reinterpret_cast<const UChar*>(pattern.data());
+      void* error_info[3] = {};
+      if (new_(&compiled_, p, p + pattern.size(), 0, utf8_, *default_syntax_, error_info) != 0) {
+        compiled_ = nullptr;
+      }
+    }
+    void* regex = compiled_;
+    if (!regex) return std::nullopt;
+    Region* region = region_new_();
+    std::vector<std::pair<size_t, size_t>> out;
+    const auto* s = reinterpret_cast<const UChar*>(text.data());
+    const size_t n = text.size();
+    size_t start = 0;
+    std::optional<size_t> last_end;
+    while (start <= n) {
+      if (search_(regex, s, s + n, s + start, s + n, region, 0) < 0) break;
+      const size_t b = region->beg[0], e = region->end[0];
+      if (b == e && last_end == e) {  // the onig crate's rule for empty matches
+        if (start >= n) break;
+        uint32_t cp;
+        start += utf8_decode(text.data() + start, n - start, &cp);
+        continue;
+      }
+      out.emplace_back(b, e);
+      start = e;
+      last_end = e;
+    }
+    region_free_(region, 1);
+    return out;
+  }
+
+ private:
+  struct Region {  // OnigRegion
+    int allocated, num_regs;
+    int *beg, *end;
+    void* history_root;
+  };
+  explicit Oniguruma(void* lib) {
+    auto sym = [&](const char* name) {
+      void* f = dlsym(lib, name);
+      if (!f) throw std::runtime_error(std::string("libonig.so.5 lacks ") + name);
+      return f;
+    };
+    utf8_ = sym("OnigEncodingUTF8");
+    default_syntax_ = static_cast<void**>(sym("OnigDefaultSyntax"));
+    new_ = reinterpret_cast<decltype(new_)>(sym("onig_new"));
+    search_ = reinterpret_cast<decltype(search_)>(sym("onig_search"));
+    free_ = reinterpret_cast<decltype(free_)>(sym("onig_free"));
+    region_new_ = reinterpret_cast<decltype(region_new_)>(sym("onig_region_new"));
+    region_free_ = reinterpret_cast<decltype(region_free_)>(sym("onig_region_free"));
+    void* encodings[1] = {utf8_};
+    reinterpret_cast<int (*)(void**, int)>(sym("onig_initialize"))(encodings, 1);
+  }
+  void* utf8_;
+  void** default_syntax_;
+  mutable std::string compiled_pattern_;
+  mutable void* compiled_ = nullptr;
+  int (*new_)(void**, const unsigned char*, const unsigned char*, unsigned, void*, void*, void*);
+  int (*search_)(void*, const unsigned char*, const unsigned char*, const unsigned char*,
+                 const unsigned char*, Region*, unsigned);
+  void (*free_)(void*);
+  Region* (*region_new_)();
+  void (*region_free_)(Region*, int);
+};
+
+// Random text from characters where Oniguruma and PCRE2 could disagree: every kind of space,
+// marks, connector punctuation, Latin-1 digits, numbers of other scripts, letters of many scripts,
+// emoji sequences, contractions in both cases with the long s, line breaks.
+std::vector<std::string> mixed_corpus(size_t count, uint64_t seed) {
+  const std::vector<std::string> units = {"a",
+                                          "Z",
+                                          "k",
+                                          "s",
+                                          "0",
+                                          "7",
+                                          " ",
+                                          " ",
+                                          "  ",
+                                          "\t",
+                                          "\n",
+                                          "\r\n",
+                                          "\n\n",
+                                          "!",
+                                          "?",
+                                          ".",
+                                          ",",
+                                          "'",
+                                          "\"",
+                                          "(",
+                                          "]",
+                                          "{",
+                                          "-",
+                                          "_",
+                                          "/",
+                                          "\\",
+                                          "#",
+                                          "$",
+                                          "'s",
+                                          "'S",
+                                          "'ll",
+                                          "'LL",
+                                          "'re",
+                                          "'Ve",
+                                          "'d",
+                                          "'M",
+                                          "'t",
+                                          "'\u017F",
+                                          "\u017F",
+                                          "\u212A",
+                                          "\u00DF",
+                                          "\u00A0",
+                                          "\u3000",
+                                          "\u180E",
+                                          "\u2028",
+                                          "\u0085",
+                                          "\u200B",
+                                          "\u200D",
+                                          "\uFEFF",
+                                          "\u2003",
+                                          "\u1680",
+                                          "\v",
+                                          "\f",
+                                          "\u0301",
+                                          "\u0308",
+                                          "\u093C",
+                                          "\u094D",
+                                          "\u0651",
+                                          "\u20DD",
+                                          "\u203F",
+                                          "\uFE33",
+                                          "\u00E9",
+                                          "\u00C6",
+                                          "\u65E5",
+                                          "\u672C",
+                                          "\uD55C",
+                                          "\u0645",
+                                          "\u0440",
+                                          "\u03BB",
+                                          "\u0939",
+                                          "\u0E44",
+                                          "\u05E9",
+                                          "\u0661",
+                                          "\uFF14",
+                                          "\u00B2",
+                                          "\u00B3",
+                                          "\u00B9",
+                                          "\u00BD",
+                                          "\u00BE",
+                                          "\u216B",
+                                          "\u2460",
+                                          "\u3007",
+                                          "\U0001F469\U0001F3FD\u200D\U0001F4BB",
+                                          "\U0001F44D\U0001F3FF",
+                                          "\U0001F1EF\U0001F1F5",
+                                          "\u2764\uFE0F",
+                                          "\U0001D518",
+                                          "\U00020000"};
+  std::mt19937_64 rng(seed);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < count; ++i) {
+    std::string s;
+    const size_t n = rng() % 48;
+    for (size_t k = 0; k < n; ++k) s += units[rng() % units.size()];
+    out.push_back(s);
+  }
+  return out;
+}
+
+// Issue 20: Split regexes run on PCRE2, `tokenizers` runs them on Oniguruma. Every match of the
+// pre-tokenizer regexes of GPT-2, Llama 3, Qwen2, GPT-4o and DeepSeek-V3, and of patterns using
+// each rewritten construct, must be the same on a mixed corpus and the fixtures' test strings.
+TEST(PreTokenize, SameMatchesAsOniguruma) {
+  const Oniguruma* onig = Oniguruma::get();
+  if (!onig) GTEST_SKIP() << "libonig.so.5 not installed (apt-get install libonig5)";
+  const std::vector<std::string> patterns = {
+      kGpt2SplitRegex,
+      kLlama3SplitRegex,
+      kQwen2SplitRegex,
+      R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      R"([!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      R"([一-龥぀-ゟ゠-ヿ]+)",
+      R"(\w+|[^\w\s]+)",
+      R"(\b\w+\b|\W)",
+      R"(\h+|\H)",
+      R"((?m).{1,5})",
+      R"(^.+$|\d{,2})",
+      R"(\S+|\s)",
+      R"((?i)stra(ß|ss)e|kelvin|\u017F+)",
+  };
+  std::vector<std::string> texts = mixed_corpus(3000, 20);
+  for (const char* variant : {"gpt2", "llama3", "qwen2", "spm_bpe"}) {
+    std::ifstream in(std::string(ACCEL_TEST_DATA_DIR) + "/fixtures/bpe/" + variant +
+                     "/expected.json");
+    if (!in) continue;
+    for (const auto& c : nlohmann::json::parse(in)["cases"]) texts.push_back(c["text"]);
+  }
+  size_t compared = 0;
+  for (const std::string& pattern : patterns) {
+    const TextPattern ours = TextPattern::regex(pattern);
+    size_t differ = 0;
+    for (const std::string& text : texts) {
+      if (text.empty()) continue;  // tokenizers never searches empty text
+      const auto expected = onig->matches(pattern, text);
+      ASSERT_TRUE(expected) << "libonig refused " << pattern;
+      std::vector<MatchSpan> spans;
+      ours.find_matches(text, &spans);
+      std::vector<std::pair<size_t, size_t>> got;
+      for (const MatchSpan& m : spans) {
+        if (m.is_match) got.emplace_back(m.begin, m.end);
+      }
+      if (got != *expected && differ++ < 3) {
+        ADD_FAILURE() << "pattern " << pattern << "\ntext " << nlohmann::json(text).dump();
+      }
+      ++compared;
+    }
+    EXPECT_EQ(differ, 0u) << pattern;
+  }
+  EXPECT_GT(compared, 30000u);
 }
 
 TEST(PreTokenize, SplitBehaviorsAndInvert) {
