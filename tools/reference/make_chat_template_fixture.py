@@ -518,13 +518,17 @@ def mistral_tagged(t):
                     f'{{{{- "{BEGIN}" + " " + message["content"]|trim + eos_token + "{END}"}}}}')
 
 
-# name: (official template, tagged copy, bos_token, eos_token, model the template comes from)
+# name: (official template, tagged copy, bos_token, eos_token, model the template comes from,
+# arguments every conversation gets). Llama 3.2's template takes today's date (strftime_now) when
+# no date_string is given, so its fixture passes one.
 FAMILIES = {
-    "llama3": (LLAMA3_1, llama3_tagged, "<|begin_of_text|>", "<|eot_id|>", "meta-llama/Llama-3.1-8B-Instruct"),
-    "llama3_2": (LLAMA3_2, llama3_tagged, "<|begin_of_text|>", "<|eot_id|>", "meta-llama/Llama-3.2-1B-Instruct"),
-    "chatml": (QWEN2_5, qwen2_5_tagged, None, "<|im_end|>", "Qwen/Qwen2.5-7B-Instruct"),
-    "qwen3": (QWEN3, qwen3_tagged, None, "<|im_end|>", "Qwen/Qwen3-0.6B"),
-    "mistral": (MISTRAL, mistral_tagged, "<s>", "</s>", "mistralai/Mistral-7B-Instruct-v0.3"),
+    "llama3": (LLAMA3_1, llama3_tagged, "<|begin_of_text|>", "<|eot_id|>",
+               "meta-llama/Llama-3.1-8B-Instruct", {}),
+    "llama3_2": (LLAMA3_2, llama3_tagged, "<|begin_of_text|>", "<|eot_id|>",
+                 "meta-llama/Llama-3.2-1B-Instruct", {"date_string": "01 Dec 2026"}),
+    "chatml": (QWEN2_5, qwen2_5_tagged, None, "<|im_end|>", "Qwen/Qwen2.5-7B-Instruct", {}),
+    "qwen3": (QWEN3, qwen3_tagged, None, "<|im_end|>", "Qwen/Qwen3-0.6B", {}),
+    "mistral": (MISTRAL, mistral_tagged, "<s>", "</s>", "mistralai/Mistral-7B-Instruct-v0.3", {}),
 }
 
 
@@ -632,11 +636,12 @@ def main():
     import jinja2
     import transformers
 
-    for name, (template, tag, bos, eos, model) in FAMILIES.items():
+    for name, (template, tag, bos, eos, model, family_kwargs) in FAMILIES.items():
         tagged = tag(template)
         tok = make_tokenizer(bos, eos)
         cases = []
-        for case, messages, kwargs in CONVERSATIONS:
+        for case, messages, case_kwargs in CONVERSATIONS:
+            kwargs = {**family_kwargs, **case_kwargs}
             for m in messages:
                 assert BEGIN not in m["content"] and END not in m["content"]
             entry = {"name": case, "messages": messages}
