@@ -562,6 +562,8 @@ CONVERSATIONS = [
     ("think_blank", conv((U, "q"), (A, "<think>\n</think>a1"), (A, " <think> </think>a2")), {}),
     ("tool_response_user", conv((U, "q"), (A, "<think>r</think>a"),
                                 (U, "<tool_response>x</tool_response>"), (A, "b")), {}),
+    ("no_query", conv((U, "<tool_response>r</tool_response>"), (A, "<think>t</think>a")), {}),
+    ("assistant_only", conv((S, "s"), (A, "<think>t</think>x")), {}),
     ("crlf", conv((S, "line\r\n"), (U, "a\r\nb\r\n"), (A, "\r\nc\r\n")), {}),
     ("consecutive_assistant", conv((U, "q"), (A, "a1"), (A, "<think>r</think>a2")), {}),
     ("consecutive_user", conv((U, "a"), (U, "b"), (A, "c")), {}),
