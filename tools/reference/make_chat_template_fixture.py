@@ -608,6 +608,7 @@ def byte_offset(text, char_index):
 def render(tok, template, tagged, messages, kwargs):
     text = tok.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
     marked = tok.apply_chat_template(messages, chat_template=tagged, tokenize=False, **kwargs)
+    assert isinstance(text, str) and isinstance(marked, str), type(text)
     spans, plain, begin = [], [], None
     for ch in marked:
         if ch == BEGIN:
