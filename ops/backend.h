@@ -80,9 +80,11 @@ class Backend {
   virtual void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
                                  const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                  const Tensor& rstd, const Tensor& grad_x_add) = 0;
-  // x [B, S, H, D] contiguous; inverse=true applies the transpose rotation (for backward).
-  virtual void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-                    bool inverse) = 0;
+  // x [B, S, H, D] contiguous, freqs.inv_freq of D/2 values; position_ids undefined (positions
+  // position_offset + s) or [B, S] I64/I32 contiguous on x's device. inverse=true applies the
+  // transposed rotation (the backward; with attention_scaling 1 also the inverse).
+  virtual void rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+                    int64_t position_offset, const Tensor& position_ids, bool inverse) = 0;
   virtual void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
                                const Tensor& grad_out, const Tensor& gate, const Tensor& up) = 0;

@@ -96,9 +96,21 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 // add's and rms_norm's values (x and r of one shape), recorded as those two ops (same gradients).
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& weight,
                                        double eps);
-// Rotary embedding, Hugging Face Llama's rotate-half convention, on x [B, S, H, D] (D even) at
-// positions position_offset .. position_offset + S - 1.
-Tensor rope(const Tensor& x, double theta, int64_t position_offset = 0);
+// The frequencies of a rotary embedding: the pair (x[i], x[i + D/2]) of a head at position p is
+// rotated by the angle p * inv_freq[i], and cos and sin are multiplied by attention_scaling (YaRN's
+// attention factor; 1 for the other scalings). inv_freq holds D/2 float32 values, computed once
+// from the model config as Hugging Face computes them (models/rope_scaling.h).
+struct RopeFrequencies {
+  std::vector<float> inv_freq;
+  double attention_scaling = 1.0;
+};
+// Hugging Face's default RoPE: inv_freq[i] = 1 / theta^(float(2i) / dim), all in float32.
+RopeFrequencies default_rope_frequencies(double theta, int64_t dim);
+// Rotary embedding, Hugging Face Llama's rotate-half convention, on x [B, S, H, D] (D even, D/2
+// frequencies). Token (b, s) sits at position position_ids[b, s] when position_ids ([B, S], I64 or
+// I32, on x's device) is given, else at position_offset + s.
+Tensor rope(const Tensor& x, const RopeFrequencies& freqs, int64_t position_offset = 0,
+            const Tensor& position_ids = Tensor());
 // silu(gate) * up
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 // Which keys each query sees. The default: causal (query i sees keys j <= i).

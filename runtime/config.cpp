@@ -540,6 +540,34 @@ bool is_section(const std::string& p) {
 
 void apply_deepspeed_json(Config& c, const std::string& file, Ctx& ctx);
 
+}  // namespace
+
+std::string hf_class_prefix(const std::string& model_name) {
+  if (model_name == "qwen2") return "Qwen2";
+  if (model_name == "qwen3") return "Qwen3";
+  if (model_name == "mistral") return "Mistral";
+  return "Llama";
+}
+
+namespace {
+
+// A YAML scalar as the JSON value it spells (config.json's types): true/false, null, an integer,
+// a number, else a string.
+nlohmann::json yaml_scalar_json(const std::string& raw) {
+  const std::string text = trim(raw);
+  if (text == "true" || text == "false") return text == "true";
+  if (text == "null" || text == "~" || text.empty()) return nullptr;
+  const char* b = text.c_str();
+  char* e = nullptr;
+  errno = 0;
+  const long long i = std::strtoll(b, &e, 10);
+  if (e == b + text.size() && errno == 0) return static_cast<int64_t>(i);
+  errno = 0;
+  const double d = std::strtod(b, &e);
+  if (e == b + text.size() && errno == 0 && std::isfinite(d)) return d;
+  return raw;
+}
+
 std::vector<Field> build_schema() {
   std::vector<Field> s;
   auto add = [&](Field f) { s.push_back(std::move(f)); };
@@ -924,7 +952,9 @@ std::vector<Field> build_schema() {
 
   // ---- model ----
   const int64_t kMax = std::numeric_limits<int64_t>::max();
-  add(f_enum("model.name", ACCEL_REF(model.name), {"llama"}, "Model family."));
+  add(f_enum("model.name", ACCEL_REF(model.name), {"llama", "qwen2", "qwen3", "mistral"},
+             "Model family: Hugging Face's model_type (LlamaForCausalLM, Qwen2ForCausalLM, "
+             "Qwen3ForCausalLM, MistralForCausalLM); the families differ in the options below."));
   add(f_int("model.hidden_size", ACCEL_REF(model.hidden_size), 1, kMax, "Model width."));
   add(f_int("model.num_hidden_layers", ACCEL_REF(model.num_hidden_layers), 1, kMax,
             "Decoder layers."));
@@ -937,11 +967,62 @@ std::vector<Field> build_schema() {
   add(f_int("model.vocab_size", ACCEL_REF(model.vocab_size), 1, kMax,
             "Vocabulary size (must cover the tokenizer's ids)."));
   add(f_int("model.max_position_embeddings", ACCEL_REF(model.max_position_embeddings), 1, kMax,
-            "Longest sequence the model is defined for (training.seq_len must not exceed it)."));
+            "Longest sequence the model is defined for (training.seq_len must not exceed it, "
+            "except with rope_type dynamic)."));
   add(f_int("model.head_dim", ACCEL_REF(model.head_dim), 0, kMax,
-            "Per-head width; 0 = hidden_size / num_attention_heads."));
+            "Per-head width; 0 = hidden_size / num_attention_heads (Qwen3 sets it apart)."));
   add(f_double("model.rope_theta", ACCEL_REF(model.rope_theta), 0,
                std::numeric_limits<double>::infinity(), true, "RoPE base frequency."));
+  {
+    // RoPE scaling as a map in config.json's spelling; rope_parameters (transformers 5) may hold
+    // rope_theta too.
+    auto rope_field = [](const std::string& path, bool with_theta, std::string doc) {
+      Field f;
+      f.path = path;
+      f.type = "map";
+      f.doc = std::move(doc);
+      f.set = [with_theta, path](Config& c, const YAML::Node& n, Ctx& ctx) {
+        YAML::Node v = n;
+        if (n.IsScalar() && ctx.kind != LayerKind::File) {
+          try {
+            v = YAML::Load(n.Scalar());
+          } catch (const YAML::Exception&) {
+            type_error(ctx, "a map such as {rope_type: llama3, factor: 32, ...}", n);
+          }
+        }
+        if (v.IsNull()) {
+          c.model.rope_scaling = RopeScaling();
+          return;
+        }
+        if (!v.IsMap()) type_error(ctx, "a map such as {rope_type: llama3, factor: 32, ...}", v);
+        nlohmann::json j = nlohmann::json::object();
+        for (auto it = v.begin(); it != v.end(); ++it) {
+          if (!it->first.IsScalar() || !it->second.IsScalar())
+            type_error(ctx, "a map of plain values", v);
+          j[it->first.Scalar()] = yaml_scalar_json(it->second.Scalar());
+        }
+        double theta = c.model.rope_theta;
+        try {
+          c.model.rope_scaling = parse_rope_scaling(j, path, with_theta ? &theta : nullptr);
+        } catch (const std::invalid_argument& e) {
+          fail(ctx.where, e.what());
+        }
+        c.model.rope_theta = theta;
+      };
+      f.get = [](const Config& c) { return c.model.rope_scaling.to_json().dump(); };
+      return f;
+    };
+    add(rope_field("model.rope_scaling", false,
+                   "RoPE scaling, as config.json's rope_scaling: {rope_type: default | linear | "
+                   "dynamic | llama3 | yarn, factor, ...} (llama3: low_freq_factor, "
+                   "high_freq_factor, original_max_position_embeddings; yarn: "
+                   "original_max_position_embeddings, beta_fast, beta_slow, attention_factor, "
+                   "mscale, mscale_all_dim, truncate); `type` is read as rope_type."));
+    add(grouped(rope_field("model.rope_parameters", true,
+                           "Transformers 5's spelling of rope_scaling, which may hold rope_theta "
+                           "too."),
+                "model.rope_scaling", true));
+  }
   add(f_double("model.rms_norm_eps", ACCEL_REF(model.rms_norm_eps), 0,
                std::numeric_limits<double>::infinity(), true, "RMSNorm epsilon."));
   add(f_double("model.initializer_range", ACCEL_REF(model.initializer_range), 0,
@@ -949,10 +1030,30 @@ std::vector<Field> build_schema() {
                "Std of the normal initialization of weights."));
   add(f_bool("model.tie_word_embeddings", ACCEL_REF(model.tie_word_embeddings),
              "lm_head shares the embedding matrix."));
+  add(f_bool("model.attention_bias", ACCEL_REF(model.attention_bias),
+             "llama, qwen3: biases on q/k/v/o_proj. Not an option of qwen2 (q/k/v always have "
+             "biases there) or mistral."));
+  add(f_int("model.sliding_window", ACCEL_REF(model.sliding_window), 0, kMax,
+            "Sliding-window attention: each query sees this many keys, its own included (0 = "
+            "none). mistral: every layer; qwen2/qwen3: with use_sliding_window."));
+  add(f_bool("model.use_sliding_window", ACCEL_REF(model.use_sliding_window),
+             "qwen2, qwen3: layers from max_window_layers on use sliding_window."));
+  add(f_int("model.max_window_layers", ACCEL_REF(model.max_window_layers), 0, kMax,
+            "qwen2, qwen3: the first layer that uses the sliding window (those before it attend "
+            "fully)."));
+  add(f_list("model.layer_types", ACCEL_REF(model.layer_types),
+             "qwen2, qwen3: full_attention or sliding_attention per layer (transformers 5); "
+             "replaces the use_sliding_window / max_window_layers rule. Empty = that rule."));
+  add(f_enum("model.hidden_act", ACCEL_REF(model.hidden_act), {"silu"},
+             "MLP activation: silu (SwiGLU), the only one these families use."));
+  add(f_bool("model.mlp_bias", ACCEL_REF(model.mlp_bias),
+             "Llama's MLP biases: only false is supported."));
+  add(f_double("model.attention_dropout", ACCEL_REF(model.attention_dropout), 0, 1, false,
+               "Only 0 is supported (no dropout)."));
   add(f_str("model.init_from", ACCEL_REF(model.init_from),
-            "A Hugging Face model folder (config.json + safetensors): its shape replaces the "
-            "model.* shape keys and its weights initialize the model (F32, or BF16/F16 widened "
-            "to fp32; other dtypes are refused)."));
+            "A Hugging Face model folder (config.json + safetensors) of a supported family: its "
+            "config.json replaces the model.* keys and its weights initialize the model (F32, or "
+            "BF16/F16 widened to fp32; other dtypes are refused)."));
 
   // ---- training ----
   {
@@ -1673,20 +1774,22 @@ void resolve(Config& c) {
           "per-parameter sharding is implemented; the training math is the same)");
       c.fsdp.fsdp_version = 2;
     }
-    if (c.fsdp.fsdp_auto_wrap_policy == FsdpWrapPolicy::TransformerBased &&
-        c.model.name == "llama") {
+    if (c.fsdp.fsdp_auto_wrap_policy == FsdpWrapPolicy::TransformerBased) {
+      // Every family's model has one layer class to wrap: its decoder layer (model.init_from's
+      // family replaces model.name's once the folder is read).
+      const std::string layer = hf_class_prefix(c.model.name) + "DecoderLayer";
       std::vector<std::string> names;
       for (auto& p : split(c.fsdp.fsdp_transformer_layer_cls_to_wrap, ','))
         if (!trim(p).empty()) names.push_back(trim(p));
       std::vector<std::string> others;
       for (auto& n : names)
-        if (n != "LlamaDecoderLayer") others.push_back(n);
+        if (n != layer) others.push_back(n);
       if (!others.empty())
         c.notices.push_back("key fsdp_config.fsdp_transformer_layer_cls_to_wrap=" +
-                            c.fsdp.fsdp_transformer_layer_cls_to_wrap +
-                            " names no layer of the llama model (" + join(others, ", ") +
-                            "); each DecoderLayer is wrapped");
-      c.fsdp.fsdp_transformer_layer_cls_to_wrap = "LlamaDecoderLayer";
+                            c.fsdp.fsdp_transformer_layer_cls_to_wrap + " names no layer of the " +
+                            c.model.name + " model (" + join(others, ", ") + "); each " + layer +
+                            " is wrapped");
+      c.fsdp.fsdp_transformer_layer_cls_to_wrap = layer;
     }
     if (c.fsdp.fsdp_activation_checkpointing || c.training.activation_checkpointing)
       c.fsdp.fsdp_activation_checkpointing = c.training.activation_checkpointing = true;
@@ -1911,7 +2014,19 @@ void validate_config(const Config& c) {
           {"model.intermediate_size", m.intermediate_size}},
          "one micro-batch's MLP activations");
   }
-  if (m.init_from.empty() && c.training.seq_len > m.max_position_embeddings)
+  if (m.mlp_bias)
+    err("model.mlp_bias", "model.mlp_bias true is not supported (MLPs without biases)");
+  if (m.attention_dropout != 0)
+    err("model.attention_dropout", "model.attention_dropout " + fmt_double(m.attention_dropout) +
+                                       " is not supported: accel-train has no dropout (set 0)");
+  try {
+    validate_rope_scaling(m.rope_scaling, m.max_position_embeddings, "model.rope_scaling");
+  } catch (const std::invalid_argument& e) {
+    err("model.rope_scaling", e.what());
+  }
+  // Dynamic RoPE scaling is made for sequences past max_position_embeddings.
+  if (m.init_from.empty() && c.training.seq_len > m.max_position_embeddings &&
+      m.rope_scaling.rope_type != "dynamic")
     err("training.seq_len", "training.seq_len " + std::to_string(c.training.seq_len) +
                                 " exceeds model.max_position_embeddings " +
                                 std::to_string(m.max_position_embeddings));

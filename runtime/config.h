@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/rope_scaling.h"
+
 namespace accel {
 
 class ConfigError : public std::runtime_error {
@@ -72,17 +74,32 @@ const char* name_of(E e) {
   return EnumNames<E>::names[static_cast<size_t>(e)];
 }
 
-// Hugging Face config.json names (LlamaConfig, Qwen2Config, ...).
+// Hugging Face config.json names (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig).
 struct ModelConfig {
-  std::string name = "llama";
+  std::string name =
+      "llama";  // the family: config.json's model_type (llama, qwen2, qwen3, mistral)
   int64_t hidden_size = 256, num_hidden_layers = 4, num_attention_heads = 4,
           num_key_value_heads = 0 /* 0 = same as num_attention_heads */, intermediate_size = 688,
           vocab_size = 256, max_position_embeddings = 2048,
           head_dim = 0 /* 0 = hidden_size / num_attention_heads */;
   double rope_theta = 10000, rms_norm_eps = 1e-5, initializer_range = 0.02;
+  RopeScaling rope_scaling;  // rope_scaling / rope_parameters
   bool tie_word_embeddings = false;
+  bool attention_bias = false;  // llama, qwen3: q/k/v/o biases (qwen2 always has q/k/v biases)
+  // Sliding window (0 = none): mistral in every layer; qwen2/qwen3 with use_sliding_window from
+  // layer max_window_layers on; layer_types (full_attention / sliding_attention) per layer.
+  int64_t sliding_window = 0, max_window_layers = 0;
+  bool use_sliding_window = false;
+  std::vector<std::string> layer_types;
+  // Hugging Face fields with one supported value (others are refused naming the key).
+  std::string hidden_act = "silu";
+  bool mlp_bias = false;
+  double attention_dropout = 0;
   std::string init_from;  // a Hugging Face model folder; its config.json gives the shape
 };
+
+// The Hugging Face class-name prefix of a model family ("qwen3" -> "Qwen3": Qwen3DecoderLayer).
+std::string hf_class_prefix(const std::string& model_name);
 
 struct TrainingConfig {
   uint64_t seed = 0;

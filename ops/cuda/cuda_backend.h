@@ -40,8 +40,8 @@ class CudaBackend final : public Backend {
   void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
                          const Tensor& x, const Tensor& weight, const Tensor& rstd,
                          const Tensor& grad_x_add) override;
-  void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-            bool inverse) override;
+  void rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+            int64_t position_offset, const Tensor& position_ids, bool inverse) override;
   void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
   void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
                        const Tensor& gate, const Tensor& up) override;

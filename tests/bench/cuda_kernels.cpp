@@ -122,12 +122,14 @@ int main(int argc, char** argv) {
     ms = time_ms([&] { be.embedding_backward(gtable, g, ids); });
     row_mem("embedding bwd (sorted)", ms, 3.0 * g.nbytes() + 4.0 * ids.nbytes());
   }
+  const RopeFrequencies f500k = default_rope_frequencies(500000.0, D),
+                        f10k = default_rope_frequencies(10000.0, D);
   {
     Tensor q = randn({B, S, HQ, D}, bf), o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
-    double ms = time_ms([&] { be.rope(o, q, 500000.0, 0, false); });
+    double ms = time_ms([&] { be.rope(o, q, f500k, 0, Tensor(), false); });
     row_mem("rope fwd (q)", ms, 2.0 * q.nbytes());
     Tensor k = randn({B, S, HKV, D}, bf), ok = Tensor::empty(k.shape(), bf, Device::cuda(0));
-    ms = time_ms([&] { be.rope(ok, k, 500000.0, 0, false); });
+    ms = time_ms([&] { be.rope(ok, k, f500k, 0, Tensor(), false); });
     row_mem("rope fwd (k)", ms, 2.0 * k.nbytes());
   }
   {  // llama-125m at 16384 tokens per step: hidden 768, 12 heads of 64.
@@ -147,9 +149,9 @@ int main(int argc, char** argv) {
     ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd, res); });
     row_mem("rms_norm bwd + add (125m, d=768)", ms, 4.0 * x.nbytes() + rstd.nbytes());
     Tensor q = randn({16, 1024, 12, D}, bf), o = Tensor::empty(q.shape(), bf, Device::cuda(0));
-    ms = time_ms([&] { be.rope(o, q, 10000.0, 0, false); });
+    ms = time_ms([&] { be.rope(o, q, f10k, 0, Tensor(), false); });
     row_mem("rope fwd (125m q)", ms, 2.0 * q.nbytes());
-    ms = time_ms([&] { be.rope(o, q, 10000.0, 0, true); });
+    ms = time_ms([&] { be.rope(o, q, f10k, 0, Tensor(), true); });
     row_mem("rope inverse (125m q)", ms, 2.0 * q.nbytes());
   }
   {

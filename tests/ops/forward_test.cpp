@@ -276,28 +276,80 @@ TEST(Forward, RmsNormBf16RoundsLikeHuggingFace) {
   }
 }
 
-TEST(Forward, RopeRotateHalfConvention) {
-  const int64_t B = 1, S = 5, H = 2, D = 6;
-  const double theta = 10000.0;
-  const int64_t offset = 3;
-  Tensor x = randn({B, S, H, D}, 14);
+// The reference rotation of x [B, S, H, D] (f64) by inv_freq at positions pos[b][s], cos and sin
+// times `scale`, all in double.
+std::vector<double> rope_reference(const Tensor& x, const std::vector<float>& inv_freq,
+                                   const std::vector<std::vector<int64_t>>& pos, double scale) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
   auto xv = x.to_vector();
   std::vector<double> ref(xv.size());
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < D / 2; ++i) {
-        const double ang = double(s + offset) * std::pow(theta, -2.0 * i / D);
-        const int64_t base = (s * H + h) * D;
-        const double x1 = xv[base + i], x2 = xv[base + i + D / 2];
-        ref[base + i] = x1 * std::cos(ang) - x2 * std::sin(ang);
-        ref[base + i + D / 2] = x2 * std::cos(ang) + x1 * std::sin(ang);
-      }
-  expect_close(rope(x, theta, offset), ref, 1e-13, 1e-13, "f64");
-  expect_close(rope(cast(x, DType::F32), theta, offset), ref, 1e-5, 1e-5, "f32");
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const double ang = double(pos[b][s]) * double(inv_freq[i]);
+          const int64_t base = ((b * S + s) * H + h) * D;
+          const double x1 = xv[base + i], x2 = xv[base + i + D / 2];
+          const double c = std::cos(ang) * scale, sn = std::sin(ang) * scale;
+          ref[base + i] = x1 * c - x2 * sn;
+          ref[base + i + D / 2] = x2 * c + x1 * sn;
+        }
+  return ref;
+}
+
+TEST(Forward, RopeRotateHalfConvention) {
+  const int64_t B = 2, S = 5, H = 2, D = 6;
+  const int64_t offset = 3;
+  const RopeFrequencies f = default_rope_frequencies(10000.0, D);
+  ASSERT_EQ(f.inv_freq.size(), 3u);
+  EXPECT_EQ(f.inv_freq[0], 1.0f);
+  EXPECT_EQ(f.inv_freq[1], 1.0f / std::pow(10000.0f, 2.0f / 6.0f));
+  Tensor x = randn({B, S, H, D}, 14);
+  std::vector<std::vector<int64_t>> pos(B);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) pos[b].push_back(s + offset);
+  const std::vector<double> ref = rope_reference(x, f.inv_freq, pos, 1.0);
+  expect_close(rope(x, f, offset), ref, 1e-13, 1e-13, "f64");
+  expect_close(rope(cast(x, DType::F32), f, offset), ref, 1e-5, 1e-5, "f32");
   // inverse=true undoes the rotation.
-  Tensor y = rope(x, theta, offset), back = Tensor::empty(x.shape(), DType::F64);
-  cpu_backend().rope(back, y, theta, offset, true);
+  Tensor y = rope(x, f, offset), back = Tensor::empty(x.shape(), DType::F64);
+  cpu_backend().rope(back, y, f, offset, Tensor(), true);
   expect_close(back, x, 1e-13, 1e-13, "inverse");
+}
+
+TEST(Forward, RopePerTokenPositionsAndAttentionScaling) {
+  // Packed rows: each document's positions restart at 0 (row 0: 0 1 2 0 1, row 1: 4 5 6 7 0),
+  // with YaRN-style scaled cos/sin and non-default frequencies.
+  const int64_t B = 2, S = 5, H = 3, D = 8;
+  RopeFrequencies f;
+  f.inv_freq = {1.0f, 0.3f, 0.05f, 0.001f};
+  f.attention_scaling = 1.1386;
+  const std::vector<std::vector<int64_t>> pos = {{0, 1, 2, 0, 1}, {4, 5, 6, 7, 0}};
+  std::vector<int64_t> flat;
+  for (const auto& row : pos) flat.insert(flat.end(), row.begin(), row.end());
+  Tensor x = randn({B, S, H, D}, 16);
+  const std::vector<double> ref = rope_reference(x, f.inv_freq, pos, f.attention_scaling);
+  for (DType idt : {DType::I64, DType::I32}) {
+    Tensor ids = Tensor::from_vector(flat, {B, S}, idt);
+    expect_close(rope(x, f, 0, ids), ref, 1e-13, 1e-13, "f64 position_ids");
+    expect_close(rope(cast(x, DType::F32), f, 0, ids), ref, 1e-5, 1e-5, "f32 position_ids");
+  }
+  // position_ids equal to offset + s give the offset's result bit for bit.
+  std::vector<int64_t> seq;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) seq.push_back(s + 9);
+  Tensor xf = cast(x, DType::F32);
+  EXPECT_EQ(rope(xf, f, 0, Tensor::from_vector(seq, {B, S}, DType::I64)).to_vector(),
+            rope(xf, f, 9).to_vector());
+  // The backward is the transposed (scaled) rotation: <rope(x), g> == <x, rope^T(g)>.
+  Tensor g = randn({B, S, H, D}, 17), gt = Tensor::empty(g.shape(), DType::F64);
+  Tensor ids = Tensor::from_vector(flat, {B, S}, DType::I64);
+  cpu_backend().rope(gt, g, f, 0, ids, true);
+  auto yv = rope(x, f, 0, ids).to_vector(), gv = g.to_vector(), xv = x.to_vector(),
+       gtv = gt.to_vector();
+  double lhs = 0, rhs = 0;
+  for (size_t i = 0; i < yv.size(); ++i) lhs += yv[i] * gv[i], rhs += xv[i] * gtv[i];
+  EXPECT_NEAR(lhs, rhs, 1e-12 * std::abs(lhs));
 }
 
 TEST(Forward, RopeF32MatchesHuggingFaceFloat32AtLargePositions) {
@@ -307,7 +359,7 @@ TEST(Forward, RopeF32MatchesHuggingFaceFloat32AtLargePositions) {
   const double theta = 500000.0;
   Tensor x = randn({1, 2, 1, D}, 15, DType::F32);
   auto xv = x.to_vector();
-  auto out = rope(x, theta, 4000).to_vector();
+  auto out = rope(x, default_rope_frequencies(theta, D), 4000).to_vector();
   for (int64_t s = 0; s < 2; ++s)
     for (int64_t i = 0; i < D / 2; ++i) {
       float inv = 1.0f / std::pow(float(theta), float(2 * i) / float(D));

@@ -103,22 +103,7 @@ DecoderConfig model_config(const Config& cfg) {
                        " has no config.json (expected a Hugging Face model folder)");
     return read_hf_model_config(p.string());
   }
-  const ModelConfig& m = cfg.model;
-  DecoderConfig c;
-  c.hidden_size = m.hidden_size;
-  c.intermediate_size = m.intermediate_size;
-  c.num_hidden_layers = m.num_hidden_layers;
-  c.num_attention_heads = m.num_attention_heads;
-  c.num_key_value_heads = m.num_key_value_heads ? m.num_key_value_heads : m.num_attention_heads;
-  c.head_dim = m.head_dim ? m.head_dim : m.hidden_size / m.num_attention_heads;
-  c.vocab_size = m.vocab_size;
-  c.max_position_embeddings = m.max_position_embeddings;
-  c.rope_theta = m.rope_theta;
-  c.rms_norm_eps = m.rms_norm_eps;
-  c.initializer_range = m.initializer_range;
-  c.tie_word_embeddings = m.tie_word_embeddings;
-  c.validate();
-  return c;
+  return decoder_config(cfg.model);
 }
 
 // model.init_from gives the shape: the effective config shows the loaded model's, each key's
@@ -126,23 +111,35 @@ DecoderConfig model_config(const Config& cfg) {
 void adopt_loaded_shape(Config& cfg, const DecoderConfig& mc) {
   ModelConfig& m = cfg.model;
   const std::string where = (fs::path(m.init_from) / "config.json").string();
-  auto take = [&](const char* key, auto& field, auto value) {
+  const ModelConfig loaded = model_section(mc);
+  auto take = [&](const char* key, auto& field, const auto& value) {
     if (field == value) return;
     field = value;
     cfg.origins[std::string("model.") + key] = where;
   };
-  take("hidden_size", m.hidden_size, mc.hidden_size);
-  take("intermediate_size", m.intermediate_size, mc.intermediate_size);
-  take("num_hidden_layers", m.num_hidden_layers, mc.num_hidden_layers);
-  take("num_attention_heads", m.num_attention_heads, mc.num_attention_heads);
-  take("num_key_value_heads", m.num_key_value_heads, mc.num_key_value_heads);
-  take("head_dim", m.head_dim, mc.head_dim);
-  take("vocab_size", m.vocab_size, mc.vocab_size);
-  take("max_position_embeddings", m.max_position_embeddings, mc.max_position_embeddings);
-  take("rope_theta", m.rope_theta, mc.rope_theta);
-  take("rms_norm_eps", m.rms_norm_eps, mc.rms_norm_eps);
-  take("initializer_range", m.initializer_range, mc.initializer_range);
-  take("tie_word_embeddings", m.tie_word_embeddings, mc.tie_word_embeddings);
+  // The decoder layer FSDP wraps is the loaded family's (the YAML's model.name named another).
+  std::string& wrap = cfg.fsdp.fsdp_transformer_layer_cls_to_wrap;
+  if (wrap == hf_class_prefix(m.name) + "DecoderLayer")
+    wrap = hf_class_prefix(loaded.name) + "DecoderLayer";
+  take("name", m.name, loaded.name);
+  take("hidden_size", m.hidden_size, loaded.hidden_size);
+  take("intermediate_size", m.intermediate_size, loaded.intermediate_size);
+  take("num_hidden_layers", m.num_hidden_layers, loaded.num_hidden_layers);
+  take("num_attention_heads", m.num_attention_heads, loaded.num_attention_heads);
+  take("num_key_value_heads", m.num_key_value_heads, loaded.num_key_value_heads);
+  take("head_dim", m.head_dim, loaded.head_dim);
+  take("vocab_size", m.vocab_size, loaded.vocab_size);
+  take("max_position_embeddings", m.max_position_embeddings, loaded.max_position_embeddings);
+  take("rope_theta", m.rope_theta, loaded.rope_theta);
+  take("rope_scaling", m.rope_scaling, loaded.rope_scaling);
+  take("rms_norm_eps", m.rms_norm_eps, loaded.rms_norm_eps);
+  take("initializer_range", m.initializer_range, loaded.initializer_range);
+  take("tie_word_embeddings", m.tie_word_embeddings, loaded.tie_word_embeddings);
+  take("attention_bias", m.attention_bias, loaded.attention_bias);
+  take("sliding_window", m.sliding_window, loaded.sliding_window);
+  take("use_sliding_window", m.use_sliding_window, loaded.use_sliding_window);
+  take("max_window_layers", m.max_window_layers, loaded.max_window_layers);
+  take("layer_types", m.layer_types, loaded.layer_types);
 }
 
 // The previous run's files in an output folder we are about to write into.

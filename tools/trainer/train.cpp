@@ -89,12 +89,13 @@ void print_run_line(const Run& run) {
   const DecoderConfig& mc = run.model_config;
   std::fprintf(
       stderr,
-      "model: llama %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
+      "model: %s %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
       "strategy %s x %d | data %s | %lld tokens/step | startup %.1fs\n",
-      static_cast<double>(mc.num_parameters()) / 1e6, static_cast<long long>(mc.num_hidden_layers),
-      static_cast<long long>(mc.hidden_size), run.device.str().c_str(),
-      run.precision->mixed_precision(), run.strategy->name().c_str(), run.dist.world(),
-      run.data.train->describe().c_str(), static_cast<long long>(run.tokens_per_step()),
+      mc.model_type.c_str(), static_cast<double>(mc.num_parameters()) / 1e6,
+      static_cast<long long>(mc.num_hidden_layers), static_cast<long long>(mc.hidden_size),
+      run.device.str().c_str(), run.precision->mixed_precision(), run.strategy->name().c_str(),
+      run.dist.world(), run.data.train->describe().c_str(),
+      static_cast<long long>(run.tokens_per_step()),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - run.start_time).count());
   const std::string precision = run.precision->describe();
   if (!precision.empty()) std::fprintf(stderr, "%s\n", precision.c_str());
