@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libboost-dev
-          libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libprotobuf-dev protobuf-compiler fortunes
+          libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev zlib1g-dev libzstd-dev libprotobuf-dev protobuf-compiler fortunes
           openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
