@@ -155,7 +155,7 @@ void refuse_unreadable_dataset(const std::string& path, const std::string& what)
       "', split='train').to_json('train.jsonl')\"";
   const std::string convert_arrow = "python3 -c \"import datasets; datasets.load_from_disk('" +
                                     path + "').to_json('train.jsonl')\"";
-  const std::string tail = " (docs/data.md); then give train.jsonl";
+  const std::string tail = "and give train.jsonl instead (docs/data.md)";
   if (ends_with(path, ".parquet")) {
     throw std::runtime_error(what + ": '" + path +
                              "' is a Parquet file: accel-train reads JSONL (no Parquet reader is "
