@@ -86,13 +86,16 @@ class Backend {
   virtual void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
                                const Tensor& grad_out, const Tensor& gate, const Tensor& up) = 0;
-  // q [B, S, Hq, D], k/v [B, S, Hkv, D] contiguous; lse [B, Hq, S] f32 saved for backward.
+  // q [Sq rows], k/v [Sk rows]: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] contiguous; lse [B, Hq, Sq]
+  // saved for backward. Causal masks (and windows) are bottom-right aligned when Sk != Sq: query
+  // i stands at position i + Sk - Sq. The mask is checked (ops/attention.cpp): window and
+  // segment_ids only with causal; segment_ids contiguous int32 [B, Sq], and only with Sk == Sq.
   virtual void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                         const Tensor& v, bool causal, double scale) = 0;
+                         const Tensor& v, const AttentionMask& mask, double scale) = 0;
   virtual void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
                                   const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
-                                  bool causal, double scale) = 0;
+                                  const AttentionMask& mask, double scale) = 0;
 
   virtual void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
                             double high) = 0;

@@ -82,6 +82,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // logits [N, V] (any float dtype), targets [N] i64; mean over targets != ignore_index, computed in
 // fp32 (f64 for f64 logits). Returns a scalar of the logits' dtype (f32 for 16-bit logits).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+// cross_entropy(linear(x, weight), targets) for x [..., D], weight [V, D], targets with one id per
+// row of x, computed chunk_rows rows at a time (0: about 2^27 logits per chunk) so that the
+// [N, V] logits never exist; the gradients are made in the forward pass. Same value as the two
+// ops; in 16-bit dtypes the weight's gradient is rounded once per chunk.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets,
+                            int64_t ignore_index = -100, int64_t chunk_rows = 0);
 // weight [V, D], ids [...] (i32/i64) -> [..., D]. An id outside [0, V) is an error.
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x [..., D] * rsqrt(mean(x^2) + eps) * weight[D]; statistics in fp32.
@@ -95,22 +101,24 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& r, const T
 Tensor rope(const Tensor& x, double theta, int64_t position_offset = 0);
 // silu(gate) * up
 Tensor swiglu(const Tensor& gate, const Tensor& up);
-// Causal attention. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped KV
-// heads). Output [B, S, Hq, D]. scale defaults to 1/sqrt(D). Never materializes S x S in the
-// fused backends; the CPU version works one query row at a time.
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
-                 std::optional<double> scale = std::nullopt);
-// Which keys each query sees, beyond (optional) causality.
+// Which keys each query sees. The default: causal (query i sees keys j <= i).
 struct AttentionMask {
   bool causal = true;
   // 0: no window. W > 0: query i sees keys j with i - W < j <= i (Hugging Face's sliding_window
   // of Mistral and Qwen2: W keys, the query's own included). Needs causal.
   int64_t window = 0;
-  // Undefined, or [B, S] int32: query i sees key j only when both carry the same id (documents
-  // packed into one row). Needs causal.
+  // Undefined, or [B, S] int32 on q's device: documents packed into one row, each a run of equal
+  // ids (0 0 0 1 1 2 ...); query i sees key j only within its own run. Equal ids in separate runs
+  // are separate documents (Hugging Face's packed-sequence ids increase, so there it is the same
+  // as comparing ids). Needs causal.
   Tensor segment_ids;
 };
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
+// Attention, q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped KV
+// heads). Output [B, S, Hq, D]. scale defaults to 1/sqrt(D). Never materializes S x S in the
+// fused backends; the CPU version works one query row at a time. A row's visible keys always
+// include its own (causal), so no row is empty.
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const AttentionMask& mask = AttentionMask{},
                  std::optional<double> scale = std::nullopt);
 
 // ---- random (counter-based Philox: the same stream on every device) ----------------------------

@@ -49,6 +49,40 @@ TEST(OpErrors, ShapeMismatches) {
                   Tensor::zeros({1, 4, 2, 8}));
       },
       "[attention]", {"[1, 4, 3, 8]", "[1, 4, 2, 8]"});
+  {
+    const Tensor q = Tensor::zeros({2, 4, 2, 8}), kv = Tensor::zeros({2, 4, 1, 8});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{false, 3, {}});
+        },
+        "[attention]", {"causal"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, -1, {}});
+        },
+        "[attention]", {"window", "-1"});
+    const Tensor seg = Tensor::zeros({2, 4}, DType::I32);
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{false, 0, seg});
+        },
+        "[attention]", {"causal"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, 0, Tensor::zeros({2, 5}, DType::I32)});
+        },
+        "[attention]", {"segment_ids", "[2, 4]", "[2, 5]"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, 0, Tensor::zeros({2, 4}, DType::I64)});
+        },
+        "[attention]", {"segment_ids", "int32", "i64"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, 0, Tensor::zeros({8}, DType::I32)});
+        },
+        "[attention]", {"segment_ids", "[8]"});
+  }
   expect_error<IA>(
       [&] {
         cross_entropy(Tensor::zeros({3, 5}), Tensor::zeros({2}, DType::I64));

@@ -181,7 +181,32 @@ TEST(GradCheck, Attention) {
   grad_check("attention causal gqa", [](const V& x) { return attention(x[0], x[1], x[2]); },
              {q, k, v});
   grad_check("attention non-causal, scale",
-             [](const V& x) { return attention(x[0], x[1], x[2], false, 0.7); }, {q, k, v});
+             [](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{false, 0, {}}, 0.7);
+             },
+             {q, k, v});
+  grad_check("attention window 2",
+             [](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 2, {}});
+             },
+             {q, k, v});
+  grad_check("attention window 1",
+             [](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 1, {}});
+             },
+             {q, k, v});
+  // Documents of 2, 1 and 2 positions in row 0; row 1 is one document with a window.
+  const Tensor seg = test::ids_tensor({4, 4, 0, 1, 1, 3, 3, 3, 3, 3}, {2, 5}, DType::I32);
+  grad_check("attention segments",
+             [seg](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 0, seg});
+             },
+             {q, k, v});
+  grad_check("attention segments + window 2",
+             [seg](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 2, seg});
+             },
+             {q, k, v});
   grad_check("attention from transposed q",
              [](const V& x) { return attention(transpose(x[0], 1, 2), x[1], x[2]); },
              {randn({1, 2, 4, 3}, 51), randn({1, 4, 1, 3}, 52), randn({1, 4, 1, 3}, 53)});
