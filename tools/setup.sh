@@ -22,3 +22,6 @@ fi
 # CUDA parts build when nvcc is found (the toolkit lives in /usr/local/cuda on our machines).
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release ${ACCEL_CMAKE_ARGS:-}
 cmake --build build -j "$(nproc)"
+
+# The fine-tuning example (configs/sft-tiny.yaml): prompt/completion samples made from fortunes.
+tools/make_sft_example.sh build/sft
