@@ -285,7 +285,7 @@ void write_checkpoint_part(const std::string& tmp_dir, const CheckpointSnapshot&
                        {{"format", "accel-train-state"}, {"rank", std::to_string(s.rank)}});
       files[file] = file_entry(tmp / file);
     }
-    if (s.rank == 0) {
+    if (s.rank == 0 && s.model_files) {
       if (!s.full_weights.empty()) {
         save_safetensors((tmp / "model.safetensors").string(), s.full_weights, {{"format", "pt"}});
         files["model.safetensors"] = file_entry(tmp / "model.safetensors");

@@ -78,6 +78,9 @@ struct CheckpointSnapshot {
   std::vector<ParamStateSlice> slices;  // this rank's, in host memory
   std::vector<std::string> kinds;       // Strategy::state_kinds()
   bool save_optimizer = true;
+  // Rank 0 writes model.safetensors, config.json and config.yaml (false: the caller puts the
+  // model files into the folder itself, as accel-checkpoint reshard copies them).
+  bool model_files = true;
   DecoderConfig model_config;  // rank 0
   std::string config_yaml;     // rank 0
 };

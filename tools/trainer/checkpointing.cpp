@@ -137,9 +137,11 @@ bool RunCheckpoints::after_step(int64_t step, int64_t max_steps, RunLog& log) {
   report(saver_->wait(), step, log);
   run_.dist.barrier();
   log.end_of_steps();
-  log.println("accel-train: stopped by SIGTERM after step " + std::to_string(step) +
-              " with its checkpoint written (exit code " + std::to_string(kExitPreempted) +
-              "); --resume auto continues from it");
+  if (run_.main_rank())  // always shown (log lines are not with training.progress none)
+    std::fprintf(stderr,
+                 "accel-train: stopped by SIGTERM after step %lld with its checkpoint written "
+                 "(exit code %d); --resume auto continues from it\n",
+                 static_cast<long long>(step), kExitPreempted);
   return true;
 }
 
