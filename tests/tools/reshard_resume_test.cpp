@@ -104,6 +104,7 @@ class ReshardResume : public ::testing::Test {
       }
     }
   }
+  void sigterm_then_resume(const std::string& extra);
   fs::path dir_;
 };
 
@@ -258,30 +259,28 @@ TEST_F(ReshardResume, AsyncWriterFailureFailsTheRunNamingThePath) {
 }
 
 // SIGTERM: the step finishes, its checkpoint is written, the exit code says so, and --resume
-// auto continues the same trajectory.
-TEST_F(ReshardResume, SigtermWritesACheckpointAndExitsWithPreemptedCode) {
-  const std::string longer =
-      "--set training.max_steps=300 --set checkpoint.every_steps=0 --set "
-      "training.micro_batch_size=1 --set gradient_accumulation_steps=1";
+// auto continues the same trajectory. `extra`: the run's processes.
+void ReshardResume::sigterm_then_resume(const std::string& extra) {
+  const std::string longer = extra +
+                             " --set training.max_steps=300 --set checkpoint.every_steps=0 --set "
+                             "training.micro_batch_size=1 --set gradient_accumulation_steps=1";
   Result full = train("full", longer);
   ASSERT_EQ(full.code, 0) << full.output;
   const fs::path out = dir_ / "term";
   const std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
                           (dir_ / "config.yaml").string() + " --output-dir " + out.string() +
-                          " " + longer;
+                          " " + longer + " >" + (dir_ / "term.log").string() + " 2>&1";
   const pid_t pid = fork();
   if (pid == 0) {
-    execl("/bin/sh", "sh", "-c", ("exec " + cmd + " >" + (dir_ / "term.log").string() + " 2>&1").c_str(),
-          static_cast<char*>(nullptr));
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   // Wait for a few logged steps, then SIGTERM.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (fs::exists(out / "metrics.jsonl") && accel::tool_test::read_losses(out / "metrics.jsonl").size() >= 5)
-      break;
+  while (std::chrono::steady_clock::now() < deadline &&
+         !(fs::exists(out / "metrics.jsonl") &&
+           accel::tool_test::read_losses(out / "metrics.jsonl").size() >= 5))
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
   kill(pid, SIGTERM);
   int status = 0;
   waitpid(pid, &status, 0);
@@ -290,17 +289,26 @@ TEST_F(ReshardResume, SigtermWritesACheckpointAndExitsWithPreemptedCode) {
   ASSERT_TRUE(WIFEXITED(status)) << log;
   ASSERT_EQ(WEXITSTATUS(status), 3) << log;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(log, m, std::regex("stopped by SIGTERM after step ([0-9]+) with its "
-                                                   "checkpoint written")))
+  ASSERT_TRUE(std::regex_search(
+      log, m, std::regex("stopped by SIGTERM after step ([0-9]+) with its checkpoint written")))
       << log;
-  const int stopped = std::stoi(m[1]);
-  ASSERT_LT(stopped, 300) << "the run finished before the signal; nothing tested";
+  ASSERT_LT(std::stoi(m[1]), 300) << "the run finished before the signal; nothing tested";
   EXPECT_EQ(accel::verify_checkpoint((out / "checkpoints" / ("step_" + m[1].str())).string()),
             std::vector<std::string>{});
   Result resumed = train("term", longer + " --resume auto");
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   const std::map<int, double> ref = losses("full"), got = losses("term");
   for (int s = 1; s <= 300; ++s) EXPECT_EQ(got.at(s), ref.at(s)) << "step " << s;
+}
+
+TEST_F(ReshardResume, SigtermWritesACheckpointAndExitsWithPreemptedCode) {
+  sigterm_then_resume("");
+}
+
+// Under the local launcher, which forwards the signal: every rank stops after the same step and
+// the launcher exits 3 as well.
+TEST_F(ReshardResume, SigtermUnderTheLauncherStopsEveryRankAfterTheSameStep) {
+  sigterm_then_resume("--set distributed_type=MULTI_CPU --set num_processes=2");
 }
 
 }  // namespace

@@ -8,15 +8,16 @@
 #include <optional>
 #include <string>
 
+#include "parallel/launcher.h"  // kExitPreempted
+
 namespace accel {
 
 struct Run;
 class RunLog;
 class CheckpointSaver;
 
-// The exit code of a run stopped by SIGTERM after it wrote a checkpoint of its last step
-// (docs/fault_tolerance.md, "Preemption").
-constexpr int kExitPreempted = 3;
+// A run stopped by SIGTERM after it wrote a checkpoint of its last step exits with
+// kExitPreempted (3, parallel/launcher.h; docs/checkpoints.md, "Preemption").
 
 // The checkpoints of one run, on every rank.
 class RunCheckpoints {
