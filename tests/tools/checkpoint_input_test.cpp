@@ -95,6 +95,25 @@ void rewrite_tensor(const fs::path& file, const std::string& name,
   accel::save_safetensors(file.string(), all, meta);
 }
 
+// Records the checksums of checkpoint `ck`'s files and slices anew, as if they had been saved
+// so (a run that diverged saves NaN state with matching checksums).
+void rerecord_checksums(const fs::path& ck) {
+  nlohmann::json st;
+  std::ifstream(ck / "trainer_state.json") >> st;
+  for (auto& [name, e] : st["files"].items()) {
+    e["bytes"] = fs::file_size(ck / name);
+    e["checksum"] = accel::checksum_file((ck / name).string());
+  }
+  for (auto& [name, p] : st["state"]["params"].items())
+    for (auto& slice : p["slices"])
+      for (auto& [kind, key] : slice["keys"].items()) {
+        accel::SafetensorsReader r((ck / slice["file"].get<std::string>()).string());
+        const std::string tensor = key[0];
+        key[1] = accel::checksum_bytes(r.raw_data(tensor), r.info(tensor).nbytes());
+      }
+  std::ofstream(ck / "trainer_state.json") << st.dump(1);
+}
+
 Tensor converted(const Tensor& t, DType dtype) {
   Tensor c = Tensor::empty(t.shape(), dtype);
   c.copy_(t);
@@ -163,6 +182,7 @@ TEST_F(CheckpointInput, ResumeRefusesAnIntegerWeightOrMomentAndNonFiniteState) {
     std::string file, tensor;
     std::function<Tensor(const Tensor&)> f;
     std::vector<std::string> expect;
+    bool rerecord = false;  // as saved so: the checksums match, the values are refused
   };
   const std::string moment = std::string(kUpProj) + ".exp_avg";
   const std::string moment2 = std::string(kUpProj) + ".exp_avg_sq";
@@ -170,18 +190,22 @@ TEST_F(CheckpointInput, ResumeRefusesAnIntegerWeightOrMomentAndNonFiniteState) {
   std::vector<Case> cases = {
       {"model.safetensors", kUpProj, i32, {kUpProj, "I32"}},
       {"optimizer.rank0.safetensors", moment, i32, {moment, "dtype I32", "F32"}},
-      {"model.safetensors", kUpProj, with_nan, {kUpProj, "NaN or Inf"}},
-      {"optimizer.rank0.safetensors", moment2, with_nan, {moment2, "NaN or Inf"}},
+      {"model.safetensors", kUpProj, with_nan, {kUpProj, "NaN or Inf"}, true},
+      {"optimizer.rank0.safetensors", moment2, with_nan, {kUpProj, "exp_avg_sq", "NaN or Inf"},
+       true},
+      // Damaged bytes with the checksums as saved: the checksum names the file and tensor.
+      {"optimizer.rank0.safetensors", moment2, with_nan, {moment2, "does not match the checksum"}},
   };
   int i = 0;
   for (const Case& c : cases) {
     const std::string name = "cut" + std::to_string(i++);
     fs::path step2 = cut_copy("base", name);
     rewrite_tensor(step2 / c.file, c.tensor, c.f);
+    if (c.rerecord) rerecord_checksums(step2);
     Result r = train(name, "--resume auto");
     EXPECT_EQ(r.code, 1) << c.file << " " << c.tensor << "\n" << r.output;
     std::vector<std::string> expect = c.expect;
-    expect.push_back((step2 / c.file).string());
+    if (!c.rerecord) expect.push_back((step2 / c.file).string());
     expect_has(r, expect);
     EXPECT_FALSE(fs::exists(ckpt(name, 4))) << "trained on: " << c.tensor;
   }
@@ -201,6 +225,7 @@ TEST_F(CheckpointInput, ConsolidateRefusesAnIntegerOrNonFiniteWeight) {
   expect_has(r, {kUpProj, "I32"});
   rewrite_tensor(bad / "model.safetensors", kUpProj,
                  [](const Tensor& t) { return with_nan(converted(t, DType::F32)); });
+  rerecord_checksums(bad);
   r = accel::tool_test::run_command(cmd);
   EXPECT_EQ(r.code, 1) << r.output;
   expect_has(r, {kUpProj, "NaN or Inf"});

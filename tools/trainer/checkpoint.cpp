@@ -601,6 +601,7 @@ void CheckpointStateReader::read(const std::string& name, const std::string& kin
                              "'");
   float* out = dst.data<float>();
   std::vector<std::pair<int64_t, int64_t>> covered;
+  std::string sources;  // the files read, for messages
   for (const CheckpointSlice& s : it->second.slices) {
     auto key = s.keys.find(kind);
     if (key == s.keys.end() || s.end <= begin || s.begin >= end) continue;
@@ -613,9 +614,10 @@ void CheckpointStateReader::read(const std::string& name, const std::string& kin
     const SafetensorsTensorInfo& info = f.info(tensor);
     if (info.dtype_name != "F32" ||
         info.nbytes() != static_cast<uint64_t>(s.end - s.begin) * sizeof(float))
-      throw std::runtime_error(where + ": tensor '" + tensor + "' is " + info.dtype_name + " of " +
-                               std::to_string(info.nbytes()) + " bytes, the index says F32 [" +
-                               std::to_string(s.end - s.begin) + "]; the file was replaced");
+      throw std::runtime_error(where + ": tensor '" + tensor + "' has dtype " + info.dtype_name +
+                               " (" + std::to_string(info.nbytes()) +
+                               " bytes), the index says F32 [" + std::to_string(s.end - s.begin) +
+                               "]; the file was replaced or altered");
     const uint8_t* raw = f.raw_data(tensor);
     if (verified_.insert({s.file, tensor}).second &&
         checksum_bytes(raw, info.nbytes()) != key->second.second)
@@ -628,6 +630,7 @@ void CheckpointStateReader::read(const std::string& name, const std::string& kin
     std::memcpy(out + (lo - begin), raw + (lo - s.begin) * sizeof(float),
                 static_cast<size_t>(hi - lo) * sizeof(float));
     covered.push_back({lo, hi});
+    sources += (sources.empty() ? "" : ", ") + where;
   }
   std::sort(covered.begin(), covered.end());
   int64_t reached = begin;
@@ -638,7 +641,7 @@ void CheckpointStateReader::read(const std::string& name, const std::string& kin
                              "-" + std::to_string(end) + " of '" + name + "' (" + kind +
                              "); a file of the checkpoint is missing from its index");
   if (has_non_finite(dst))
-    throw std::runtime_error(ck_.dir + ": '" + name + "' (" + kind +
+    throw std::runtime_error(sources + ": '" + name + "' (" + kind +
                              ") holds NaN or Inf values; the checkpoint is damaged (or was "
                              "saved after the run diverged): resume from an earlier one");
 }
