@@ -389,6 +389,7 @@ struct CheckpointSaver::Job {
   bool done = false;
   std::string dir;    // the final folder
   std::string error;  // the writer's failure
+  double seconds = 0;  // the writer's time
   std::unique_ptr<CheckpointSnapshot> snapshot;
 };
 
@@ -413,6 +414,7 @@ void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) 
   Job* j = job.get();
   auto write = [this, j, tmp] {
     std::string error;
+    const auto start = std::chrono::steady_clock::now();
     try {
       if (o_.before_write) o_.before_write(tmp);
       write_checkpoint_part(tmp, *j->snapshot);
@@ -423,6 +425,7 @@ void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) 
     }
     std::lock_guard<std::mutex> lock(j->mu);
     j->error = error;
+    j->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     j->done = true;
   };
   job_ = std::move(job);
@@ -444,6 +447,7 @@ std::optional<std::string> CheckpointSaver::poll() {
   if (!job_ || busy()) return std::nullopt;
   if (job_->thread.joinable()) job_->thread.join();
   std::unique_ptr<Job> job = std::move(job_);
+  last_write_s_ = job->seconds;
   if (!job->error.empty())
     throw std::runtime_error("checkpoint " + job->dir + " could not be written: " + job->error);
   if (o_.async) spare_ = std::move(job->snapshot);  // its host buffers serve the next save

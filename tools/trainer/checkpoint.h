@@ -138,12 +138,15 @@ class CheckpointSaver {
   std::optional<std::string> wait();
   // The snapshot of the last completed save, for take_snapshot's `reuse` (null when busy).
   CheckpointSnapshot* reusable();
+  // Seconds the writer of the last completed save took (its files, fsyncs and rename).
+  double last_write_seconds() const { return last_write_s_; }
 
  private:
   struct Job;
   Options o_;
   std::unique_ptr<Job> job_;
   std::unique_ptr<CheckpointSnapshot> spare_;
+  double last_write_s_ = 0;
 };
 
 // A whole save on every rank, inline: snapshot, write, barrier (tests and tools).

@@ -80,17 +80,45 @@ RunCheckpoints::RunCheckpoints(Run& run) : run_(run) {
 
 RunCheckpoints::~RunCheckpoints() = default;
 
+namespace {
+
+// "1.2 GB" for the log.
+std::string gigabytes(uintmax_t bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.3g GB", static_cast<double>(bytes) / 1e9);
+  return s;
+}
+
+std::string seconds(double s) {
+  char t[32];
+  std::snprintf(t, sizeof t, "%.2f s", s);
+  return t;
+}
+
+}  // namespace
+
 void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step, RunLog& log) {
   if (!dir) return;
+  std::string line = "saved checkpoint " + *dir;
+  if (run_.main_rank()) {  // what this save cost (tools/reference/checkpoint_bench.sh reads it)
+    uintmax_t bytes = 0;
+    for (const auto& e : fs::directory_iterator(*dir))
+      if (e.is_regular_file()) bytes += e.file_size();
+    line += ": " + gigabytes(bytes) + ", snapshot " + seconds(snapshot_s_) + ", written in " +
+            seconds(saver_->last_write_seconds());
+  }
   if (run_.cfg.checkpoint.async && step > in_flight_step_)
-    log.println("saved checkpoint " + *dir + " (written in the background during steps " +
-                std::to_string(in_flight_step_ + 1) + "-" + std::to_string(step) + ")");
-  else
-    log.println("saved checkpoint " + *dir);
+    line += " (in the background during step" +
+            (step == in_flight_step_ + 1 ? " " + std::to_string(step)
+                                         : "s " + std::to_string(in_flight_step_ + 1) + "-" +
+                                               std::to_string(step)) +
+            ")";
+  log.println(line);
 }
 
 void RunCheckpoints::save(int64_t step, RunLog& log) {
   report(saver_->wait(), step, log);  // at most one save in flight
+  const auto start = std::chrono::steady_clock::now();
   const std::string tmp = checkpoint_tmp_dir(run_.output_dir(), step);
   if (run_.main_rank()) {
     fs::remove_all(tmp);
@@ -118,10 +146,11 @@ void RunCheckpoints::save(int64_t step, RunLog& log) {
   s.info.update(run_.precision->save_state(tmp, run_.dist.rank(), run_.dist.pg.get()));
   last_saved_step_ = step;
   in_flight_step_ = step;
+  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   saver_->save(run_.output_dir(), std::move(s));
   if (!run_.cfg.checkpoint.async) {
     run_.dist.barrier();  // rank 0 has renamed the folder
-    log.println("saved checkpoint " + checkpoint_final_dir(run_.output_dir(), step));
+    report(saver_->wait(), step, log);
   }
 }
 
@@ -160,6 +189,7 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
                    run.output_dir().c_str());
     return 0;
   }
+  const auto start = std::chrono::steady_clock::now();
   LoadedCheckpoint ck = load_checkpoint(*found);
   const nlohmann::json saved_batch = ck.trainer_state.value("global_batch", nlohmann::json());
   const nlohmann::json batch = global_batch(run);
@@ -182,13 +212,15 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
   DataPosition pos;
   from_json(ck.state.data_position, pos);
   run.data.train->restore(pos);
+  run.dist.barrier();  // every rank has its state
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (run.main_rank()) {
     const std::string from = ck.trainer_state.value("strategy", std::string("?")) + " x " +
                              std::to_string(ck.state.world_size);
     const std::string now = run.strategy->name() + " x " + std::to_string(run.dist.world());
-    std::fprintf(stderr, "resumed from %s at step %lld (saved by %s%s)%s\n", found->c_str(),
+    std::fprintf(stderr, "resumed from %s at step %lld (saved by %s%s) in %s%s\n", found->c_str(),
                  static_cast<long long>(ck.state.step), from.c_str(),
-                 from == now ? "" : (", resharded for " + now).c_str(),
+                 from == now ? "" : (", resharded for " + now).c_str(), seconds(took).c_str(),
                  same_batch ? ""
                             : ("; global batch changed from " + describe_batch(saved_batch) +
                                " to " + describe_batch(batch))

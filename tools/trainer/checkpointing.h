@@ -37,6 +37,7 @@ class RunCheckpoints {
   Run& run_;
   std::unique_ptr<CheckpointSaver> saver_;
   int64_t in_flight_step_ = -1;
+  double snapshot_s_ = 0;  // the step-boundary part of the save in flight
   int64_t last_saved_step_ = -1;
 };
 
