@@ -1167,6 +1167,10 @@ std::vector<Field> build_schema() {
              "Include optimizer state (needed to resume; without it, start a new run from the "
              "checkpoint with model.init_from)."));
   add(f_bool("checkpoint.at_end", ACCEL_REF(checkpoint.at_end), "Save after the last step."));
+  add(f_bool("checkpoint.async", ACCEL_REF(checkpoint.async),
+             "Copy the state to host memory at the step boundary and write it in the background "
+             "while training goes on (one save in flight; a failure stops the run at the next "
+             "step)."));
 
   // ---- logging ----
   add(f_str("logging.metrics_file", ACCEL_REF(logging.metrics_file),

@@ -157,6 +157,7 @@ struct CheckpointConfig {
   int64_t keep_last = 3;    // 0 = keep all
   bool save_optimizer = true;
   bool at_end = true;
+  bool async = false;  // write in the background while training goes on
 };
 
 struct LoggingConfig {

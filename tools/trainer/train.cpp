@@ -134,7 +134,6 @@ void print_run_line(const Run& run) {
 
 int train(Run& run, const ResumeRequest& resume) {
   const TrainingConfig& tc = run.cfg.training;
-  const CheckpointConfig& cc = run.cfg.checkpoint;
   int64_t step = resume.spec.empty() ? 0 : resume_run(run, resume);
   if (step > 0 && step >= tc.max_steps) {
     // A finished run resumed: no step to log, so no loss (never the NaN of an empty mean).
@@ -155,6 +154,7 @@ int train(Run& run, const ResumeRequest& resume) {
   note_completed_steps(step);
   install_stop_signal_handlers();
   RunLog log(run, step);
+  RunCheckpoints checkpoints(run);
 
   while (step < tc.max_steps) {
     const StepOutput out = train_step(run, step, schedule, inject, log.host_times());
@@ -165,11 +165,10 @@ int train(Run& run, const ResumeRequest& resume) {
     std::optional<double> eval_loss;
     if (tc.eval_every > 0 && step % tc.eval_every == 0) eval_loss = evaluate(run);
     log.step(step, out.loss, out.lr, out.result, eval_loss, out.tokens);
-    if (cc.every_steps > 0 && step % cc.every_steps == 0 && step < tc.max_steps)
-      save_run_checkpoint(run, step, log);
+    if (checkpoints.after_step(step, tc.max_steps, log)) return kExitPreempted;  // SIGTERM
   }
   log.end_of_steps();
-  if (cc.at_end && step > 0) save_run_checkpoint(run, step, log);
+  checkpoints.at_end(step, log);
   const double final_eval = tc.eval_every > 0 ? evaluate(run) : NAN;
   log.finish(step, final_eval, [&run] { return final_sample(run); });
   run.dist.barrier();
