@@ -275,8 +275,8 @@ TokenizedDocument DocumentBuilder::build(const nlohmann::json& line,
                                "prompt-completion); write the conversation as 'messages' with "
                                "data.format messages");
     }
-    const std::string& prompt = string_field(line, "prompt", where, fmt);
-    const std::string& completion = string_field(line, "completion", where, fmt);
+    const std::string prompt = string_field(line, "prompt", where, fmt);
+    const std::string completion = string_field(line, "completion", where, fmt);
     if (completion.empty())
       throw std::runtime_error(where + ": 'completion' is empty: nothing to train on");
     text = prompt + completion;
@@ -296,8 +296,8 @@ TokenizedDocument DocumentBuilder::build(const nlohmann::json& line,
     for (size_t i = 0; i < it->size(); ++i) {
       const nlohmann::json& m = (*it)[i];
       const std::string at = where + ": messages[" + std::to_string(i) + "]";
-      const std::string& role = string_field(m, "role", at, fmt);
-      const std::string& content = string_field(m, "content", at, fmt);
+      const std::string role = string_field(m, "role", at, fmt);
+      const std::string content = string_field(m, "content", at, fmt);
       if (role != "system" && role != "user" && role != "assistant") {
         throw std::runtime_error(at + ": role '" + text_excerpt(role, 40) +
                                  "' is not one of system, user, assistant");
