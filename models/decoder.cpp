@@ -662,7 +662,7 @@ CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t 
   }
 }
 
-Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& layout) {
+Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayout& layout) {
   const std::string where = "[" + config.model_type + "] ";
   if (ids.dim() != 2) throw std::invalid_argument(where + "ids must be [B, S], got " + ids.str());
   const int64_t past = cache ? cache->length() : 0;
@@ -671,25 +671,40 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& l
                                 " exceeds max_position_embeddings " +
                                 std::to_string(config.max_position_embeddings));
   if (cache) cache->layers.resize(model.layers.size());
-  return with_forward_hooks(*this, [&] {
-    Tensor x = model.embed_tokens.forward(ids);
-    for (size_t i = 0; i < model.layers.size(); ++i) {
-      DecoderLayer* layer = model.layers[i];
-      if (cache) {
-        x = layer->forward(x, &cache->layers[i]);
-      } else if (checkpoint_layers_) {
-        x = checkpoint(
-            [layer, layout](const std::vector<Tensor>& in) {
-              return layer->forward(in[0], nullptr, layout);
-            },
-            {x});
-      } else {
-        x = layer->forward(x, nullptr, layout);
-      }
+  Tensor x = model.embed_tokens.forward(ids);
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    DecoderLayer* layer = model.layers[i];
+    if (cache) {
+      x = layer->forward(x, &cache->layers[i]);
+    } else if (checkpoint_layers_) {
+      x = checkpoint(
+          [layer, layout](const std::vector<Tensor>& in) {
+            return layer->forward(in[0], nullptr, layout);
+          },
+          {x});
+    } else {
+      x = layer->forward(x, nullptr, layout);
     }
-    x = model.norm.forward(x);
+  }
+  return model.norm.forward(x);
+}
+
+Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& layout) {
+  return with_forward_hooks(*this, [&] {
+    Tensor x = final_hidden(ids, cache, layout);
     if (lm_head) return lm_head->forward(x);
     return linear(x, model.embed_tokens.weight.value);
+  });
+}
+
+Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout) {
+  return with_forward_hooks(*this, [&] {
+    Tensor x = final_hidden(ids, nullptr, layout);
+    if (!lm_head) return linear_cross_entropy(x, model.embed_tokens.weight.value, targets);
+    if (lm_head->linear_fn) return loss(lm_head->forward(x), targets);
+    // The head's hooks run as in Linear::forward (FSDP gathers its weight there).
+    return with_forward_hooks(
+        *lm_head, [&] { return linear_cross_entropy(x, lm_head->weight.value, targets); });
   });
 }
 

@@ -228,6 +228,11 @@ class CausalLM : public Module {
   // ids [B, S] -> logits [B, S, vocab]. With a cache (generation), ids are the positions after
   // the cached ones; the cache is sized on first use. `layout` describes packed rows (training).
   Tensor forward(const Tensor& ids, KVCache* cache = nullptr, const TokenLayout& layout = {});
+  // loss(forward(ids, nullptr, layout), targets) without the [B, S, vocab] logits: the LM head's
+  // GEMM and the cross-entropy run fused over row chunks (linear_cross_entropy), which saves two
+  // B x S x vocab tensors (4 GiB in bf16 at 8k tokens and a 128k vocabulary). A head whose linear
+  // layer was converted (linear_fn, e.g. fp8) keeps its own GEMM and the plain loss.
+  Tensor forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout = {});
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
   static Tensor loss(const Tensor& logits, const Tensor& targets);
@@ -239,6 +244,8 @@ class CausalLM : public Module {
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
 
  private:
+  // The final norm's output [B, S, hidden] (forward without the LM head).
+  Tensor final_hidden(const Tensor& ids, KVCache* cache, const TokenLayout& layout);
   bool checkpoint_layers_ = false;
 };
 

@@ -231,6 +231,11 @@ void FsdpStrategy::load_state(const std::vector<std::pair<std::string, Tensor>>&
   precompute_fp8_scales();
 }
 
+void FsdpStrategy::import_param_state(const ParamStateReader& read, int64_t optimizer_steps) {
+  FlatDataParallel::import_param_state(read, optimizer_steps);
+  precompute_fp8_scales();
+}
+
 WorkPtr FsdpStrategy::start_group_gather(int g) {
   if (!fp8_ || fp8_->ag->num_fp8_weights(g) == 0 || !fp8_->autocast_on()) {
     if (fp8_) fp8_->fp8_mode[g] = 0;

@@ -92,6 +92,7 @@ class FsdpStrategy : public FlatDataParallel, public Fp8WeightGathering {
   void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
                   const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                   int64_t optimizer_steps) override;
+  void import_param_state(const ParamStateReader& read, int64_t optimizer_steps) override;
 
   // Traffic per unit since setup (or reset_group_comm()), units in forward order, the root unit
   // last: what each unit's all-gathers and reduce-scatters moved (bytes as ProcessGroup::stats()

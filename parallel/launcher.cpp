@@ -193,9 +193,10 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
   std::vector<bool> alive(nprocs, false);
   int num_alive = 0;
   bool stopping = false;
-  int failed_rank = -1, failed_status = 0, got_signal = 0;
+  int failed_rank = -1, failed_status = 0, got_signal = 0, preempted = 0;
   std::vector<int> stalled;  // alive when the follower wait ran out
   Clock::time_point kill_at{};
+  std::chrono::milliseconds kill_wait = options.grace;  // from stopping to SIGKILL
   pid_t first_exit_pid = 0;
   Clock::time_point follower_deadline{};
 
@@ -257,6 +258,7 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
       alive[r] = false;
       --num_alive;
       bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == kExitPreempted) ++preempted;
       if (ok || got_signal != 0) continue;
       bool follower = is_follower(status);
       bool stopped_by_us = stopping && WIFSIGNALED(status) &&
@@ -298,7 +300,7 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
     if (num_alive == 0) break;
     if (stopping && Clock::now() >= kill_at) {
       std::fprintf(stderr, "%s: ranks still running %lld ms after SIGTERM; sending SIGKILL\n",
-                   prog.c_str(), static_cast<long long>(options.grace.count()));
+                   prog.c_str(), static_cast<long long>(kill_wait.count()));
       signal_all(SIGKILL);
       kill_at = Clock::now() + std::chrono::hours(24);
     }
@@ -319,19 +321,21 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
                      prog.c_str());
         signal_all(SIGKILL);  // a second Ctrl-C: no more waiting
       } else {
+        // SIGTERM from outside (preemption): the ranks write a checkpoint before they stop.
+        if (!stopping && sig == SIGTERM) kill_wait = options.preempt_grace;
         if (!got_signal)
           std::fprintf(stderr,
                        "%s: local launcher: got %s; forwarding it to the %d running rank%s "
                        "(SIGKILL after %lld ms%s)\n",
                        prog.c_str(), sigabbrev(sig), num_alive, num_alive == 1 ? "" : "s",
-                       static_cast<long long>(options.grace.count()),
+                       static_cast<long long>(kill_wait.count()),
                        sig == SIGINT ? " or a second Ctrl-C" : "");
         signal_all(sig);
       }
       if (!got_signal) got_signal = sig;
       if (!stopping) {
         stopping = true;
-        kill_at = Clock::now() + options.grace;
+        kill_at = Clock::now() + kill_wait;
       }
     }
   }
@@ -352,6 +356,7 @@ int run_local_ranks(int nprocs, int argc, char** argv, const LocalLaunchOptions&
   if (got_signal) {
     std::fprintf(stderr, "%s: local launcher: every rank has stopped after %s\n", prog.c_str(),
                  sigabbrev(got_signal));
+    if (got_signal == SIGTERM && preempted == nprocs) return kExitPreempted;  // all checkpointed
     return 128 + got_signal;
   }
   return 0;

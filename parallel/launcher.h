@@ -11,6 +11,9 @@ namespace accel {
 // a peer closed its connection, a collective timed out). The launcher then keeps looking for the
 // rank whose own failure came first, since exits race: a follower can be reaped before its cause.
 constexpr int kExitAfterPeerFailure = 75;
+// A rank stopped by SIGTERM after it wrote a checkpoint of its last step exits with this code
+// (tools/trainer/checkpointing.h); the launcher exits with it too when every rank did.
+constexpr int kExitPreempted = 3;
 
 struct LocalLaunchOptions {
   std::string master_addr = "127.0.0.1";  // where rank 0 will serve the store
@@ -18,6 +21,9 @@ struct LocalLaunchOptions {
   std::string port_source;                // the setting master_port came from, for messages
   // After a rank fails or a signal arrives the others get SIGTERM, then SIGKILL after this long.
   std::chrono::milliseconds grace{std::chrono::seconds(10)};
+  // After a SIGTERM from outside (preemption) the ranks finish their step and write a checkpoint
+  // first: SIGKILL only after this long (or at a second signal).
+  std::chrono::milliseconds preempt_grace{std::chrono::minutes(10)};
   std::string executable = "/proc/self/exe";  // what each rank runs (with this process's argv)
 };
 

@@ -14,6 +14,17 @@ namespace accel {
 nlohmann::json Strategy::checkpoint_manifest() const { return nullptr; }
 nlohmann::json Strategy::run_report() const { return nullptr; }
 
+namespace {
+[[noreturn]] void no_param_state(const std::string& strategy) {
+  throw std::logic_error("strategy " + strategy +
+                         " does not export layout-independent state for checkpoints");
+}
+}  // namespace
+
+std::vector<ParamStateSlice> Strategy::param_state_slices() { no_param_state(name()); }
+std::vector<std::string> Strategy::state_kinds() const { no_param_state(name()); }
+void Strategy::import_param_state(const ParamStateReader&, int64_t) { no_param_state(name()); }
+
 std::unique_ptr<Strategy> make_strategy(const Config& cfg, std::shared_ptr<ProcessGroup> pg,
                                         DType compute_dtype) {
   const DistributedType type = cfg.distributed_type;

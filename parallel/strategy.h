@@ -7,6 +7,7 @@
 // that the model's Parameter slots then hold.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -26,6 +27,26 @@ struct StepResult {
   // their norm overflowed.
   std::string first_non_finite;
 };
+
+// One parameter's training state as this rank holds it, independent of the strategy's flat
+// layout: elements [begin, end) of the flattened parameter (row-major, full shape `shape`).
+// Checkpoints store these (tools/trainer/checkpoint.h), so any strategy at any world size can
+// read what any other wrote.
+struct ParamStateSlice {
+  std::string name;  // Hugging Face parameter name
+  Shape shape;       // the whole parameter's
+  int64_t begin = 0, end = 0;
+  // By state kind ("master": the fp32 master weights, then the optimizer's moments under their
+  // suffixes, e.g. "exp_avg", "exp_avg_sq" or "momentum_buffer"): fp32 [end - begin] views of
+  // the live state (copy them before training goes on).
+  std::vector<std::pair<std::string, Tensor>> tensors;
+};
+
+// Fills `dst` (fp32, contiguous, on the CPU) with elements [begin, begin + dst.numel()) of state
+// `kind` of parameter `name`; throws when the checkpoint cannot.
+using ParamStateReader =
+    std::function<void(const std::string& name, const std::string& kind, int64_t begin,
+                       const Tensor& dst)>;
 
 class Strategy {
  public:
@@ -54,6 +75,16 @@ class Strategy {
   virtual void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
                           const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                           int64_t optimizer_steps) = 0;
+  // Layout-independent state (ParamStateSlice) for checkpoints. param_state_slices: this rank's
+  // slices in model order, every parameter whole where the state is replicated (then every rank
+  // returns the same and one rank's copy is enough). state_kinds: "master" then the optimizer's
+  // moment suffixes. import_param_state: every rank reads the elements it holds through `read`
+  // (padding becomes zeros), sets the step count and refreshes the compute weights. The defaults
+  // throw: a strategy without them cannot checkpoint this way.
+  virtual std::vector<ParamStateSlice> param_state_slices();
+  virtual bool state_is_replicated() const { return true; }
+  virtual std::vector<std::string> state_kinds() const;
+  virtual void import_param_state(const ParamStateReader& read, int64_t optimizer_steps);
   // What a checkpoint needs to interpret optimizer_state() of every rank (TrainerState.extra):
   // strategy, world size, shard layout. Null when the state is keyed by parameter names.
   virtual nlohmann::json checkpoint_manifest() const;

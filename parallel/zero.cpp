@@ -621,4 +621,87 @@ nlohmann::json FlatDataParallel::checkpoint_manifest() const {
           {"groups", groups}};
 }
 
+
+FlatDataParallel::HeldRange FlatDataParallel::held_range(size_t index) const {
+  const SlotRef& r = model_slots_.at(index);
+  const Group& g = groups_[r.group];
+  const FlatLayout& l = g.flat->layout();
+  HeldRange h;
+  h.slot = &l.slots[r.slot];
+  h.master = &g.master;
+  if (options_.zero_stage == 0) {  // whole parameters; the optimizer keys them by name
+    h.size = h.slot->numel;
+    h.at = h.slot->offset;
+    h.state_prefix = h.slot->name + ".";
+    return h;
+  }
+  const int rank = comm_.rank();
+  const FlatLayout::Range owned = l.owned(r.slot, rank);
+  h.begin = owned.begin;
+  h.size = owned.size();
+  h.at = h.size > 0 ? l.shard_offset(r.slot, rank) : 0;
+  h.state_prefix = g.flat->name() + ".";
+  return h;
+}
+
+std::vector<std::string> FlatDataParallel::state_kinds() const {
+  // The optimizer lists its tensors per parameter, the same suffixes for each.
+  const std::vector<std::pair<std::string, Tensor>> st = optimizer_->state_tensors();
+  const std::vector<std::string>& names = optimizer_->names();
+  std::vector<std::string> kinds = {"master"};
+  if (names.empty()) return kinds;
+  const size_t per = st.size() / names.size();
+  for (size_t i = 0; i < per; ++i) kinds.push_back(st[i].first.substr(names[0].size() + 1));
+  return kinds;
+}
+
+std::vector<ParamStateSlice> FlatDataParallel::param_state_slices() {
+  std::map<std::string, Tensor> state;
+  for (const auto& [key, t] : optimizer_->state_tensors()) state[key] = t;
+  const std::vector<std::string> kinds = state_kinds();
+  std::vector<ParamStateSlice> out;
+  for (size_t i = 0; i < model_slots_.size(); ++i) {
+    const HeldRange h = held_range(i);
+    if (h.size == 0) continue;  // this rank holds none of it (a small parameter, many ranks)
+    ParamStateSlice p;
+    p.name = h.slot->name;
+    p.shape = h.slot->shape;
+    p.begin = h.begin;
+    p.end = h.begin + h.size;
+    p.tensors.push_back({"master", flat_view(*h.master, h.at, {h.size})});
+    const int64_t at = options_.zero_stage == 0 ? 0 : h.at;  // stage 0: the parameter's own
+    for (size_t k = 1; k < kinds.size(); ++k)
+      p.tensors.push_back(
+          {kinds[k], flat_view(state.at(h.state_prefix + kinds[k]), at, {h.size})});
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+void FlatDataParallel::import_param_state(const ParamStateReader& read, int64_t optimizer_steps) {
+  NoGradGuard no_grad;
+  const std::vector<std::pair<std::string, Tensor>> live = optimizer_->state_tensors();
+  std::map<std::string, Tensor> state(live.begin(), live.end());
+  const std::vector<std::string> kinds = state_kinds();
+  // Shard padding (and whatever a parameter's range leaves out) holds zeros, as after setup.
+  if (options_.zero_stage > 0) {
+    for (Group& g : groups_) g.master.zero_();
+    for (const auto& [key, t] : live) t.zero_();
+  }
+  for (size_t i = 0; i < model_slots_.size(); ++i) {
+    const HeldRange h = held_range(i);
+    if (h.size == 0) continue;
+    Tensor buf = Tensor::empty({h.size}, DType::F32, Device::cpu(), MemCategory::Other);
+    read(h.slot->name, "master", h.begin, buf);
+    flat_view(*h.master, h.at, {h.size}).copy_(buf);
+    const int64_t at = options_.zero_stage == 0 ? 0 : h.at;
+    for (size_t k = 1; k < kinds.size(); ++k) {
+      read(h.slot->name, kinds[k], h.begin, buf);
+      flat_view(state.at(h.state_prefix + kinds[k]), at, {h.size}).copy_(buf);
+    }
+  }
+  optimizer_->load_state(live, optimizer_steps);  // the step count (the tensors are in place)
+  refresh_compute(/*after_update=*/false);
+}
+
 }  // namespace accel

@@ -86,6 +86,12 @@ class FlatDataParallel : public Strategy {
                   const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                   int64_t optimizer_steps) override;
   nlohmann::json checkpoint_manifest() const override;
+  // Stage 0 (DDP, single): every parameter whole, replicated. Stages 1-3: the range of each
+  // parameter this rank's shard owns (FlatLayout::owned), views into the shard buffers.
+  std::vector<ParamStateSlice> param_state_slices() override;
+  bool state_is_replicated() const override { return options_.zero_stage == 0; }
+  std::vector<std::string> state_kinds() const override;
+  void import_param_state(const ParamStateReader& read, int64_t optimizer_steps) override;
   bool forward_is_collective() const override { return options_.zero_stage == 3; }
 
   // The fp32 master weights, gathered (every rank calls this; for tests and tools).
@@ -159,6 +165,15 @@ class FlatDataParallel : public Strategy {
   // The first parameter (model order) whose gradient holds NaN or Inf on any rank; collective.
   std::string first_non_finite_param(const std::vector<Tensor>& grads);
   int unit_of_group(int g) const;
+  // The [begin, begin + size) elements of model parameter `index` this rank holds, and where
+  // they start inside its master tensor and each optimizer state tensor (`state_key`'s prefix).
+  struct HeldRange {
+    const FlatSlot* slot = nullptr;
+    int64_t begin = 0, size = 0, at = 0;
+    const Tensor* master = nullptr;
+    std::string state_prefix;  // "<param>." (stage 0) or "group<i>." (stages 1-3)
+  };
+  HeldRange held_range(size_t index) const;
 
   Comm comm_;
   DataParallelOptions options_;

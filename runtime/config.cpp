@@ -1066,7 +1066,11 @@ std::vector<Field> build_schema() {
     add(f);
   }
   add(f_int("training.max_steps", ACCEL_REF(training.max_steps), 0, kMax,
-            "Optimizer steps to run."));
+            "Optimizer steps to run (wins over training.num_epochs when both are given)."));
+  add(f_double("training.num_epochs", ACCEL_REF(training.num_epochs), 0,
+               std::numeric_limits<double>::infinity(), false,
+               "Epochs over the training data instead of max_steps (0 = off): the run takes "
+               "ceil(num_epochs x batches per epoch / gradient_accumulation_steps) steps."));
   add(f_int("training.micro_batch_size", ACCEL_REF(training.micro_batch_size), 1, kMax,
             "Sequences per micro-batch per process."));
   add(f_int("training.seq_len", ACCEL_REF(training.seq_len), 1, kMax, "Tokens per sequence."));
@@ -1120,7 +1124,29 @@ std::vector<Field> build_schema() {
   // ---- data ----
   add(f_enum("data.source", ACCEL_REF(data.source),
              "text: tokenize data.text_files at start; shards: pre-tokenized token shards "
-             "(accel-data); synthetic: random tokens (benchmarks)."));
+             "(accel-data); synthetic: random tokens (benchmarks); jsonl: tokenize "
+             "data.jsonl_files at start (text, prompt/completion or chat samples)."));
+  add(f_list("data.jsonl_files", ACCEL_REF(data.jsonl_files),
+             "source jsonl: JSONL files or glob patterns, plain, .gz or .zst (one JSON object "
+             "per line)."));
+  add(f_enum("data.format", ACCEL_REF(data.format),
+             "JSONL sample format; auto: from the first line (messages, prompt + completion, or "
+             "data.text_field), printed at start."));
+  add(f_str("data.text_field", ACCEL_REF(data.text_field), "format text: the field to train on."));
+  add(f_enum("data.chat_template", ACCEL_REF(data.chat_template),
+             "format messages: the chat template; auto: the one of the tokenizer_config.json "
+             "beside data.tokenizer (refused by name when it is not one of the others)."));
+  add(f_bool("data.packing", ACCEL_REF(data.packing),
+             "Documents (JSONL, document shards): pack several into each seq_len row, attention "
+             "kept within each; false: one per row, padded."));
+  add(f_bool("data.reset_position_ids", ACCEL_REF(data.reset_position_ids),
+             "Packing: positions restart at 0 in each document."));
+  add(f_int("data.pad_to_multiple_of", ACCEL_REF(data.pad_to_multiple_of), 0, kMax,
+            "Without packing: pad rows to the longest in the batch rounded up to a multiple of "
+            "this (0 = the longest; at most seq_len)."));
+  add(f_enum("data.overlong", ACCEL_REF(data.overlong),
+             "A document longer than training.seq_len: cut to seq_len, left out, or an error "
+             "naming its file and line (counts are printed and written to metrics.jsonl)."));
   add(f_list("data.text_files", ACCEL_REF(data.text_files),
              "source text: UTF-8 text files (paths relative to the working directory)."));
   add(f_str("data.train_path", ACCEL_REF(data.train_path), "source shards: training shards."));
@@ -1141,6 +1167,10 @@ std::vector<Field> build_schema() {
              "Include optimizer state (needed to resume; without it, start a new run from the "
              "checkpoint with model.init_from)."));
   add(f_bool("checkpoint.at_end", ACCEL_REF(checkpoint.at_end), "Save after the last step."));
+  add(f_bool("checkpoint.async", ACCEL_REF(checkpoint.async),
+             "Copy the state to host memory at the step boundary and write it in the background "
+             "while training goes on (one save in flight; a failure stops the run at the next "
+             "step)."));
 
   // ---- logging ----
   add(f_str("logging.metrics_file", ACCEL_REF(logging.metrics_file),
@@ -1202,10 +1232,8 @@ const std::vector<Synonym>& key_synonyms() {
   static const std::vector<Synonym> s = {
       {"learning_rate", "optimizer.lr", "Trainer's learning_rate"},
       {"lr", "optimizer.lr", "the peak learning rate"},
-      {"num_train_epochs", "",
-       "epochs are not supported yet: a run is counted in optimizer steps, set training.max_steps"},
-      {"num_epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
-      {"epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
+      {"num_train_epochs", "training.num_epochs", "Trainer's num_train_epochs"},
+      {"epochs", "training.num_epochs", "epochs over the training data"},
       {"report_to", "logging.tensorboard",
        "TensorBoard files are written to training.output_dir/tb (on by default); metrics also go "
        "to metrics.jsonl (logging.metrics_file)"},
@@ -1810,6 +1838,37 @@ void collect_notices(Config& c) {
                         ")");
   }
   auto given = [&](const std::string& p) { return c.origins.count(p) > 0; };
+  if (c.training.num_epochs > 0 && given("training.max_steps"))
+    c.notices.push_back("key training.num_epochs=" + fmt_double(c.training.num_epochs) +
+                        " has no effect: training.max_steps (" + origin(c, "training.max_steps") +
+                        ") is given too and wins (" + std::to_string(c.training.max_steps) +
+                        " steps)");
+  if (c.data.source == DataSource::Text || c.data.source == DataSource::Synthetic) {
+    for (const char* k :
+         {"data.jsonl_files", "data.format", "data.text_field", "data.chat_template",
+          "data.packing", "data.reset_position_ids", "data.pad_to_multiple_of", "data.overlong"})
+      if (given(k))
+        c.notices.push_back(std::string("key ") + k + " has no effect with data.source " +
+                            name_of(c.data.source) + " (it applies to JSONL documents)");
+  } else {
+    if (!c.data.packing && given("data.reset_position_ids"))
+      c.notices.push_back(
+          "key data.reset_position_ids has no effect because data.packing is false");
+    if (c.data.packing && given("data.pad_to_multiple_of"))
+      c.notices.push_back(
+          "key data.pad_to_multiple_of has no effect because data.packing is true (packed rows "
+          "are seq_len long)");
+    if (c.data.source == DataSource::Shards && given("data.jsonl_files"))
+      c.notices.push_back("key data.jsonl_files has no effect with data.source shards");
+    if (c.data.format != DataFormat::Auto && c.data.format != DataFormat::Messages &&
+        given("data.chat_template"))
+      c.notices.push_back(std::string("key data.chat_template has no effect with data.format ") +
+                          name_of(c.data.format));
+    if (c.data.format != DataFormat::Auto && c.data.format != DataFormat::Text &&
+        given("data.text_field"))
+      c.notices.push_back(std::string("key data.text_field has no effect with data.format ") +
+                          name_of(c.data.format));
+  }
   if (c.fp8.present && c.mixed_precision != MixedPrecision::Fp8)
     c.notices.push_back("fp8_config (" + first_key_under(c, "fp8_config.") +
                         ") has no effect because mixed_precision is " + name_of(c.mixed_precision));
@@ -2064,6 +2123,10 @@ void validate_config(const Config& c) {
         "distributed.backend nccl needs GPU tensors but training.device "
         "is cpu (" +
             origin(c, "training.device") + "): use backend cpu or auto");
+  if (c.data.source == DataSource::Jsonl && c.data.jsonl_files.empty())
+    err("data.source",
+        "data.source is jsonl but data.jsonl_files is empty: list the JSONL files (or glob "
+        "patterns)");
   if (c.data.source == DataSource::Shards && c.data.train_path.empty())
     err("data.source",
         "data.source is shards but data.train_path is empty: give the training "

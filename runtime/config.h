@@ -35,8 +35,11 @@ enum class NanPolicy { Stop, Skip };
 enum class ProgressMode { Auto, Bar, Plain, None };
 enum class OptimizerName { AdamW, Sgd };
 enum class LrScheduleKind { Constant, Linear, Cosine };
-enum class DataSource { Text, Shards, Synthetic };
-enum class CommBackend { Auto, Nccl, Cpu };  // distributed.backend
+enum class DataSource { Text, Shards, Synthetic, Jsonl };
+enum class DataFormat { Auto, Text, PromptCompletion, Messages };        // data.format
+enum class ChatTemplateChoice { Llama3, Chatml, Qwen3, Mistral, Auto };  // data.chat_template
+enum class OverlongPolicy { Truncate, Drop, Error };                     // data.overlong
+enum class CommBackend { Auto, Nccl, Cpu };                              // distributed.backend
 enum class FsdpWrapPolicy { TransformerBased, SizeBased, NoWrap };
 enum class FsdpStateDictType { Sharded, Full };
 enum class OffloadDevice { None, Cpu, Nvme };
@@ -58,7 +61,10 @@ ACCEL_ENUM_NAMES(NanPolicy, "stop", "skip");
 ACCEL_ENUM_NAMES(ProgressMode, "auto", "bar", "plain", "none");
 ACCEL_ENUM_NAMES(OptimizerName, "adamw", "sgd");
 ACCEL_ENUM_NAMES(LrScheduleKind, "constant", "linear", "cosine");
-ACCEL_ENUM_NAMES(DataSource, "text", "shards", "synthetic");
+ACCEL_ENUM_NAMES(DataSource, "text", "shards", "synthetic", "jsonl");
+ACCEL_ENUM_NAMES(DataFormat, "auto", "text", "prompt_completion", "messages");
+ACCEL_ENUM_NAMES(ChatTemplateChoice, "llama3", "chatml", "qwen3", "mistral", "auto");
+ACCEL_ENUM_NAMES(OverlongPolicy, "truncate", "drop", "error");
 ACCEL_ENUM_NAMES(CommBackend, "auto", "nccl", "cpu");
 ACCEL_ENUM_NAMES(FsdpWrapPolicy, "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP");
 ACCEL_ENUM_NAMES(FsdpStateDictType, "SHARDED_STATE_DICT", "FULL_STATE_DICT");
@@ -106,6 +112,8 @@ struct TrainingConfig {
   int64_t max_steps = 100, micro_batch_size = 8, seq_len = 128, eval_every = 0 /* 0 = off */,
           eval_batches = 4, log_every = 1, sample_tokens = 0;
   std::string sample_prompt;
+  // Epochs over the training data instead of max_steps (0 = off); a max_steps given too wins.
+  double num_epochs = 0;
   DeviceChoice device = DeviceChoice::Auto;
   bool allow_tf32 = false;
   bool activation_checkpointing = false;
@@ -132,6 +140,16 @@ struct DataConfig {
   std::string tokenizer = "byte";  // "byte" or a path to a tokenizer.json
   double eval_fraction = 0.05;
   bool shuffle = true;
+  // source jsonl (docs/data.md): files or patterns, .jsonl / .jsonl.gz / .jsonl.zst.
+  std::vector<std::string> jsonl_files;
+  DataFormat format = DataFormat::Auto;
+  std::string text_field = "text";
+  ChatTemplateChoice chat_template = ChatTemplateChoice::Auto;
+  // Documents (JSONL, or document shards): packed into seq_len rows, or one per row padded.
+  bool packing = true;
+  bool reset_position_ids = true;  // packing: positions restart at 0 in each document
+  int64_t pad_to_multiple_of = 0;  // no packing: rows padded to the longest (0) or a multiple
+  OverlongPolicy overlong = OverlongPolicy::Truncate;
 };
 
 struct CheckpointConfig {
@@ -139,6 +157,7 @@ struct CheckpointConfig {
   int64_t keep_last = 3;    // 0 = keep all
   bool save_optimizer = true;
   bool at_end = true;
+  bool async = false;  // write in the background while training goes on
 };
 
 struct LoggingConfig {

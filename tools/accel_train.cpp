@@ -1,5 +1,6 @@
 // accel-train --config FILE [--training-args FILE.json] [--set KEY=VALUE ...] [--output-dir DIR]
-//             [--resume auto|PATH] [--move-newer-checkpoints-aside] [--print-config] [-v]
+//             [--resume auto|PATH] [--move-newer-checkpoints-aside]
+//             [--resume-allow-batch-change] [--print-config] [-v]
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
@@ -20,6 +21,10 @@ int main(int argc, char** argv) {
   app.add_flag("--move-newer-checkpoints-aside", o.move_newer_checkpoints_aside,
                "with --resume from an older step: rename the newer checkpoints to "
                "step_N.superseded instead of refusing")
+      ->needs(resume);
+  app.add_flag("--resume-allow-batch-change", o.resume_allow_batch_change,
+               "resume with a global batch (micro_batch_size x gradient_accumulation_steps x "
+               "num_processes) other than the checkpoint's instead of refusing")
       ->needs(resume);
   app.add_flag("--print-config", o.print_config, "print the effective config and exit");
   app.add_flag("--verbose,-v", o.verbose,

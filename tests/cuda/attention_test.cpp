@@ -433,8 +433,10 @@ TEST(CudaAttentionOps, DocumentsEqualEachAlone) {
         Tensor alone = attention(doc[0], doc[1], doc[2]);
         alone.backward(part(go));
         // Against each tensor's scale over all documents (a 1-position document's gradients
-        // are zero alone, rounding noise when packed).
-        const double r = t == DType::F32 ? 1e-4 : 3e-2;
+        // are zero alone, rounding noise when packed). 16-bit: under "auto" the documents alone
+        // run on cuDNN and the packed row on ours, so both sides carry rounding (twice the
+        // one-sided bound of ForwardAndBackwardMatchCpu); crossing a boundary is an O(1) change.
+        const double r = t == DType::F32 ? 1e-4 : 6e-2;
         auto same = [&](const Tensor& packed_part, const Tensor& whole, const Tensor& alone_x,
                         const char* what) {
           expect_close(packed_part.to(Device::cpu()), alone_x.to(Device::cpu()), r,

@@ -327,8 +327,7 @@ void checkpoint_case(const std::string& type, int world) {
         st.world_size = world;
         st.extra = t.strategy->checkpoint_manifest();
         CheckpointWriter writer{rank, world, [&] { w.pg->barrier()->wait(); }};
-        save_checkpoint(dir.string(), st, t.strategy->full_state_dict(), t.model->config,
-                        t.strategy->optimizer_state(), "", writer, 0);
+        save_checkpoint(dir.string(), st, *t.strategy, t.model->config, "", writer, 0);
         for (auto& [n, v] : full_weights(*t.strategy)) at5.push_back({n, v.clone()});
       }
     }
@@ -339,8 +338,8 @@ void checkpoint_case(const std::string& type, int world) {
     RANK_CHECK(fs::exists(ck_dir / ("optimizer.rank" + std::to_string(rank) + ".safetensors")),
                "no shard file for rank %d", rank);
     if (!has_model && rank == 0) {
-      // accel-checkpoint consolidate rebuilds the full weights from the dim-0 shards through the
-      // manifest's layout ("layout": "dim0"), bit for bit.
+      // accel-checkpoint consolidate rebuilds the full weights from the master slices the dim-0
+      // shards held (the strategy's manifest says "layout": "dim0"), bit for bit.
       RANK_CHECK(st_layout(ck_dir) == "dim0", "the manifest's groups are not dim-0 laid out");
       const fs::path out = dir / "consolidated";
       const std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-checkpoint consolidate " +
@@ -363,8 +362,8 @@ void checkpoint_case(const std::string& type, int world) {
       RANK_CHECK(diff.empty(), "exported weights differ: %s", diff.c_str());
     }
     Trainee r = make_fsdp_trainee(s, c, w.pg, 1000 + rank);
-    LoadedCheckpoint ck = load_checkpoint(ck_dir.string(), rank, world);
-    r.strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
+    LoadedCheckpoint ck = load_checkpoint(ck_dir.string());
+    restore_strategy_state(ck, *r.strategy);
     for (int step = 5; step < s.steps; ++step) {
       double l = train_step(s, r, step, rank, w.pg.get());
       RANK_CHECK(l == losses[step], "resumed step %d: loss %.17g, uninterrupted %.17g", step + 1, l,

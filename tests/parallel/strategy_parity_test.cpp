@@ -79,8 +79,7 @@ TEST_P(StrategyParity, MatchesSingleProcessAndResumes) {
         st.world_size = c.world;
         st.extra = t.strategy->checkpoint_manifest();
         CheckpointWriter writer{rank, c.world, [&] { w.pg->barrier()->wait(); }};
-        save_checkpoint(dir.string(), st, t.strategy->full_state_dict(), t.model->config,
-                        t.strategy->optimizer_state(), "", writer, 0);
+        save_checkpoint(dir.string(), st, *t.strategy, t.model->config, "", writer, 0);
       }
     }
     Weights final_weights = full_weights(*t.strategy);
@@ -89,8 +88,8 @@ TEST_P(StrategyParity, MatchesSingleProcessAndResumes) {
 
     // Resume from step 5 into a model initialized differently.
     Trainee r = make_trainee(s, w.pg, 1000 + rank);
-    LoadedCheckpoint ck = load_checkpoint((dir / "checkpoints" / "step_5").string(), rank, c.world);
-    r.strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
+    LoadedCheckpoint ck = load_checkpoint((dir / "checkpoints" / "step_5").string());
+    restore_strategy_state(ck, *r.strategy);
     for (int step = 5; step < s.steps; ++step) {
       double l = train_step(s, r, step, rank, w.pg.get());
       RANK_CHECK(l == losses[step], "resumed step %d: loss %.17g, uninterrupted %.17g", step + 1, l,

@@ -155,16 +155,14 @@ TEST(SingleProcess, ResumesCheckpointsOfTheOldLayoutExactly) {
           st.world_size = 1;
           st.extra = w.strategy->checkpoint_manifest();
           CheckpointWriter writer{0, 1, nullptr};
-          save_checkpoint(dir.string(), st, w.strategy->full_state_dict(), w.model->config,
-                          w.strategy->optimizer_state(), "", writer, 0);
+          save_checkpoint(dir.string(), st, *w.strategy, w.model->config, "", writer, 0);
         }
       }
       Trainee r = make_trainee(reader_spec, nullptr, 1000);
       const std::string ckpt = (dir / "checkpoints" / "step_5").string();
-      LoadedCheckpoint ck = load_checkpoint(ckpt, 0, 1);
+      LoadedCheckpoint ck = load_checkpoint(ckpt);
       EXPECT_TRUE(ck.state.extra.is_null());
-      check_same_shard_layout(ckpt, ck.state.extra, r.strategy->checkpoint_manifest());
-      r.strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
+      restore_strategy_state(ck, *r.strategy);
       for (int step = 5; step < reader_spec.steps; ++step)
         EXPECT_EQ(train_step(reader_spec, r, step, 0, nullptr), losses[step])
             << dtype_name(compute) << (from_reference ? " reference -> single" : " single -> ref")

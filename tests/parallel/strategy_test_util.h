@@ -107,6 +107,47 @@ class ReferenceStrategy : public Strategy {
     }
     optimizer_->load_state(optimizer_state, optimizer_steps);
   }
+  // Layout-independent state (checkpoints): every parameter whole.
+  std::vector<std::string> state_kinds() const override {
+    std::vector<std::string> kinds = {"master"};
+    const auto st = optimizer_->state_tensors();
+    const size_t per = st.size() / params_.size();
+    for (size_t k = 0; k < per; ++k) kinds.push_back(st[k].first.substr(params_[0]->name.size() + 1));
+    return kinds;
+  }
+  std::vector<ParamStateSlice> param_state_slices() override {
+    std::map<std::string, Tensor> st;
+    for (const auto& [key, t] : optimizer_->state_tensors()) st[key] = t;
+    const std::vector<std::string> kinds = state_kinds();
+    std::vector<ParamStateSlice> out;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int64_t n = master_[i].numel();
+      ParamStateSlice p{params_[i]->name, master_[i].shape(), 0, n, {}};
+      p.tensors.push_back({"master", flat_view(master_[i], 0, {n})});
+      for (size_t k = 1; k < kinds.size(); ++k)
+        p.tensors.push_back({kinds[k], flat_view(st.at(p.name + "." + kinds[k]), 0, {n})});
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+  void import_param_state(const ParamStateReader& read, int64_t optimizer_steps) override {
+    NoGradGuard no_grad;
+    std::vector<std::pair<std::string, Tensor>> state;
+    for (const auto& [key, t] : optimizer_->state_tensors())
+      state.push_back({key, Tensor::empty(t.shape(), DType::F32)});
+    std::map<std::string, Tensor> by_key(state.begin(), state.end());
+    const std::vector<std::string> kinds = state_kinds();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int64_t n = master_[i].numel();
+      Tensor buf = Tensor::empty({n}, DType::F32);
+      read(params_[i]->name, "master", 0, buf);
+      flat_view(master_[i], 0, {n}).copy_(buf);
+      if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
+      for (size_t k = 1; k < kinds.size(); ++k)
+        read(params_[i]->name, kinds[k], 0, flat_view(by_key.at(params_[i]->name + "." + kinds[k]), 0, {n}));
+    }
+    optimizer_->load_state(state, optimizer_steps);
+  }
 
  private:
   DType compute_dtype_;

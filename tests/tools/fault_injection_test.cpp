@@ -309,11 +309,12 @@ TEST(FaultInjection, HungRankIsCaughtByTheCollectiveTimeout) {
   fs::remove_all(d);
 }
 
-std::string single_config(int64_t max_steps, int64_t every) {
+std::string single_config(int64_t max_steps, int64_t every,
+                          const std::string& checkpoint = "keep_last: 0") {
   return "training: {seed: 7, max_steps: " + std::to_string(max_steps) +
          ", micro_batch_size: 4, seq_len: 16, log_every: 1, progress: plain, device: cpu}\n"
          "checkpoint: {every_steps: " +
-         std::to_string(every) + ", keep_last: 0}\n";
+         std::to_string(every) + ", " + checkpoint + "}\n";
 }
 
 // SIGKILL at a random moment of a run that checkpoints every step (half the trials aim at the
@@ -370,14 +371,10 @@ void kill_during_save_then_resume(const std::string& name, const std::string& co
     auto found = accel::find_checkpoint(out.string(), "auto");
     int64_t newest = 0;
     if (found) {
-      for (int r = 0; r < world; ++r) {
-        accel::LoadedCheckpoint ck = accel::load_checkpoint(*found, r, world);  // throws if torn
-        newest = ck.state.step;
-        EXPECT_FALSE(ck.optimizer_state.empty()) << "rank " << r;
-        if (world == 1) {
-          EXPECT_FALSE(ck.weights.empty());
-        }
-      }
+      accel::LoadedCheckpoint ck = accel::load_checkpoint(*found);  // throws if torn
+      newest = ck.state.step;
+      EXPECT_FALSE(ck.params.empty());
+      EXPECT_EQ(accel::verify_checkpoint(*found), std::vector<std::string>{}) << *found;
       // No complete checkpoint newer than the one picked.
       for (const auto& e : fs::directory_iterator(out / "checkpoints")) {
         std::string n = e.path().filename().string();
@@ -416,6 +413,14 @@ TEST(FaultInjection, KillDuringCheckpointSaveThenResumeReproducesTheRun) {
   kill_during_save_then_resume("ckpt", single_config(8, 1), 1, 8, trials(3));
 }
 
+// checkpoint.async: the writer runs in the background while the next steps train, so a kill
+// lands anywhere in a save (20 trials, as issue 24 asks); keep_last 2 prunes behind it. The
+// newest complete checkpoint must load, verify and resume exactly.
+TEST(FaultInjection, KillDuringAsyncSaveThenResumeReproducesTheRun) {
+  kill_during_save_then_resume("async", single_config(8, 1, "keep_last: 2, async: true"), 1, 8,
+                               trials(20));
+}
+
 // Three ranks under ZeRO-2: each rank writes its own optimizer shard, so a checkpoint is complete
 // only when all three are; a rank killed mid-save must leave the previous one whole.
 TEST(FaultInjection, KillOneRankDuringShardedSaveThenResumeReproducesTheRun) {
@@ -451,7 +456,8 @@ TEST(FaultInjection, FullDiskWhileSavingKeepsThePreviousCheckpoint) {
     auto found = accel::find_checkpoint((mnt / "out").string(), "auto");
     if (found) {
       try {
-        accel::load_checkpoint(*found, 0, 1);
+        accel::load_checkpoint(*found);
+        if (!accel::verify_checkpoint(*found).empty()) throw std::runtime_error("damaged");
         complete.push_back(*found);
       } catch (const std::exception& e) {
         error = e.what();

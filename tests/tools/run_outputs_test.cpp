@@ -63,20 +63,21 @@ TEST(RunOutputs, UnwritableConfigYamlFailsTheRunNamingTheFile) {
       << r.output;
 }
 
-TEST(RunOutputs, SigtermPrintsTheStepAndExitsWith143) {
+// SIGINT stops at once (SIGTERM saves first: ReshardResume.SigtermWritesACheckpoint...).
+TEST(RunOutputs, SigintPrintsTheStepAndExitsWith130) {
   const fs::path d = accel::tool_test::fresh_test_dir("accel_run_outputs");
   write_config(d, kTinyConfig);
   const fs::path metrics = d / "out" / "metrics.jsonl";
-  // Start a long run, wait for its first metrics line, then SIGTERM it.
+  // Start a long run, wait for its first metrics line, then SIGINT it.
   const std::string cmd = "sh -c '" + std::string(ACCEL_BIN_DIR) + "/accel-train " + train_args(d) +
                           " --set training.max_steps=100000 & pid=$!; "
                           "for i in $(seq 600); do [ -s " +
                           metrics.string() +
-                          " ] && break; sleep 0.1; done; kill -TERM $pid; wait $pid; "
+                          " ] && break; sleep 0.1; done; kill -INT $pid; wait $pid; "
                           "echo exit=$?'";
   Result r = run_command(cmd);
-  EXPECT_NE(r.output.find("exit=143"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("accel-train: stopped by SIGTERM after step "), std::string::npos)
+  EXPECT_NE(r.output.find("exit=130"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("accel-train: stopped by SIGINT after step "), std::string::npos)
       << r.output;
 }
 

@@ -1,16 +1,22 @@
 #include "tools/trainer/checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <map>
+#include <mutex>
 #include <regex>
-#include <set>
 #include <stdexcept>
+#include <thread>
 
-#include "parallel/strategy.h"
 #include "runtime/json.h"
 #include "runtime/safetensors.h"
 
@@ -18,9 +24,11 @@ namespace accel {
 namespace fs = std::filesystem;
 
 namespace {
-std::string optimizer_file(int rank) {
+std::string state_file_of(int rank) {
   return "optimizer.rank" + std::to_string(rank) + ".safetensors";
 }
+std::string part_file_of(int rank) { return "part.rank" + std::to_string(rank) + ".json"; }
+std::string failed_file_of(int rank) { return "part.rank" + std::to_string(rank) + ".failed"; }
 
 // The largest step a checkpoint may claim: far beyond any run, small enough that no step
 // arithmetic (step + 1, counts of tokens) can overflow.
@@ -81,90 +89,443 @@ int64_t state_int(const nlohmann::json& j, const char* key, int64_t lo, int64_t 
   return v.get<int64_t>();
 }
 
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream out(p);
-  out << text;
-  if (!out.flush()) throw std::runtime_error(p.string() + ": write failed (disk full?)");
+std::string errno_text() { return std::strerror(errno); }
+
+// Writes `text` to `p` and fsyncs it: a checkpoint's files are on disk before it is renamed.
+void write_synced(const fs::path& p, const std::string& text) {
+  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error(p.string() + ": cannot create: " + errno_text());
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0) {
+      const std::string why = errno_text();
+      ::close(fd);
+      throw std::runtime_error(p.string() + ": write failed: " + why);
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  const std::string why = errno_text();
+  ::close(fd);
+  if (!synced) throw std::runtime_error(p.string() + ": fsync failed: " + why);
+}
+
+void fsync_dir(const fs::path& d) {
+  const int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// A written file becomes visible under `to` at once (rename over a temporary name).
+void write_synced_atomic(const fs::path& to, const std::string& text) {
+  const fs::path tmp = to.string() + ".tmp";
+  write_synced(tmp, text);
+  fs::rename(tmp, to);
+}
+
+// 64-bit checksum over a byte stream: four independent lanes over 8-byte words (so that it runs
+// near memory speed), each word mixed by xor, an odd multiply and a shift; the tail bytes and the
+// length close it. Catches flipped, zeroed or truncated data; not meant against forgery.
+class Checksum {
+ public:
+  void update(const uint8_t* p, size_t n) {
+    while (n > 0) {
+      if (pending_ == 0 && n >= 32) {
+        const size_t blocks = n / 32;
+        for (size_t b = 0; b < blocks; ++b, p += 32)
+          for (int l = 0; l < 4; ++l) {
+            uint64_t w;
+            std::memcpy(&w, p + 8 * l, 8);
+            lane_[l] = mix(lane_[l], w);
+          }
+        total_ += blocks * 32;
+        n -= blocks * 32;
+        continue;
+      }
+      const size_t take = std::min(n, 32 - pending_);
+      std::memcpy(buf_ + pending_, p, take);
+      pending_ += take;
+      p += take;
+      n -= take;
+      if (pending_ == 32) {
+        pending_ = 0;
+        update(buf_, 32);
+      }
+    }
+  }
+  std::string hex() const {
+    uint64_t h = static_cast<uint64_t>(total_ + pending_) * 0x9E3779B97F4A7C15ull;
+    for (int l = 0; l < 4; ++l) h = mix(h, lane_[l] + static_cast<uint64_t>(l));
+    for (size_t i = 0; i < pending_; ++i) h = mix(h, buf_[i] + (static_cast<uint64_t>(i) << 8));
+    h = mix(h, h >> 29);
+    char s[17];
+    std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(h));
+    return s;
+  }
+
+ private:
+  static uint64_t mix(uint64_t h, uint64_t w) {
+    h ^= w;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 32;
+    return h;
+  }
+  uint64_t lane_[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
+                       0x082EFA98EC4E6C89ull};
+  uint8_t buf_[32] = {};
+  size_t pending_ = 0;
+  uint64_t total_ = 0;
+};
+
+// A host copy of `t` (reusing `into` when it has the same shape and dtype).
+Tensor host_copy(const Tensor& t, Tensor into) {
+  if (!into.defined() || into.shape() != t.shape() || into.dtype() != t.dtype())
+    into = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::Other);
+  into.copy_(t);
+  return into;
+}
+
+nlohmann::json file_entry(const fs::path& p) {
+  return {{"bytes", fs::file_size(p)}, {"checksum", checksum_file(p.string())}};
 }
 }  // namespace
 
+std::string checksum_bytes(const void* data, size_t n) {
+  Checksum c;
+  c.update(static_cast<const uint8_t*>(data), n);
+  return c.hex();
+}
+
+std::string checksum_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(path + ": cannot open for its checksum");
+  Checksum c;
+  std::vector<char> buf(1 << 20);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    c.update(reinterpret_cast<const uint8_t*>(buf.data()), static_cast<size_t>(in.gcount()));
+  }
+  return c.hex();
+}
+
+std::string checkpoint_tmp_dir(const std::string& output_dir, int64_t step) {
+  return (fs::path(output_dir) / "checkpoints" / ("step_" + std::to_string(step) + ".tmp"))
+      .string();
+}
+std::string checkpoint_final_dir(const std::string& output_dir, int64_t step) {
+  return (fs::path(output_dir) / "checkpoints" / ("step_" + std::to_string(step))).string();
+}
+
+CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size,
+                                 bool save_optimizer, CheckpointSnapshot* reuse) {
+  CheckpointSnapshot s;
+  s.rank = rank;
+  s.world_size = world_size;
+  s.save_optimizer = save_optimizer;
+  std::map<std::string, Tensor> old;  // reuse's buffers by "<param>/<kind>" and weight name
+  if (reuse) {
+    for (auto& [name, t] : reuse->full_weights) old[name] = t;
+    for (ParamStateSlice& p : reuse->slices)
+      for (auto& [kind, t] : p.tensors) old[p.name + "/" + kind] = t;
+  }
+  auto take = [&old](const std::string& key, const Tensor& t) {
+    auto it = old.find(key);
+    return host_copy(t, it == old.end() ? Tensor() : it->second);
+  };
+  std::vector<std::pair<std::string, Tensor>> weights = strategy.full_state_dict();  // collective
+  s.masters_in_model = !weights.empty();
+  for (const auto& [name, t] : weights) s.masters_in_model &= t.dtype() == DType::F32;
+  if (rank == 0)
+    for (const auto& [name, t] : weights) s.full_weights.push_back({name, take(name, t)});
+  weights.clear();
+  if (!save_optimizer) return s;
+  s.kinds = strategy.state_kinds();
+  if (strategy.state_is_replicated() && rank != 0) return s;  // rank 0 writes the one copy
+  for (ParamStateSlice& p : strategy.param_state_slices()) {
+    ParamStateSlice h;
+    h.name = p.name;
+    h.shape = p.shape;
+    h.begin = p.begin;
+    h.end = p.end;
+    for (const auto& [kind, t] : p.tensors) {
+      if (kind == "master" && s.masters_in_model) continue;  // model.safetensors holds them
+      h.tensors.push_back({kind, take(p.name + "/" + kind, t)});
+    }
+    s.slices.push_back(std::move(h));
+  }
+  return s;
+}
+
+void write_checkpoint_part(const std::string& tmp_dir, const CheckpointSnapshot& s) {
+  const fs::path tmp(tmp_dir);
+  try {
+    nlohmann::json params = nlohmann::json::object();
+    nlohmann::json files = nlohmann::json::object();
+    auto add_slice = [&params](const std::string& name, const Shape& shape, nlohmann::json slice) {
+      nlohmann::json& p = params[name];
+      p["shape"] = shape;
+      p["slices"].push_back(std::move(slice));
+    };
+    if (!s.slices.empty()) {
+      std::vector<std::pair<std::string, Tensor>> tensors;
+      const std::string file = state_file_of(s.rank);
+      for (const ParamStateSlice& p : s.slices) {
+        nlohmann::json keys = nlohmann::json::object();
+        for (const auto& [kind, t] : p.tensors) {
+          const std::string key = p.name + "." + kind;
+          keys[kind] = {key, checksum_bytes(t.data_ptr(), t.nbytes())};
+          tensors.push_back({key, t});
+        }
+        add_slice(p.name, p.shape, {{"file", file}, {"begin", p.begin}, {"end", p.end},
+                                    {"keys", keys}});
+      }
+      save_safetensors((tmp / file).string(), tensors,
+                       {{"format", "accel-train-state"}, {"rank", std::to_string(s.rank)}});
+      files[file] = file_entry(tmp / file);
+    }
+    if (s.rank == 0 && s.model_files) {
+      if (!s.full_weights.empty()) {
+        save_safetensors((tmp / "model.safetensors").string(), s.full_weights, {{"format", "pt"}});
+        files["model.safetensors"] = file_entry(tmp / "model.safetensors");
+        if (s.masters_in_model && s.save_optimizer)
+          for (const auto& [name, t] : s.full_weights)
+            add_slice(name, t.shape(),
+                      {{"file", "model.safetensors"},
+                       {"begin", 0},
+                       {"end", t.numel()},
+                       {"keys", {{"master", {name, checksum_bytes(t.data_ptr(), t.nbytes())}}}}});
+      }
+      write_hf_model_config(s.model_config, (tmp / "config.json").string());
+      write_synced(tmp / "config.yaml", s.config_yaml);
+    }
+    write_synced_atomic(tmp / part_file_of(s.rank),
+                        nlohmann::json{{"rank", s.rank}, {"params", params}, {"files", files}}
+                            .dump());
+  } catch (const std::exception& e) {
+    std::ofstream(tmp / failed_file_of(s.rank)) << e.what();
+    throw;
+  }
+}
+
+std::string finish_checkpoint(const std::string& tmp_dir, const std::string& final_dir,
+                              const CheckpointSnapshot& s, int64_t keep_last, double timeout_s) {
+  const fs::path tmp(tmp_dir), final_path(final_dir);
+  nlohmann::json params = nlohmann::json::object(), files = nlohmann::json::object();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  for (int r = 0; r < s.world_size; ++r) {
+    const fs::path part = tmp / part_file_of(r);
+    while (!fs::exists(part)) {
+      if (fs::exists(tmp / failed_file_of(r))) {
+        std::ifstream in(tmp / failed_file_of(r));
+        const std::string why((std::istreambuf_iterator<char>(in)), {});
+        throw std::runtime_error("rank " + std::to_string(r) + "'s checkpoint writer failed: " +
+                                 why);
+      }
+      if (std::chrono::steady_clock::now() > deadline)
+        throw std::runtime_error(tmp.string() + ": rank " + std::to_string(r) +
+                                 " wrote no part within " + std::to_string(timeout_s) +
+                                 " s (distributed.timeout_s); the checkpoint stays incomplete");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const nlohmann::json j = read_json_file(part.string());
+    for (const auto& [name, p] : j.at("params").items()) {
+      nlohmann::json& into = params[name];
+      into["shape"] = p.at("shape");
+      for (const nlohmann::json& slice : p.at("slices")) into["slices"].push_back(slice);
+    }
+    files.update(j.at("files"));
+    fs::remove(part);
+  }
+  // The files other parts of the run wrote (fp8 state, tokenizer, generation config).
+  for (const auto& e : fs::directory_iterator(tmp)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_regular_file() && !files.contains(n) && n != "trainer_state.json")
+      files[n] = file_entry(e.path());
+  }
+  nlohmann::json j = {{"format", "accel-train checkpoint"},
+                      {"format_version", kCheckpointFormatVersion},
+                      {"step", s.state.step},
+                      {"optimizer_steps", s.state.optimizer_steps},
+                      {"seed", s.state.seed},
+                      {"world_size", s.world_size},
+                      {"data_position", s.state.data_position},
+                      {"loss_scale", s.state.loss_scale},
+                      {"extra", s.state.extra},
+                      {"optimizer_saved", s.save_optimizer}};
+  j.update(s.info);
+  if (s.save_optimizer) j["state"] = {{"dtype", "F32"}, {"kinds", s.kinds}, {"params", params}};
+  j["files"] = files;
+  write_synced(tmp / "trainer_state.json", j.dump(1) + "\n");
+  fsync_dir(tmp);
+  // The step's folder may exist (the same step saved again): it goes only once the new one is in
+  // place.
+  const fs::path replaced = final_path.string() + ".replaced";
+  if (fs::exists(final_path)) {
+    fs::remove_all(replaced);
+    fs::rename(final_path, replaced);
+  }
+  fs::rename(tmp, final_path);
+  fs::remove_all(replaced);
+  fsync_dir(final_path.parent_path());
+  if (keep_last > 0) {
+    // The oldest beyond keep_last go, counting the new one; the new one always stays, even
+    // where newer steps exist (a resume from an older step that moved none of them aside).
+    std::vector<std::pair<int64_t, fs::path>> others;
+    for (auto& c : complete_checkpoints(final_path.parent_path(), /*strict=*/false))
+      if (c.second.filename() != final_path.filename()) others.push_back(c);
+    for (size_t i = 0; i + keep_last < others.size() + 1; ++i) fs::remove_all(others[i].second);
+  }
+  return final_path.string();
+}
+
+// ---- the saver ---------------------------------------------------------------------------
+
+struct CheckpointSaver::Job {
+  std::thread thread;
+  std::mutex mu;
+  bool done = false;
+  std::string dir;    // the final folder
+  std::string error;  // the writer's failure
+  double seconds = 0;  // the writer's time
+  std::unique_ptr<CheckpointSnapshot> snapshot;
+};
+
+CheckpointSaver::CheckpointSaver(Options o) : o_(std::move(o)) {}
+
+CheckpointSaver::~CheckpointSaver() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "accel-train: %s\n", e.what());
+  }
+}
+
+void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) {
+  if (busy()) wait();  // at most one in flight
+  else poll();
+  auto job = std::make_unique<Job>();
+  job->snapshot = std::make_unique<CheckpointSnapshot>(std::move(s));
+  const int64_t step = job->snapshot->state.step;
+  const std::string tmp = checkpoint_tmp_dir(output_dir, step);
+  job->dir = checkpoint_final_dir(output_dir, step);
+  Job* j = job.get();
+  auto write = [this, j, tmp] {
+    std::string error;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      if (o_.before_write) o_.before_write(tmp);
+      write_checkpoint_part(tmp, *j->snapshot);
+      if (j->snapshot->rank == 0)
+        finish_checkpoint(tmp, j->dir, *j->snapshot, o_.keep_last, o_.timeout_s);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(j->mu);
+    j->error = error;
+    j->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    j->done = true;
+  };
+  job_ = std::move(job);
+  if (o_.async) {
+    job_->thread = std::thread(write);
+  } else {
+    write();
+    wait();
+  }
+}
+
+bool CheckpointSaver::busy() const {
+  if (!job_) return false;
+  std::lock_guard<std::mutex> lock(job_->mu);
+  return !job_->done;
+}
+
+std::optional<std::string> CheckpointSaver::poll() {
+  if (!job_ || busy()) return std::nullopt;
+  if (job_->thread.joinable()) job_->thread.join();
+  std::unique_ptr<Job> job = std::move(job_);
+  last_write_s_ = job->seconds;
+  if (!job->error.empty())
+    throw std::runtime_error("checkpoint " + job->dir + " could not be written: " + job->error);
+  if (o_.async) spare_ = std::move(job->snapshot);  // its host buffers serve the next save
+  return job->dir;
+}
+
+std::optional<std::string> CheckpointSaver::wait() {
+  if (job_ && job_->thread.joinable()) job_->thread.join();
+  return poll();
+}
+
+CheckpointSnapshot* CheckpointSaver::reusable() { return busy() ? nullptr : spare_.get(); }
+
 std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
-                            const std::vector<std::pair<std::string, Tensor>>& full_weights,
-                            const DecoderConfig& model_config,
-                            const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                            Strategy& strategy, const DecoderConfig& model_config,
                             const std::string& config_yaml, const CheckpointWriter& w,
                             int64_t keep_last) {
-  fs::path root = fs::path(output_dir) / "checkpoints";
-  fs::path final_dir = root / ("step_" + std::to_string(state.step));
-  fs::path tmp = root / ("step_" + std::to_string(state.step) + ".tmp");
+  const std::string tmp = checkpoint_tmp_dir(output_dir, state.step);
   if (w.rank == 0) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
   }
   if (w.barrier) w.barrier();
-  if (!w.save_optimizer && w.rank == 0 && full_weights.empty())
-    throw std::logic_error(
-        "checkpoint.save_optimizer is false, but this strategy keeps the weights only in its "
-        "optimizer shards: the checkpoint would hold no weights (the config check should have "
-        "refused this)");
-  if (w.save_optimizer)
-    save_safetensors((tmp / optimizer_file(w.rank)).string(), optimizer_state,
-                     {{"format", "accel-optimizer"}, {"rank", std::to_string(w.rank)}});
-  if (w.rank == 0) {
-    // A strategy that keeps weights only in its shards (ZeRO-3) hands none over; the folder
-    // then holds no model.safetensors (accel-checkpoint consolidate writes one).
-    if (!full_weights.empty())
-      save_safetensors((tmp / "model.safetensors").string(), full_weights, {{"format", "pt"}});
-    write_hf_model_config(model_config, (tmp / "config.json").string());
-    write_text(tmp / "config.yaml", config_yaml);
+  CheckpointSnapshot s = take_snapshot(strategy, w.rank, w.world_size, w.save_optimizer, nullptr);
+  s.state = state;
+  s.model_config = model_config;
+  s.config_yaml = config_yaml;
+  s.info = w.info;
+  if (w.save_extra) {
+    const nlohmann::json extra = w.save_extra(tmp);
+    if (extra.is_object()) s.info.update(extra);
   }
-  const nlohmann::json extra_files = w.save_extra ? w.save_extra(tmp.string()) : nlohmann::json();
+  CheckpointSaver::Options o;
+  o.keep_last = keep_last;
+  CheckpointSaver saver(o);
+  saver.save(output_dir, std::move(s));
   if (w.barrier) w.barrier();
-  if (w.rank == 0) {
-    nlohmann::json j = {{"step", state.step},
-                        {"optimizer_steps", state.optimizer_steps},
-                        {"seed", state.seed},
-                        {"world_size", w.world_size},
-                        {"data_position", state.data_position},
-                        {"loss_scale", state.loss_scale},
-                        {"extra", state.extra}};
-    std::vector<std::string> files;
-    for (int r = 0; r < w.world_size && w.save_optimizer; ++r) files.push_back(optimizer_file(r));
-    j["optimizer_files"] = files;
-    j["optimizer_saved"] = w.save_optimizer;
-    if (extra_files.is_object()) j.update(extra_files);
-    write_text(tmp / "trainer_state.json", j.dump(1) + "\n");
-    fs::remove_all(final_dir);
-    fs::rename(tmp, final_dir);
-    if (keep_last > 0) {
-      // The oldest beyond keep_last go, counting the new one; the new one always stays, even
-      // where newer steps exist (a resume from an older step that moved none of them aside).
-      std::vector<std::pair<int64_t, fs::path>> others;
-      for (auto& c : complete_checkpoints(root, /*strict=*/false))
-        if (c.second.filename() != final_dir.filename()) others.push_back(c);
-      for (size_t i = 0; i + keep_last < others.size() + 1; ++i) fs::remove_all(others[i].second);
+  return checkpoint_final_dir(output_dir, state.step);
+}
+
+// ---- reading ------------------------------------------------------------------------------
+
+namespace {
+// A file name inside the checkpoint folder, as the index gives it: no folders, no way out.
+std::string plain_file_name(const nlohmann::json& v, const std::string& where) {
+  const std::string n = v.get<std::string>();
+  if (n.empty() || n.find('/') != std::string::npos || n == "." || n == "..")
+    throw std::runtime_error(where + ": file name " + short_json(v) +
+                             " is not a plain name inside the checkpoint folder");
+  return n;
+}
+
+void parse_index(const nlohmann::json& state, const std::string& where, LoadedCheckpoint& c) {
+  c.kinds = state.at("kinds").get<std::vector<std::string>>();
+  for (const auto& [name, p] : state.at("params").items()) {
+    CheckpointParam cp;
+    cp.shape = p.at("shape").get<Shape>();
+    int64_t numel = 1;
+    for (int64_t d : cp.shape) {
+      if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d))
+        throw std::runtime_error(where + ": parameter '" + name + "' has a bad shape");
+      numel *= d;
     }
+    for (const nlohmann::json& s : p.at("slices")) {
+      CheckpointSlice cs;
+      cs.file = plain_file_name(s.at("file"), where);
+      cs.begin = state_int(s, "begin", 0, numel, where);
+      cs.end = state_int(s, "end", cs.begin + 1, numel, where);
+      for (const auto& [kind, k] : s.at("keys").items())
+        cs.keys[kind] = {k.at(0).get<std::string>(), k.at(1).get<std::string>()};
+      cp.slices.push_back(std::move(cs));
+    }
+    c.params[name] = std::move(cp);
   }
-  if (w.barrier) w.barrier();
-  return final_dir.string();
 }
+}  // namespace
 
-std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec) {
-  if (spec == "auto") {
-    auto all = complete_checkpoints(fs::path(output_dir) / "checkpoints", /*strict=*/true);
-    if (all.empty()) return std::nullopt;
-    return all.back().second.string();
-  }
-  if (!fs::is_directory(spec))
-    throw std::runtime_error("--resume " + spec + ": no such checkpoint folder");
-  if (!fs::exists(fs::path(spec) / "trainer_state.json"))
-    throw std::runtime_error("--resume " + spec +
-                             ": not a complete checkpoint (no trainer_state.json); it may be a "
-                             "save that was interrupted");
-  return spec;
-}
-
-LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size) {
+LoadedCheckpoint load_checkpoint(const std::string& dir) {
   LoadedCheckpoint c;
   c.dir = dir;
   const std::string state_file = (fs::path(dir) / "trainer_state.json").string();
@@ -172,6 +533,19 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
   bool optimizer_saved = true;
   try {
     j = read_json_file(state_file);
+    if (!j.contains("format_version"))
+      throw std::runtime_error(
+          dir + ": checkpoint format version 1 (an accel-train from before checkpoints were "
+                "stored per parameter range); this accel-train reads format version " +
+          std::to_string(kCheckpointFormatVersion) +
+          ". Resume it with the accel-train that wrote it, or run `accel-checkpoint consolidate` "
+          "on it and start a new run with model.init_from pointing at the result (weights only)");
+    const int64_t version = state_int(j, "format_version", 1, 1000, state_file);
+    if (version != kCheckpointFormatVersion)
+      throw std::runtime_error(dir + ": checkpoint format version " + std::to_string(version) +
+                               "; this accel-train reads format version " +
+                               std::to_string(kCheckpointFormatVersion) +
+                               " (resume it with the accel-train that wrote it)");
     c.state.step = state_int(j, "step", 0, kMaxStep, state_file);
     c.state.optimizer_steps = state_int(j, "optimizer_steps", 0, c.state.step, state_file);
     if (!j.at("seed").is_number_unsigned())
@@ -184,6 +558,7 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
     c.state.loss_scale = j.value("loss_scale", 1.0);
     c.state.extra = j.value("extra", nlohmann::json::object());
     optimizer_saved = j.value("optimizer_saved", true);
+    if (optimizer_saved) parse_index(j.at("state"), state_file, c);
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(dir + "/trainer_state.json: unreadable (" + e.what() + ")");
   }
@@ -202,24 +577,95 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_siz
         "state, and a resumed run could not continue the same trajectory. Start a new run from "
         "it with model.init_from: " +
         dir + " (the optimizer, the learning-rate schedule and the data order start afresh)");
-  if (c.state.world_size != world_size)
-    throw std::runtime_error(dir + ": saved with " + std::to_string(c.state.world_size) +
-                             " processes, resuming with " + std::to_string(world_size) +
-                             "; resume with the same num_processes, or start a new run with "
-                             "model.init_from pointing at this folder (weights only; for a "
-                             "sharded checkpoint without model.safetensors run `accel-checkpoint "
-                             "consolidate` first)");
-  const fs::path model_file = fs::path(dir) / "model.safetensors";
-  if (fs::exists(model_file) || c.state.extra.is_null() || !c.state.extra.value("sharded", false)) {
-    SafetensorsReader model(model_file.string());
-    for (const std::string& n : model.names()) c.weights.push_back({n, model.load(n)});
-  }
-  c.optimizer_file = (fs::path(dir) / optimizer_file(rank)).string();
-  SafetensorsReader opt(c.optimizer_file);
-  for (const std::string& n : opt.names())
-    c.optimizer_state.push_back({n, opt.load(n, MemCategory::OptimizerState)});
   c.trainer_state = j;
   return c;
+}
+
+CheckpointStateReader::CheckpointStateReader(const LoadedCheckpoint& ck) : ck_(ck) {}
+CheckpointStateReader::~CheckpointStateReader() = default;
+
+const SafetensorsReader& CheckpointStateReader::file(const std::string& name) {
+  auto it = files_.find(name);
+  if (it != files_.end()) return *it->second;
+  const fs::path p = fs::path(ck_.dir) / name;
+  if (!fs::exists(p))
+    throw std::runtime_error(p.string() +
+                             ": missing; the checkpoint's index lists slices in it (copy it back "
+                             "from where the checkpoint came from)");
+  auto r = std::make_unique<SafetensorsReader>(p.string());
+  return *files_.emplace(name, std::move(r)).first->second;
+}
+
+void CheckpointStateReader::read(const std::string& name, const std::string& kind, int64_t begin,
+                                 const Tensor& dst) {
+  const int64_t n = dst.numel(), end = begin + n;
+  auto it = ck_.params.find(name);
+  if (it == ck_.params.end())
+    throw std::runtime_error(ck_.dir + ": the checkpoint holds no state for parameter '" + name +
+                             "'");
+  float* out = dst.data<float>();
+  std::vector<std::pair<int64_t, int64_t>> covered;
+  std::string sources;  // the files read, for messages
+  for (const CheckpointSlice& s : it->second.slices) {
+    auto key = s.keys.find(kind);
+    if (key == s.keys.end() || s.end <= begin || s.begin >= end) continue;
+    const SafetensorsReader& f = file(s.file);
+    const std::string where = (fs::path(ck_.dir) / s.file).string();
+    const std::string& tensor = key->second.first;
+    if (!f.contains(tensor))
+      throw std::runtime_error(where + ": no tensor '" + tensor +
+                               "', which the checkpoint's index lists; the file was replaced");
+    const SafetensorsTensorInfo& info = f.info(tensor);
+    if (info.dtype_name != "F32" ||
+        info.nbytes() != static_cast<uint64_t>(s.end - s.begin) * sizeof(float))
+      throw std::runtime_error(where + ": tensor '" + tensor + "' has dtype " + info.dtype_name +
+                               " (" + std::to_string(info.nbytes()) +
+                               " bytes), the index says F32 [" + std::to_string(s.end - s.begin) +
+                               "]; the file was replaced or altered");
+    const uint8_t* raw = f.raw_data(tensor);
+    if (verified_.insert({s.file, tensor}).second &&
+        checksum_bytes(raw, info.nbytes()) != key->second.second)
+      throw std::runtime_error(
+          where + ": tensor '" + tensor + "' (elements " + std::to_string(s.begin) + "-" +
+          std::to_string(s.end) + " of " + name +
+          ") does not match the checksum recorded at save; the file is damaged. Restore it "
+          "from a copy or resume from another checkpoint (accel-checkpoint verify checks all)");
+    const int64_t lo = std::max(begin, s.begin), hi = std::min(end, s.end);
+    std::memcpy(out + (lo - begin), raw + (lo - s.begin) * sizeof(float),
+                static_cast<size_t>(hi - lo) * sizeof(float));
+    covered.push_back({lo, hi});
+    sources += (sources.empty() ? "" : ", ") + where;
+  }
+  std::sort(covered.begin(), covered.end());
+  int64_t reached = begin;
+  for (const auto& [lo, hi] : covered)
+    if (lo <= reached) reached = std::max(reached, hi);
+  if (reached < end)
+    throw std::runtime_error(ck_.dir + ": no slice holds elements " + std::to_string(reached) +
+                             "-" + std::to_string(end) + " of '" + name + "' (" + kind +
+                             "); a file of the checkpoint is missing from its index");
+  if (has_non_finite(dst))
+    throw std::runtime_error(sources + ": '" + name + "' (" + kind +
+                             ") holds NaN or Inf values; the checkpoint is damaged (or was "
+                             "saved after the run diverged): resume from an earlier one");
+}
+
+int64_t CheckpointStateReader::verify_all() {
+  int64_t n = 0;
+  for (const auto& [name, p] : ck_.params)
+    for (const std::string& kind : ck_.kinds) {
+      const int64_t numel = shape_numel(p.shape);
+      Tensor t = Tensor::empty({numel}, DType::F32, Device::cpu(), MemCategory::Other);
+      read(name, kind, 0, t);
+      ++n;
+    }
+  return n;
+}
+
+std::vector<std::string> CheckpointStateReader::files_opened() const {
+  std::vector<std::string> out;
+  for (const auto& [name, f] : files_) out.push_back(name);
+  return out;
 }
 
 void check_checkpoint_matches_run(const LoadedCheckpoint& ck, Module& model, Strategy& strategy) {
@@ -228,63 +674,79 @@ void check_checkpoint_matches_run(const LoadedCheckpoint& ck, Module& model, Str
       "config.yaml and config.json hold them). Resume with those settings, or start a new run "
       "with model.init_from pointing at a model folder";
   std::map<std::string, OfferedWeight> offered;
-  const nlohmann::json& manifest = ck.state.extra;
-  if (!ck.weights.empty()) {
-    const std::string file = (fs::path(ck.dir) / "model.safetensors").string();
-    for (const auto& [name, t] : ck.weights)
-      offered[name] = {file, safetensors_dtype_name(t.dtype()), t.shape()};
-  } else {
-    // Only shards were saved: the manifest names every parameter and its shape.
-    const std::string file = (fs::path(ck.dir) / "trainer_state.json").string() + " (\"extra\")";
-    try {
-      for (const nlohmann::json& g : manifest.at("groups"))
-        for (const nlohmann::json& p : g.at("params"))
-          offered[p.at("name").get<std::string>()] = {file, "F32", p.at("shape").get<Shape>()};
-    } catch (const nlohmann::json::exception& e) {
-      throw std::runtime_error(file + ": malformed shard manifest (" + e.what() + ")");
-    }
-  }
+  const std::string file = (fs::path(ck.dir) / "trainer_state.json").string() + " (\"state\")";
+  for (const auto& [name, p] : ck.params) offered[name] = {file, "F32", p.shape};
   check_offered_weights(model, offered, ck.dir, advice, /*allow_tied_lm_head=*/false);
-  check_same_shard_layout(ck.dir, manifest, strategy.checkpoint_manifest());
-
-  std::map<std::string, const Tensor*> saved;
-  for (const auto& [name, t] : ck.optimizer_state) saved[name] = &t;
-  const std::string& file = ck.optimizer_file;
-  std::set<std::string> expected;
-  for (const auto& [name, t] : strategy.optimizer_state()) {
-    expected.insert(name);
-    auto it = saved.find(name);
-    if (it == saved.end())
-      throw std::runtime_error(file + ": no optimizer state tensor '" + name +
-                               "', which this run's optimizer and strategy hold; " + advice);
-    const Tensor& s = *it->second;
-    if (s.shape() != t.shape())
-      throw std::runtime_error(file + ": optimizer state tensor '" + name + "' has shape " +
-                               shape_str(s.shape()) + ", this run holds " + shape_str(t.shape()) +
-                               "; " + advice);
-    if (s.dtype() != t.dtype())
-      throw std::runtime_error(file + ": optimizer state tensor '" + name + "' has dtype " +
-                               safetensors_dtype_name(s.dtype()) + ", this run holds it in " +
-                               safetensors_dtype_name(t.dtype()) +
-                               " (not converted); the file was not written by this optimizer, or "
-                               "it was altered");
-  }
-  for (const auto& [name, t] : saved)
-    if (!expected.count(name))
-      throw std::runtime_error(file + ": optimizer state tensor '" + name +
-                               "' belongs to nothing in this run (another optimizer or "
-                               "model?); " +
-                               advice);
-  // Only now are the dtypes known to be floating point.
-  auto check_finite = [](const std::string& where, const std::string& name, const Tensor& t) {
-    if (has_non_finite(t))
-      throw std::runtime_error(where + ": tensor '" + name +
-                               "' holds NaN or Inf values; the checkpoint is damaged (or was "
-                               "saved after the run diverged): resume from an earlier one");
+  const std::vector<std::string> kinds = strategy.state_kinds();
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const std::string& k : v) s += (s.empty() ? "" : ", ") + k;
+    return s;
   };
-  for (const auto& [name, t] : ck.weights)
-    check_finite((fs::path(ck.dir) / "model.safetensors").string(), name, t);
-  for (const auto& [name, t] : ck.optimizer_state) check_finite(file, name, t);
+  if (std::set<std::string>(kinds.begin(), kinds.end()) !=
+      std::set<std::string>(ck.kinds.begin(), ck.kinds.end()))
+    throw std::runtime_error(ck.dir + ": the checkpoint holds the state " + list(ck.kinds) +
+                             ", this run's optimizer keeps " + list(kinds) +
+                             " (another optimizer.name?); resume with the optimizer it was "
+                             "saved with, or start a new run with model.init_from");
+  for (const auto& [name, p] : ck.params)
+    for (const std::string& kind : ck.kinds) {
+      bool any = false;
+      for (const CheckpointSlice& s : p.slices) any |= s.keys.count(kind) > 0;
+      if (!any)
+        throw std::runtime_error(file + ": no slice holds '" + name + "' (" + kind +
+                                 "); the index is incomplete: resume from another checkpoint");
+    }
+}
+
+void restore_strategy_state(const LoadedCheckpoint& ck, Strategy& strategy) {
+  CheckpointStateReader reader(ck);
+  strategy.import_param_state(
+      [&reader](const std::string& name, const std::string& kind, int64_t begin,
+                const Tensor& dst) { reader.read(name, kind, begin, dst); },
+      ck.state.optimizer_steps);
+}
+
+std::vector<std::string> verify_checkpoint(const std::string& dir) {
+  std::vector<std::string> problems;
+  const fs::path d(dir);
+  nlohmann::json j = read_json_file((d / "trainer_state.json").string());
+  if (!j.contains("files"))
+    return {(d / "trainer_state.json").string() +
+            ": no \"files\" (checkpoint format version 1 recorded no checksums)"};
+  for (const auto& [name, e] : j.at("files").items()) {
+    const fs::path p = d / plain_file_name(name, (d / "trainer_state.json").string());
+    if (!fs::exists(p)) {
+      problems.push_back(p.string() + ": missing");
+      continue;
+    }
+    const uint64_t bytes = e.at("bytes").get<uint64_t>();
+    if (fs::file_size(p) != bytes) {
+      problems.push_back(p.string() + ": " + std::to_string(fs::file_size(p)) +
+                         " bytes, recorded at save: " + std::to_string(bytes));
+      continue;
+    }
+    const std::string sum = checksum_file(p.string());
+    if (sum != e.at("checksum").get<std::string>())
+      problems.push_back(p.string() + ": checksum " + sum + ", recorded at save: " +
+                         e.at("checksum").get<std::string>() + " (the file is damaged)");
+  }
+  return problems;
+}
+
+std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec) {
+  if (spec == "auto") {
+    auto all = complete_checkpoints(fs::path(output_dir) / "checkpoints", /*strict=*/true);
+    if (all.empty()) return std::nullopt;
+    return all.back().second.string();
+  }
+  if (!fs::is_directory(spec))
+    throw std::runtime_error("--resume " + spec + ": no such checkpoint folder");
+  if (!fs::exists(fs::path(spec) / "trainer_state.json"))
+    throw std::runtime_error("--resume " + spec +
+                             ": not a complete checkpoint (no trainer_state.json); it may be a "
+                             "save that was interrupted");
+  return spec;
 }
 
 std::vector<std::string> handle_newer_checkpoints(const std::string& output_dir, int64_t step,
@@ -317,22 +779,6 @@ std::vector<std::string> handle_newer_checkpoints(const std::string& output_dir,
                     dir.string() + " aside to " + to.filename().string());
   }
   return notes;
-}
-
-void check_same_shard_layout(const std::string& dir, const nlohmann::json& saved,
-                             const nlohmann::json& now) {
-  if (!saved.is_object() || !saved.contains("groups") || !now.is_object()) return;
-  if (saved["groups"] == now.value("groups", nlohmann::json())) return;
-  throw std::runtime_error(
-      dir +
-      ": its shards are laid out differently from this run's (trainer_state.json \"extra\" "
-      "groups: strategy " +
-      saved.value("strategy", std::string("?")) + " then, " +
-      now.value("strategy", std::string("?")) +
-      " now; the units, buckets, parameter offsets or "
-      "the shard layout differ, e.g. an FSDP checkpoint from before FSDP sharded on dim 0). "
-      "Resume with the configuration and accel-train it was saved with, or run `accel-checkpoint "
-      "consolidate` on it and start a new run with model.init_from pointing at the result");
 }
 
 }  // namespace accel

@@ -1,36 +1,58 @@
-// Training checkpoints: OUTPUT_DIR/checkpoints/step_N/ holding
-//   model.safetensors + config.json   full fp32 weights with Hugging Face names (transformers loads
-//                                      it); ZeRO-3: 16-bit weights with zero3_save_16bit_model,
-//                                      else no model.safetensors (the weights are in the shards)
-//   optimizer.rank<R>.safetensors      each rank's optimizer state (whole, or its shards)
+// Training checkpoints (format version 2): OUTPUT_DIR/checkpoints/step_N/ holding
+//   model.safetensors + config.json   full weights with Hugging Face names (transformers loads
+//                                      it): fp32 where the strategy gathers them (single, DDP,
+//                                      ZeRO-1/2, FSDP FULL_STATE_DICT; these are then also the
+//                                      master weights), 16-bit with ZeRO-3's
+//                                      zero3_save_16bit_model, else absent
+//   optimizer.rank<R>.safetensors      rank R's slices of the training state, layout-free: for
+//                                      every parameter range [begin, end) the rank held, 1-D fp32
+//                                      tensors "<param>.master" (unless model.safetensors holds
+//                                      the fp32 masters), "<param>.exp_avg", "<param>.exp_avg_sq"
+//                                      (or ".momentum_buffer"). DDP and single: rank 0's file only
 //   fp8_state.safetensors              fp8 delayed scaling (TE recipe) only: amax histories,
-//                                      scales and the update count, written once by the run's
-//                                      precision part (tools/trainer/precision.h)
-//   trainer_state.json                 step, data position, seed, world size, the file manifest
+//                                      scales and the update count (tools/trainer/precision.h)
+//   trainer_state.json                 format_version, step, optimizer steps, seed, world size,
+//                                      strategy, dtypes, global batch, data position, loss scaler,
+//                                      RNG, "state": every parameter's full shape and which file
+//                                      holds which slice (with a checksum per slice), "files":
+//                                      every other file's size and checksum
 //   config.yaml                        the effective run configuration
 //   generation_config.json, tokenizer.json (+ tokenizer_config.json, special_tokens_map.json)
 //                                      written by the run's save_extra hook
 //                                      (tools/trainer/model_folder.h)
-// A checkpoint is written into step_N.tmp and renamed when complete, so a crash mid-save never
-// leaves a folder that looks complete; trainer_state.json is the last file written. With
-// checkpoint.save_optimizer false there are no optimizer files ("optimizer_saved": false): such a
+// Because the state is stored per parameter range, not in the strategy's flat buffers, a run at
+// any world size with any strategy resumes it: each rank reads the ranges it holds now
+// (CheckpointStateReader), from the files that hold them and nothing else.
+//
+// A save goes through a snapshot (host copies, taken at a step boundary) and a writer: every
+// rank writes its file and a part index into step_N.tmp, rank 0 waits for every part, writes
+// trainer_state.json last, fsyncs and renames the folder. CheckpointSaver runs the writer inline
+// or on a background thread (checkpoint.async). A crash mid-save never leaves a folder that looks
+// complete, and the newest complete checkpoint is never removed before its successor is.
+// With checkpoint.save_optimizer false there is no state ("optimizer_saved": false): such a
 // checkpoint holds the weights only and cannot be resumed (model.init_from takes it).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "models/decoder.h"
+#include "parallel/strategy.h"
 
 namespace accel {
 
 class Module;
-class Strategy;
+class SafetensorsReader;
+
+constexpr int kCheckpointFormatVersion = 2;
 
 struct TrainerState {
   int64_t step = 0;  // optimizer steps completed
@@ -39,59 +61,173 @@ struct TrainerState {
   int world_size = 1;
   nlohmann::json data_position;
   double loss_scale = 1.0;
-  nlohmann::json extra;  // strategy-specific manifest (Strategy::checkpoint_manifest)
+  nlohmann::json extra;  // the strategy's own description (Strategy::checkpoint_manifest)
 };
 
+// What one rank hands a save, taken at a step boundary: host copies, so training may go on
+// while it is written.
+struct CheckpointSnapshot {
+  int rank = 0;
+  int world_size = 1;
+  TrainerState state;
+  // Rank 0: entries added to trainer_state.json (strategy, dtypes, global batch, the files
+  // other parts of the run wrote into the folder).
+  nlohmann::json info = nlohmann::json::object();
+  std::vector<std::pair<std::string, Tensor>> full_weights;  // rank 0; may be empty
+  bool masters_in_model = false;  // full_weights are the fp32 masters: no "master" slices
+  std::vector<ParamStateSlice> slices;  // this rank's, in host memory
+  std::vector<std::string> kinds;       // Strategy::state_kinds()
+  bool save_optimizer = true;
+  // Rank 0 writes model.safetensors, config.json and config.yaml (false: the caller puts the
+  // model files into the folder itself, as accel-checkpoint reshard copies them).
+  bool model_files = true;
+  DecoderConfig model_config;  // rank 0
+  std::string config_yaml;     // rank 0
+};
+
+// Copies `strategy`'s state into a snapshot (every rank; full_state_dict is collective).
+// `reuse`: an earlier snapshot whose host buffers are taken over when the shapes match (saves
+// the allocation of many GB at every save); may be null.
+CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size,
+                                 bool save_optimizer, CheckpointSnapshot* reuse);
+
+// Every file's and slice's checksum: 64 bits over the bytes (not cryptographic), as 16 hex
+// digits.
+std::string checksum_bytes(const void* data, size_t n);
+std::string checksum_file(const std::string& path);
+
+// Where the save of `step` under output_dir goes while written and when complete.
+std::string checkpoint_tmp_dir(const std::string& output_dir, int64_t step);
+std::string checkpoint_final_dir(const std::string& output_dir, int64_t step);
+
+// The writer of one rank: its file and part index into `tmp` (rank 0 also the model and config
+// files). A failure leaves optimizer.rank<R>.failed naming the path and reason (so rank 0 stops
+// waiting) and throws.
+void write_checkpoint_part(const std::string& tmp, const CheckpointSnapshot& s);
+// Rank 0, after its own part: waits up to timeout_s for every rank's part, merges them into
+// trainer_state.json (written last, fsynced), renames tmp to its final name and prunes to
+// keep_last (never the new one). Returns the final folder.
+std::string finish_checkpoint(const std::string& tmp, const std::string& final_dir,
+                              const CheckpointSnapshot& s, int64_t keep_last, double timeout_s);
+
+// Saves snapshots, inline or in the background (at most one in flight: the next save waits for
+// it). Every rank has one.
+class CheckpointSaver {
+ public:
+  struct Options {
+    bool async = false;
+    int64_t keep_last = 0;
+    double timeout_s = 300;  // rank 0's wait for the other ranks' parts
+    // Test hook: called in the writer before anything is written (a slow disk, a failure).
+    std::function<void(const std::string& tmp)> before_write;
+  };
+  explicit CheckpointSaver(Options o);
+  ~CheckpointSaver();  // waits for a save in flight (its failure is printed, not thrown)
+  CheckpointSaver(const CheckpointSaver&) = delete;
+  CheckpointSaver& operator=(const CheckpointSaver&) = delete;
+
+  // Writes `s` to output_dir's step_<s.state.step>. Inline: returns once this rank's part (rank
+  // 0: the whole checkpoint) is written. Async: returns at once.
+  void save(const std::string& output_dir, CheckpointSnapshot s);
+  // Whether a background save is in flight.
+  bool busy() const;
+  // The folder of a background save that completed since the last call (nullopt: none, or
+  // still writing); a failed one throws std::runtime_error naming the folder and the reason.
+  std::optional<std::string> poll();
+  // Waits for the save in flight; then as poll().
+  std::optional<std::string> wait();
+  // The snapshot of the last completed save, for take_snapshot's `reuse` (null when busy).
+  CheckpointSnapshot* reusable();
+  // Seconds the writer of the last completed save took (its files, fsyncs and rename).
+  double last_write_seconds() const { return last_write_s_; }
+
+ private:
+  struct Job;
+  Options o_;
+  std::unique_ptr<Job> job_;
+  std::unique_ptr<CheckpointSnapshot> spare_;
+  double last_write_s_ = 0;
+};
+
+// A whole save on every rank, inline: snapshot, write, barrier (tests and tools).
 struct CheckpointWriter {
   int rank = 0;
   int world_size = 1;
   std::function<void()> barrier;  // all ranks meet here (no-op on one process)
   // State files of other parts of the run (precision's fp8 scaling state; null: none): every
-  // rank calls it with the folder being written, before trainer_state.json; rank 0's returned
-  // entries are added to trainer_state.json.
+  // rank calls it with the folder being written; rank 0's returned entries are added to
+  // trainer_state.json.
   std::function<nlohmann::json(const std::string& dir)> save_extra = nullptr;
-  // checkpoint.save_optimizer: false writes no optimizer.rank<R>.safetensors; the weights must
-  // then be whole (rank 0's full_weights not empty), else the save throws.
   bool save_optimizer = true;
+  nlohmann::json info = nlohmann::json::object();  // more trainer_state.json entries (rank 0)
 };
-
-// Every rank calls this with its own optimizer state; rank 0 writes the model and the state.
-// keep_last > 0 then removes the oldest complete checkpoints (by step) beyond keep_last, never the
-// one just written. Returns the final folder.
 std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
-                            const std::vector<std::pair<std::string, Tensor>>& full_weights,
-                            const DecoderConfig& model_config,
-                            const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
+                            Strategy& strategy, const DecoderConfig& model_config,
                             const std::string& config_yaml, const CheckpointWriter& w,
                             int64_t keep_last);
+
+// One parameter in a checkpoint's index: its full shape and the slices that hold its state.
+struct CheckpointSlice {
+  std::string file;  // in the checkpoint folder
+  int64_t begin = 0, end = 0;
+  // By state kind: the tensor's name in `file` and its checksum.
+  std::map<std::string, std::pair<std::string, std::string>> keys;
+};
+struct CheckpointParam {
+  Shape shape;
+  std::vector<CheckpointSlice> slices;
+};
 
 struct LoadedCheckpoint {
   std::string dir;
   TrainerState state;
-  std::vector<std::pair<std::string, Tensor>> weights;          // empty when only shards were saved
-  std::vector<std::pair<std::string, Tensor>> optimizer_state;  // this rank's
-  std::string optimizer_file;    // the file optimizer_state came from
   nlohmann::json trainer_state;  // the whole file, for the parts with state of their own
+  std::vector<std::string> kinds;
+  std::map<std::string, CheckpointParam> params;  // the index, by parameter name
 };
 
 // "auto": the newest complete checkpoint under output_dir/checkpoints (nullopt when none);
 // otherwise `spec` is a checkpoint folder. Errors name the folder and what is missing; a folder
 // named step_<digits> whose number does not fit is refused (rename or remove it).
 std::optional<std::string> find_checkpoint(const std::string& output_dir, const std::string& spec);
-// Reads a checkpoint for a resume. trainer_state.json's values are checked (step 0..10^15 and,
-// in a folder named step_N, equal to N; optimizer_steps 0..step; world_size; loss_scale), and a
-// checkpoint saved without optimizer state is refused (it holds the weights only). Tensors are
-// loaded as the files store them, not converted: check_checkpoint_matches_run checks them.
-LoadedCheckpoint load_checkpoint(const std::string& dir, int rank, int world_size);
+// Reads a checkpoint's trainer_state.json and index. Its values are checked (format_version,
+// step 0..10^15 and, in a folder named step_N, equal to N; optimizer_steps 0..step; world_size;
+// loss_scale; every slice inside its parameter), and a checkpoint saved without optimizer state
+// is refused (it holds the weights only). No tensor is read here.
+LoadedCheckpoint load_checkpoint(const std::string& dir);
 
-// Refuses a loaded checkpoint that does not fit this run, before anything is loaded into it:
-// the weights (model.safetensors, or the shard manifest's parameters) against the model's
-// parameters, through check_offered_weights (every one present with its shape and a
-// floating-point dtype, nothing the model lacks: a change of num_hidden_layers or
-// tie_word_embeddings is named by tensor), the shard layout (check_same_shard_layout), and this
-// rank's optimizer state against the tensors `strategy` holds (names, shapes, dtypes). Weights or
-// optimizer state holding NaN or Inf are refused, naming the tensor. Call after strategy setup.
+// Reads parameter ranges out of a loaded checkpoint: each request opens only the files whose
+// slices overlap it, verifies each slice's checksum the first time it is used (a corrupted
+// slice is named with its file) and refuses NaN or Inf values.
+class CheckpointStateReader {
+ public:
+  explicit CheckpointStateReader(const LoadedCheckpoint& ck);
+  ~CheckpointStateReader();
+  // As ParamStateReader.
+  void read(const std::string& name, const std::string& kind, int64_t begin, const Tensor& dst);
+  // Every slice's checksum (accel-checkpoint verify); returns the number checked.
+  int64_t verify_all();
+  // The files opened so far (to show that a rank read only what it needs).
+  std::vector<std::string> files_opened() const;
+
+ private:
+  const SafetensorsReader& file(const std::string& name);
+  const LoadedCheckpoint& ck_;
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> files_;
+  std::set<std::pair<std::string, std::string>> verified_;  // (file, tensor)
+};
+
+// Refuses a loaded checkpoint that does not fit this run, before anything is loaded: every
+// parameter through check_offered_weights (present with its shape, nothing the model lacks: a
+// change of num_hidden_layers or tie_word_embeddings is named by tensor) and the state kinds
+// against this run's optimizer (AdamW's moments are not SGD's momentum).
 void check_checkpoint_matches_run(const LoadedCheckpoint& ck, Module& model, Strategy& strategy);
+// Loads the checkpoint's state into `strategy` (every rank; each reads only its ranges).
+void restore_strategy_state(const LoadedCheckpoint& ck, Strategy& strategy);
+
+// Checks every file the checkpoint lists against the size and checksum recorded at save, and
+// every slice's checksum. Returns one line per problem (empty: intact).
+std::vector<std::string> verify_checkpoint(const std::string& dir);
 
 // A resume at `step` into output_dir, whose checkpoints folder may hold newer checkpoints: those
 // of the run that went on from there. Training beside them would mix two runs (keep_last prunes by
@@ -100,9 +236,5 @@ void check_checkpoint_matches_run(const LoadedCheckpoint& ck, Module& model, Str
 // step_M to step_M.superseded (or .superseded.2, ...; nothing is deleted), and the notes say so.
 std::vector<std::string> handle_newer_checkpoints(const std::string& output_dir, int64_t step,
                                                   bool move_aside, bool mover);
-// Refuses to resume a sharded checkpoint whose shard layout (the strategy manifest's "groups")
-// differs from the one this run's strategy built: the shards would load into the wrong places.
-void check_same_shard_layout(const std::string& dir, const nlohmann::json& saved,
-                             const nlohmann::json& now);
 
 }  // namespace accel

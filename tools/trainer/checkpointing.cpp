@@ -1,39 +1,183 @@
 #include "tools/trainer/checkpointing.h"
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <thread>
 
 #include "tools/trainer/checkpoint.h"
 #include "tools/trainer/model_folder.h"
 #include "tools/trainer/run.h"
 #include "tools/trainer/run_log.h"
+#include "tools/trainer/stop_signals.h"
 
 namespace accel {
+namespace fs = std::filesystem;
 
-void save_run_checkpoint(Run& run, int64_t step, RunLog& log) {
-  TrainerState st;
-  st.step = step;
-  st.optimizer_steps = run.strategy->optimizer_steps();
-  st.seed = run.cfg.training.seed;
-  st.world_size = run.dist.world();
-  st.data_position = run.data.train->position();
-  st.loss_scale = run.precision->loss_scale();
-  st.extra = run.strategy->checkpoint_manifest();
-  CheckpointWriter writer;
-  writer.rank = run.dist.rank();
-  writer.world_size = run.dist.world();
-  writer.barrier = [&run] { run.dist.barrier(); };
-  writer.save_optimizer = run.cfg.checkpoint.save_optimizer;
-  writer.save_extra = [&run](const std::string& dir) {
-    if (run.main_rank()) {  // a self-describing model folder (tools/trainer/model_folder.h)
-      write_generation_config(dir, run.tokenizer.get(), run.cfg.data.tokenizer);
-      if (run.tokenizer) copy_tokenizer_files(run.cfg.data.tokenizer, dir);
-    }
-    return run.precision->save_state(dir, run.dist.rank(), run.dist.pg.get());
+namespace {
+
+// The global batch: what must stay the same for a resumed run to continue the same trajectory.
+nlohmann::json global_batch(const Run& run) {
+  const Config& c = run.cfg;
+  return {{"samples", c.training.micro_batch_size * c.gradient_accumulation_steps * run.dist.world()},
+          {"seq_len", c.training.seq_len},
+          {"micro_batch_size", c.training.micro_batch_size},
+          {"gradient_accumulation_steps", c.gradient_accumulation_steps},
+          {"world_size", run.dist.world()}};
+}
+
+std::string describe_batch(const nlohmann::json& b) {
+  return std::to_string(b.value("samples", int64_t{0})) + " samples of " +
+         std::to_string(b.value("seq_len", int64_t{0})) + " tokens (micro_batch_size " +
+         std::to_string(b.value("micro_batch_size", int64_t{0})) +
+         " x gradient_accumulation_steps " +
+         std::to_string(b.value("gradient_accumulation_steps", int64_t{0})) + " x " +
+         std::to_string(b.value("world_size", 0)) + " processes)";
+}
+
+// trainer_state.json's description of the run that saved (for inspect and for the messages).
+nlohmann::json run_info(const Run& run) {
+  return {{"strategy", run.strategy->name()},
+          {"mixed_precision", run.precision->name()},
+          {"compute_dtype", dtype_name(run.precision->compute_dtype())},
+          {"state_dtype", "F32"},
+          {"activation_checkpointing", run.cfg.training.activation_checkpointing},
+          {"bucket_cap_mb", run.cfg.distributed.ddp_bucket_cap_mb},
+          {"global_batch", global_batch(run)},
+          // Training draws no random numbers after initialization except the data order, a
+          // function of (seed, epoch) and the data position: these are the whole RNG state.
+          {"rng", {{"generator", "philox4x32-10 (counter-based)"}, {"seed", run.cfg.training.seed}}}};
+}
+
+// Test hooks of the background writer (docs/fault_tolerance.md):
+// ACCEL_TEST_CHECKPOINT_WRITE_DELAY_MS=N sleeps N ms before writing (a slow disk);
+// ACCEL_TEST_CHECKPOINT_WRITE_FAIL_STEP=S removes step_S.tmp before its writer starts, so that
+// its writes fail as on a vanished disk.
+std::function<void(const std::string&)> test_write_hook() {
+  const char* delay = std::getenv("ACCEL_TEST_CHECKPOINT_WRITE_DELAY_MS");
+  const char* fail = std::getenv("ACCEL_TEST_CHECKPOINT_WRITE_FAIL_STEP");
+  if (!delay && !fail) return nullptr;
+  const int64_t ms = delay ? std::atoll(delay) : 0;
+  const std::string fail_dir = fail ? "step_" + std::string(fail) + ".tmp" : "";
+  return [ms, fail_dir](const std::string& tmp) {
+    if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    if (!fail_dir.empty() && fs::path(tmp).filename() == fail_dir) fs::remove_all(tmp);
   };
-  const std::string dir = save_checkpoint(run.output_dir(), st, run.strategy->full_state_dict(),
-                                          run.model_config, run.strategy->optimizer_state(),
-                                          run.config_yaml, writer, run.cfg.checkpoint.keep_last);
-  log.println("saved checkpoint " + dir);
+}
+
+}  // namespace
+
+RunCheckpoints::RunCheckpoints(Run& run) : run_(run) {
+  CheckpointSaver::Options o;
+  o.async = run.cfg.checkpoint.async;
+  o.keep_last = run.cfg.checkpoint.keep_last;
+  o.timeout_s = run.cfg.distributed.timeout_s;
+  o.before_write = test_write_hook();
+  saver_ = std::make_unique<CheckpointSaver>(o);
+}
+
+RunCheckpoints::~RunCheckpoints() = default;
+
+namespace {
+
+// "1.2 GB" for the log.
+std::string gigabytes(uintmax_t bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.3g GB", static_cast<double>(bytes) / 1e9);
+  return s;
+}
+
+std::string seconds(double s) {
+  char t[32];
+  std::snprintf(t, sizeof t, "%.2f s", s);
+  return t;
+}
+
+}  // namespace
+
+void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step, RunLog& log) {
+  if (!dir) return;
+  std::string line = "saved checkpoint " + *dir;
+  if (run_.main_rank()) {  // what this save cost (tools/reference/checkpoint_bench.sh reads it)
+    uintmax_t bytes = 0;
+    for (const auto& e : fs::directory_iterator(*dir))
+      if (e.is_regular_file()) bytes += e.file_size();
+    line += ": " + gigabytes(bytes) + ", snapshot " + seconds(snapshot_s_) + ", written in " +
+            seconds(saver_->last_write_seconds());
+  }
+  if (run_.cfg.checkpoint.async && step > in_flight_step_)
+    line += " (in the background during step" +
+            (step == in_flight_step_ + 1 ? " " + std::to_string(step)
+                                         : "s " + std::to_string(in_flight_step_ + 1) + "-" +
+                                               std::to_string(step)) +
+            ")";
+  log.println(line);
+}
+
+void RunCheckpoints::save(int64_t step, RunLog& log) {
+  report(saver_->wait(), step, log);  // at most one save in flight
+  const auto start = std::chrono::steady_clock::now();
+  const std::string tmp = checkpoint_tmp_dir(run_.output_dir(), step);
+  if (run_.main_rank()) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  run_.dist.barrier();
+  CheckpointSnapshot s = take_snapshot(*run_.strategy, run_.dist.rank(), run_.dist.world(),
+                                       run_.cfg.checkpoint.save_optimizer, saver_->reusable());
+  s.state.step = step;
+  s.state.optimizer_steps = run_.strategy->optimizer_steps();
+  s.state.seed = run_.cfg.training.seed;
+  s.state.world_size = run_.dist.world();
+  s.state.data_position = run_.data.train->position();
+  s.state.loss_scale = run_.precision->loss_scale();
+  // The strategy's own description; its flat layout ("groups") is not needed to read the state.
+  s.state.extra = run_.strategy->checkpoint_manifest();
+  if (s.state.extra.is_object()) s.state.extra.erase("groups");
+  s.info = run_info(run_);
+  s.model_config = run_.model_config;
+  s.config_yaml = run_.config_yaml;
+  if (run_.main_rank()) {  // a self-describing model folder (tools/trainer/model_folder.h)
+    write_generation_config(tmp, run_.tokenizer.get(), run_.cfg.data.tokenizer);
+    if (run_.tokenizer) copy_tokenizer_files(run_.cfg.data.tokenizer, tmp);
+  }
+  s.info.update(run_.precision->save_state(tmp, run_.dist.rank(), run_.dist.pg.get()));
+  last_saved_step_ = step;
+  in_flight_step_ = step;
+  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  saver_->save(run_.output_dir(), std::move(s));
+  if (!run_.cfg.checkpoint.async) {
+    run_.dist.barrier();  // rank 0 has renamed the folder
+    report(saver_->wait(), step, log);
+  }
+}
+
+bool RunCheckpoints::after_step(int64_t step, int64_t max_steps, RunLog& log) {
+  report(saver_->poll(), step, log);
+  const CheckpointConfig& cc = run_.cfg.checkpoint;
+  if (cc.every_steps > 0 && step % cc.every_steps == 0 && step < max_steps) save(step, log);
+  bool stop = stop_requested();
+  // Every rank stops after the same step, whichever got the signal.
+  if (run_.dist.world() > 1) stop = run_.dist.mean_across_ranks(stop ? 1.0 : 0.0, run_.device) > 0;
+  if (!stop) return false;
+  if (last_saved_step_ != step) save(step, log);
+  report(saver_->wait(), step, log);
+  run_.dist.barrier();
+  log.end_of_steps();
+  if (run_.main_rank())  // always shown (log lines are not with training.progress none)
+    std::fprintf(stderr,
+                 "accel-train: stopped by SIGTERM after step %lld with its checkpoint written "
+                 "(exit code %d); --resume auto continues from it\n",
+                 static_cast<long long>(step), kExitPreempted);
+  return true;
+}
+
+void RunCheckpoints::at_end(int64_t step, RunLog& log) {
+  if (run_.cfg.checkpoint.at_end && step > 0 && last_saved_step_ != step) save(step, log);
+  report(saver_->wait(), step, log);
+  run_.dist.barrier();
 }
 
 int64_t resume_run(Run& run, const ResumeRequest& request) {
@@ -45,20 +189,43 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
                    run.output_dir().c_str());
     return 0;
   }
-  LoadedCheckpoint ck = load_checkpoint(*found, run.dist.rank(), run.dist.world());
-  check_checkpoint_matches_run(ck, *run.model, *run.strategy);  // includes the shard layout
+  const auto start = std::chrono::steady_clock::now();
+  LoadedCheckpoint ck = load_checkpoint(*found);
+  const nlohmann::json saved_batch = ck.trainer_state.value("global_batch", nlohmann::json());
+  const nlohmann::json batch = global_batch(run);
+  const bool same_batch = saved_batch.value("samples", int64_t{-1}) == batch["samples"] &&
+                          saved_batch.value("seq_len", int64_t{-1}) == batch["seq_len"];
+  if (!same_batch && !request.allow_batch_change)
+    throw std::invalid_argument(
+        "--resume " + *found + ": the checkpoint was trained with a global batch of " +
+        describe_batch(saved_batch) + ", this run's is " + describe_batch(batch) +
+        ". A different global batch changes the trajectory; set training.micro_batch_size and "
+        "gradient_accumulation_steps so that the product with num_processes matches, or pass "
+        "--resume-allow-batch-change to continue with the new one");
+  check_checkpoint_matches_run(ck, *run.model, *run.strategy);
   for (const std::string& n : handle_newer_checkpoints(run.output_dir(), ck.state.step,
                                                        request.move_newer_aside, run.main_rank()))
     std::fprintf(stderr, "note: %s\n", n.c_str());
-  run.strategy->load_state(ck.weights, ck.optimizer_state, ck.state.optimizer_steps);
+  restore_strategy_state(ck, *run.strategy);
   const std::string note = run.precision->restore_state(ck);
   if (run.main_rank() && !note.empty()) std::fprintf(stderr, "note: %s\n", note.c_str());
   DataPosition pos;
   from_json(ck.state.data_position, pos);
   run.data.train->restore(pos);
-  if (run.main_rank())
-    std::fprintf(stderr, "resumed from %s at step %lld\n", found->c_str(),
-                 static_cast<long long>(ck.state.step));
+  run.dist.barrier();  // every rank has its state
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (run.main_rank()) {
+    const std::string from = ck.trainer_state.value("strategy", std::string("?")) + " x " +
+                             std::to_string(ck.state.world_size);
+    const std::string now = run.strategy->name() + " x " + std::to_string(run.dist.world());
+    std::fprintf(stderr, "resumed from %s at step %lld (saved by %s%s) in %s%s\n", found->c_str(),
+                 static_cast<long long>(ck.state.step), from.c_str(),
+                 from == now ? "" : (", resharded for " + now).c_str(), seconds(took).c_str(),
+                 same_batch ? ""
+                            : ("; global batch changed from " + describe_batch(saved_batch) +
+                               " to " + describe_batch(batch))
+                                  .c_str());
+  }
   return ck.state.step;
 }
 

@@ -1,29 +1,59 @@
 // The run's side of checkpoints (the file format is tools/trainer/checkpoint.h): what a save
-// collects from the parts of a run, and where a resume puts it back.
+// collects from the parts of a run, when it saves (every_steps, at the end, on SIGTERM), in the
+// background with checkpoint.async, and where a resume puts the state back.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
+
+#include "parallel/launcher.h"  // kExitPreempted
 
 namespace accel {
 
 struct Run;
 class RunLog;
+class CheckpointSaver;
 
-// Every rank: writes checkpoints/step_<step>/ (weights, this rank's optimizer state, precision's
-// state, the data position) and keeps the newest checkpoint.keep_last.
-void save_run_checkpoint(Run& run, int64_t step, RunLog& log);
+// A run stopped by SIGTERM after it wrote a checkpoint of its last step exits with
+// kExitPreempted (3, parallel/launcher.h; docs/checkpoints.md, "Preemption").
+
+// The checkpoints of one run, on every rank.
+class RunCheckpoints {
+ public:
+  explicit RunCheckpoints(Run& run);
+  ~RunCheckpoints();
+  // After step `step` was logged: reports a background save that completed (throws for one that
+  // failed, naming the folder and the reason), saves when checkpoint.every_steps says so, and on
+  // SIGTERM (on any rank) saves `step` and returns true: the caller stops with kExitPreempted.
+  bool after_step(int64_t step, int64_t max_steps, RunLog& log);
+  // After the last step: checkpoint.at_end's save, then waits for any save in flight.
+  void at_end(int64_t step, RunLog& log);
+
+ private:
+  void save(int64_t step, RunLog& log);
+  void report(const std::optional<std::string>& dir, int64_t step, RunLog& log);
+  Run& run_;
+  std::unique_ptr<CheckpointSaver> saver_;
+  int64_t in_flight_step_ = -1;
+  double snapshot_s_ = 0;  // the step-boundary part of the save in flight
+  int64_t last_saved_step_ = -1;
+};
 
 // What the command line asked of a resume.
 struct ResumeRequest {
   std::string spec;               // --resume: auto or a folder; "" for a fresh run
   bool move_newer_aside = false;  // --move-newer-checkpoints-aside
+  bool allow_batch_change = false;  // --resume-allow-batch-change
 };
 
 // Every rank, for --resume `spec` (auto or a folder): checks that the checkpoint fits this run's
-// model and strategy, deals with newer checkpoints (handle_newer_checkpoints), restores the
-// strategy's weights and optimizer state, precision's state and the data position; returns the
-// step to continue from (0 when `spec` is auto and there is no complete checkpoint yet).
+// model and optimizer and its global batch (refused when it differs, unless allow_batch_change),
+// deals with newer checkpoints (handle_newer_checkpoints), restores the strategy's weights and
+// optimizer state (each rank reads the ranges it holds, whatever world size and strategy wrote
+// them), precision's state and the data position; returns the step to continue from (0 when
+// `spec` is auto and there is no complete checkpoint yet).
 int64_t resume_run(Run& run, const ResumeRequest& request);
 
 }  // namespace accel

@@ -100,7 +100,8 @@ Precision::EvalScope::EvalScope(Precision& p) {
 Precision::EvalScope::~EvalScope() = default;
 
 nlohmann::json Precision::save_state(const std::string& dir, int rank, ProcessGroup* group) {
-  nlohmann::json entries = nlohmann::json::object();
+  // The loss scaler whole: its scale and the clean steps towards its next growth.
+  nlohmann::json entries = {{"loss_scaler", {{"scale", loss_scale_}, {"good_steps", good_steps_}}}};
   if (!fp8_has_checkpoint_state(fp8_.get())) return entries;
   check_fp8_state_replicated(*fp8_, group);  // every rank (one all-reduce)
   if (rank == 0) save_fp8_state(*fp8_, (fs::path(dir) / kFp8StateFile).string());
@@ -110,6 +111,8 @@ nlohmann::json Precision::save_state(const std::string& dir, int rank, ProcessGr
 
 std::string Precision::restore_state(const LoadedCheckpoint& ck) {
   loss_scale_ = ck.state.loss_scale;
+  const nlohmann::json scaler = ck.trainer_state.value("loss_scaler", nlohmann::json::object());
+  good_steps_ = scaler.is_object() ? scaler.value("good_steps", int64_t{0}) : 0;
   const fs::path file = fs::path(ck.dir) / kFp8StateFile;
   if (ck.trainer_state.contains("fp8_state_file") && !fs::exists(file))
     throw std::runtime_error(ck.dir + ": trainer_state.json lists " + kFp8StateFile +

@@ -1,9 +1,11 @@
 #include "tools/trainer/run.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "parallel/fsdp.h"  // reads_init_weights
 #include "parallel/process_group.h"
@@ -179,7 +181,40 @@ DataOptions data_options(const Config& cfg, const DecoderConfig& mc, int rank, i
   o.world_size = world;
   o.seed = cfg.training.seed;
   o.shuffle = cfg.data.shuffle;
+  o.jsonl_files = cfg.data.jsonl_files;
+  o.format = cfg.data.format;
+  o.text_field = cfg.data.text_field;
+  o.chat_template = cfg.data.chat_template;
+  o.packing = cfg.data.packing;
+  o.reset_position_ids = cfg.data.reset_position_ids;
+  o.pad_to_multiple_of = cfg.data.pad_to_multiple_of;
+  o.overlong = cfg.data.overlong;
   return o;
+}
+
+// training.num_epochs -> training.max_steps, once the data says how many batches an epoch holds;
+// the effective config.yaml is written again with the steps (and says where they came from).
+void steps_from_epochs(Run& run) {
+  TrainingConfig& t = run.cfg.training;
+  const int64_t per_epoch = run.data.train->batches_per_epoch();
+  if (per_epoch < 0)
+    throw UsageError("training.num_epochs needs data that has epochs, but data.source " +
+                     std::string(name_of(run.cfg.data.source)) +
+                     " is endless; set training.max_steps");
+  const double micro_batches = t.num_epochs * static_cast<double>(per_epoch);
+  const int64_t accum = run.cfg.gradient_accumulation_steps;
+  t.max_steps = std::max<int64_t>(
+      1, static_cast<int64_t>(std::ceil(micro_batches / static_cast<double>(accum) - 1e-9)));
+  std::ostringstream why;
+  why << "training.num_epochs " << t.num_epochs << " x " << per_epoch
+      << " batches per epoch per rank / gradient_accumulation_steps " << accum;
+  run.cfg.origins["training.max_steps"] = why.str();
+  run.config_yaml = config_to_yaml(run.cfg);
+  if (run.main_rank()) {
+    write_config_yaml(run.output_dir(), run.config_yaml);
+    std::fprintf(stderr, "training.max_steps %lld from %s\n", static_cast<long long>(t.max_steps),
+                 why.str().c_str());
+  }
 }
 
 OptimizerOptions optimizer_options(const OptimizerConfig& c) {
@@ -258,8 +293,11 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.data =
       make_data_sources(data_options(c, run.model_config, run.dist.rank(), run.dist.world()));
   if (c.data.source != DataSource::Synthetic) run.tokenizer = make_tokenizer(c.data.tokenizer);
-  if (run.main_rank())
+  if (run.main_rank()) {
     for (const std::string& n : run.data.notices) std::fprintf(stderr, "warning: %s\n", n.c_str());
+    for (const std::string& n : run.data.info) std::fprintf(stderr, "data: %s\n", n.c_str());
+  }
+  if (c.training.num_epochs > 0 && !c.origins.count("training.max_steps")) steps_from_epochs(run);
   return run;
 }
 

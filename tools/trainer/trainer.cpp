@@ -34,7 +34,8 @@ int run(const TrainOptions& options, int argc, char** argv) {
         local_launch_options(cfg.main_process_ip,
                              cfg.origins.count("main_process_port") ? cfg.main_process_port : 0));
   Run r = assemble_run(std::move(cfg), env, !options.resume.empty(), options.verbose);
-  return train(r, ResumeRequest{options.resume, options.move_newer_checkpoints_aside});
+  return train(r, ResumeRequest{options.resume, options.move_newer_checkpoints_aside,
+                                   options.resume_allow_batch_change});
 }
 }  // namespace
 

@@ -17,10 +17,13 @@ struct TrainOptions {
   // --move-newer-checkpoints-aside: a resume from an older step renames the newer checkpoints
   // (tools/trainer/checkpoint.h, handle_newer_checkpoints) instead of refusing.
   bool move_newer_checkpoints_aside = false;
+  // --resume-allow-batch-change: resume with another global batch than the checkpoint's.
+  bool resume_allow_batch_change = false;
 };
 
 // Runs the whole job in this process (one rank). Returns the process exit code: 0 success,
-// 2 configuration or usage error, 1 runtime failure. Messages go to stderr.
+// 2 configuration or usage error, 1 runtime failure, 3 stopped by SIGTERM after writing a
+// checkpoint (kExitPreempted, tools/trainer/checkpointing.h). Messages go to stderr.
 int run_training(const TrainOptions& options, int argc, char** argv);
 
 }  // namespace accel
