@@ -26,11 +26,22 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double theta, int64_t hea
   if (type == "linear") {
     for (float& v : inv) v /= static_cast<float>(s.factor);
   } else if (type == "dynamic") {
-    // Also below max_position_embeddings, where the ratio is 1 up to rounding (as Hugging Face).
-    const double len = static_cast<double>(std::max(seq_len, max_position_embeddings));
-    const double ratio =
-        s.factor * len / static_cast<double>(max_position_embeddings) - (s.factor - 1);
-    const double base = theta * std::pow(ratio, static_cast<double>(dim) / (dim - 2));
+    // Hugging Face computes the raised base in double at initialization (seq_len up to
+    // max_position_embeddings, where the ratio is 1 up to rounding) and in float32 from the
+    // position tensor when a longer sequence comes (dynamic_rope_update).
+    const double exponent = static_cast<double>(dim) / static_cast<double>(dim - 2);
+    float base = 0;
+    if (seq_len > max_position_embeddings) {
+      float ratio = static_cast<float>(s.factor) * static_cast<float>(seq_len);
+      ratio =
+          ratio / static_cast<float>(max_position_embeddings) - static_cast<float>(s.factor - 1);
+      base = static_cast<float>(theta) * std::pow(ratio, static_cast<float>(exponent));
+    } else {
+      const double ratio = s.factor * static_cast<double>(max_position_embeddings) /
+                               static_cast<double>(max_position_embeddings) -
+                           (s.factor - 1);
+      base = static_cast<float>(theta * std::pow(ratio, exponent));
+    }
     const std::vector<float> p = powers(base);
     for (int64_t i = 0; i < half; ++i) inv[i] = 1.0f / p[i];
   } else if (type == "llama3") {
@@ -39,15 +50,16 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double theta, int64_t hea
     const float high_wavelen = static_cast<float>(old_len / s.high_freq_factor);
     const float factor = static_cast<float>(s.factor);
     for (float& v : inv) {
-      const float wavelen = static_cast<float>(2 * kPi) / v;
+      // torch's `scalar / tensor` is reciprocal(tensor) * scalar.
+      const float wavelen = (1.0f / v) * static_cast<float>(2 * kPi);
       // Long wavelengths are divided by the factor, short ones kept, the band between smoothed.
       const float scaled = wavelen > low_wavelen ? v / factor : v;
       if (wavelen < high_wavelen || wavelen > low_wavelen) {
         v = scaled;
       } else {
-        const float smooth =
-            (static_cast<float>(old_len) / wavelen - static_cast<float>(s.low_freq_factor)) /
-            static_cast<float>(s.high_freq_factor - s.low_freq_factor);
+        const float smooth = ((1.0f / wavelen) * static_cast<float>(old_len) -
+                              static_cast<float>(s.low_freq_factor)) /
+                             static_cast<float>(s.high_freq_factor - s.low_freq_factor);
         v = (1.0f - smooth) * scaled / factor + smooth * scaled;
       }
     }
