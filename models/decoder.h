@@ -1,5 +1,7 @@
-// The decoder-only transformer of the Hugging Face Llama family (LlamaForCausalLM) in C++: the same
-// architecture, the same parameter names, loadable from and savable to a Hugging Face model folder.
+// The decoder-only transformer of the Hugging Face Llama, Qwen2, Qwen3 and Mistral families
+// (LlamaForCausalLM, Qwen2ForCausalLM, ...) in C++: one decoder whose options are the families'
+// differences, with the same parameter names and module class names, loadable from and savable to
+// a Hugging Face model folder.
 #pragma once
 
 #include <functional>
@@ -9,12 +11,18 @@
 #include <utility>
 #include <vector>
 
+#include "models/rope_scaling.h"
 #include "ops/ops.h"
+#include "runtime/config.h"
 #include "runtime/module.h"
 
 namespace accel {
 
+// The Hugging Face families one decoder covers, by config.json's model_type.
+const char* const kModelTypes[] = {"llama", "qwen2", "qwen3", "mistral"};
+
 struct DecoderConfig {
+  std::string model_type = "llama";  // one of kModelTypes
   int64_t hidden_size = 256;
   int64_t intermediate_size = 688;
   int64_t num_hidden_layers = 4;
@@ -24,12 +32,34 @@ struct DecoderConfig {
   int64_t vocab_size = 256;
   int64_t max_position_embeddings = 2048;
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;  // rope_type default: none
   double rms_norm_eps = 1e-5;
   double initializer_range = 0.02;
   bool tie_word_embeddings = false;
+  // Llama / Qwen3: biases on q, k, v and o_proj. Qwen2 always has q/k/v biases (never o_proj's).
+  bool attention_bias = false;
+  // Sliding-window attention: `sliding_window` keys (the query's own included) in the layers
+  // that use it. Mistral: every layer (0 = none). Qwen2 / Qwen3: with use_sliding_window, the
+  // layers from max_window_layers on. `layer_types` (transformers 5: "full_attention" or
+  // "sliding_attention" per layer), when given, says which layers instead.
+  int64_t sliding_window = 0;
+  bool use_sliding_window = false;
+  int64_t max_window_layers = 0;
+  std::vector<std::string> layer_types;
+
+  bool qkv_bias() const { return model_type == "qwen2" || attention_bias; }
+  bool o_proj_bias() const { return model_type != "qwen2" && attention_bias; }
+  bool qk_norm() const { return model_type == "qwen3"; }  // per-head RMSNorm of q and k
+  // The attention window of layer i: 0 = full causal attention.
+  int64_t layer_window(int64_t i) const;
+  // The family's Hugging Face class name for `suffix` ("DecoderLayer" -> "Qwen3DecoderLayer").
+  std::string hf_class(const std::string& suffix) const;
+  // Whether sequences may run past max_position_embeddings (dynamic RoPE scaling is made for it).
+  bool extends_past_max_positions() const { return rope_scaling.rope_type == "dynamic"; }
 
   // Throws std::invalid_argument naming the field when the shape is impossible, including sizes
-  // whose products (parameter shapes, the parameter count) overflow.
+  // whose products (parameter shapes, the parameter count) overflow, or an option the family
+  // does not have.
   void validate() const;
   // Throws std::invalid_argument when one micro-batch's activations would hold more elements than
   // a tensor can (micro_batch_size x seq_len x the widest layer).
@@ -40,18 +70,32 @@ struct DecoderConfig {
   double flops_per_token(int64_t seq_len) const;
 };
 
-// Reads a Hugging Face config.json (rope theta either top-level `rope_theta` or transformers 5's
-// `rope_parameters.rope_theta`). Throws naming the file and the field on bad input.
+// The decoder described by the YAML's model section (model.name and the Hugging Face fields);
+// throws std::invalid_argument naming the model.* key on an impossible shape.
+DecoderConfig decoder_config(const ModelConfig& m);
+// The model section that describes `c` (the inverse of decoder_config, for the effective config
+// of model.init_from).
+ModelConfig model_section(const DecoderConfig& c);
+
+// Reads a Hugging Face config.json of a family in kModelTypes (rope theta and scaling in either
+// spelling: transformers 5's `rope_parameters`, or `rope_theta` + `rope_scaling`). An unsupported
+// model_type or option (longrope, mlp_bias, a hidden_act other than silu, ...) is refused naming
+// the key, never loaded as something else. Throws naming the file and the field on bad input.
 DecoderConfig read_hf_model_config(const std::string& path);
+// Writes the family's config.json layout: model_type, architectures, its fields, and RoPE in
+// both spellings (rope_theta + rope_scaling for transformers 4.x, rope_parameters for 5.x).
+nlohmann::json hf_model_config_json(const DecoderConfig& c,
+                                    const std::string& torch_dtype = "float32");
 void write_hf_model_config(const DecoderConfig& c, const std::string& path,
                            const std::string& torch_dtype = "float32");
 
 class Linear : public Module {
  public:
-  Linear(int64_t in, int64_t out, DType dtype, Device device);
+  Linear(int64_t in, int64_t out, DType dtype, Device device, bool bias = false);
   std::string type_name() const override { return "Linear"; }
   Tensor forward(const Tensor& x);
   Parameter& weight;
+  Parameter* bias = nullptr;  // [out], added after linear_fn when present
   // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): a conversion
   // of the layer installs one (models/fp8_linear.h).
   std::function<Tensor(const Tensor& x, const Tensor& weight)> linear_fn;
@@ -67,13 +111,16 @@ class Embedding : public Module {
 
 class RMSNorm : public Module {
  public:
-  RMSNorm(int64_t dim, double eps, DType dtype, Device device);
-  std::string type_name() const override { return "LlamaRMSNorm"; }
+  RMSNorm(int64_t dim, double eps, DType dtype, Device device, std::string type_name);
+  std::string type_name() const override { return type_name_; }
   Tensor forward(const Tensor& x);
   // {x + r, forward(x + r)} in one fused op (add_rms_norm), with this module's hooks around it.
   std::pair<Tensor, Tensor> add_forward(const Tensor& x, const Tensor& r);
   Parameter& weight;
   double eps;
+
+ private:
+  std::string type_name_;
 };
 
 // The keys and values of the positions generated so far, per layer (generation; no autograd).
@@ -95,23 +142,29 @@ struct TokenLayout {
 
 class SelfAttention : public Module {
  public:
-  SelfAttention(const DecoderConfig& c, DType dtype, Device device);
-  std::string type_name() const override { return "LlamaAttention"; }
+  // `window`: this layer's sliding window (0 = none; DecoderConfig::layer_window).
+  SelfAttention(const DecoderConfig& c, int64_t window, DType dtype, Device device);
+  std::string type_name() const override { return config.hf_class("Attention"); }
   // [B, S, hidden] -> [B, S, hidden]. With a cache, x holds the positions after the cached ones
   // (all of a prompt into an empty cache, then one token at a time), and k/v are appended to it.
   Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {});
   Linear &q_proj, &k_proj, &v_proj, &o_proj;
+  RMSNorm *q_norm = nullptr, *k_norm = nullptr;  // Qwen3: over each head's head_dim, before RoPE
+  const int64_t window;
   // When set, the projections that read x together run inside shared_input(x, run): a
   // conversion of the linear layers may share work on their common input (models/fp8_linear.h
   // casts x once for all of them).
   std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
   const DecoderConfig config;
+
+ private:
+  RopeFrequencies rope_;  // from the config; dynamic scaling recomputes past max positions
 };
 
 class GatedMLP : public Module {
  public:
   GatedMLP(const DecoderConfig& c, DType dtype, Device device);
-  std::string type_name() const override { return "LlamaMLP"; }
+  std::string type_name() const override { return type_name_; }
   Tensor forward(const Tensor& x);
   Linear &gate_proj, &up_proj, &down_proj;
   // When set, forward first tries fused_fn(x); an undefined result means the projections run one
@@ -121,16 +174,22 @@ class GatedMLP : public Module {
   // conversion of the linear layers may share work on their common input (models/fp8_linear.h
   // casts x once for all of them).
   std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
+
+ private:
+  std::string type_name_;
 };
 
 class DecoderLayer : public Module {
  public:
-  DecoderLayer(const DecoderConfig& c, DType dtype, Device device);
-  std::string type_name() const override { return "LlamaDecoderLayer"; }
+  DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device);
+  std::string type_name() const override { return type_name_; }
   Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {});
   SelfAttention& self_attn;
   GatedMLP& mlp;
   RMSNorm &input_layernorm, &post_attention_layernorm;
+
+ private:
+  std::string type_name_;
 };
 
 class ModuleList : public Module {
@@ -148,23 +207,32 @@ class ModuleList : public Module {
 class DecoderModel : public Module {
  public:
   DecoderModel(const DecoderConfig& c, DType dtype, Device device);
-  std::string type_name() const override { return "LlamaModel"; }
+  std::string type_name() const override { return type_name_; }
   Embedding& embed_tokens;
   ModuleList& layers_list;
   std::vector<DecoderLayer*> layers;
   RMSNorm& norm;
+
+ private:
+  std::string type_name_;
 };
 
 class CausalLM : public Module {
  public:
   // Parameters are created with dtype on device and initialized like Hugging Face does
-  // (normal(0, initializer_range) for linear and embedding weights, ones for norms), from `seed`.
+  // (normal(0, initializer_range) for linear and embedding weights, ones for norms, zeros for
+  // biases), from `seed`.
   CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed);
-  std::string type_name() const override { return "LlamaForCausalLM"; }
+  std::string type_name() const override { return config.hf_class("ForCausalLM"); }
 
   // ids [B, S] -> logits [B, S, vocab]. With a cache (generation), ids are the positions after
   // the cached ones; the cache is sized on first use. `layout` describes packed rows (training).
   Tensor forward(const Tensor& ids, KVCache* cache = nullptr, const TokenLayout& layout = {});
+  // loss(forward(ids, nullptr, layout), targets) without the [B, S, vocab] logits: the LM head's
+  // GEMM and the cross-entropy run fused over row chunks (linear_cross_entropy), which saves two
+  // B x S x vocab tensors (4 GiB in bf16 at 8k tokens and a 128k vocabulary). A head whose linear
+  // layer was converted (linear_fn, e.g. fp8) keeps its own GEMM and the plain loss.
+  Tensor forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout = {});
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
   static Tensor loss(const Tensor& logits, const Tensor& targets);
@@ -176,6 +244,8 @@ class CausalLM : public Module {
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
 
  private:
+  // The final norm's output [B, S, hidden] (forward without the LM head).
+  Tensor final_hidden(const Tensor& ids, KVCache* cache, const TokenLayout& layout);
   bool checkpoint_layers_ = false;
 };
 

@@ -80,19 +80,24 @@ class Backend {
   virtual void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight,
                                  const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                  const Tensor& rstd, const Tensor& grad_x_add) = 0;
-  // x [B, S, H, D] contiguous; inverse=true applies the transpose rotation (for backward).
-  virtual void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-                    bool inverse) = 0;
+  // x [B, S, H, D] contiguous, freqs.inv_freq of D/2 values; position_ids undefined (positions
+  // position_offset + s) or [B, S] I64/I32 contiguous on x's device. inverse=true applies the
+  // transposed rotation (the backward; with attention_scaling 1 also the inverse).
+  virtual void rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+                    int64_t position_offset, const Tensor& position_ids, bool inverse) = 0;
   virtual void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
                                const Tensor& grad_out, const Tensor& gate, const Tensor& up) = 0;
-  // q [B, S, Hq, D], k/v [B, S, Hkv, D] contiguous; lse [B, Hq, S] f32 saved for backward.
+  // q [Sq rows], k/v [Sk rows]: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] contiguous; lse [B, Hq, Sq]
+  // saved for backward. Causal masks (and windows) are bottom-right aligned when Sk != Sq: query
+  // i stands at position i + Sk - Sq. The mask is checked (ops/attention.cpp): window and
+  // segment_ids only with causal; segment_ids contiguous int32 [B, Sq], and only with Sk == Sq.
   virtual void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                         const Tensor& v, bool causal, double scale) = 0;
+                         const Tensor& v, const AttentionMask& mask, double scale) = 0;
   virtual void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
                                   const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
-                                  bool causal, double scale) = 0;
+                                  const AttentionMask& mask, double scale) = 0;
 
   virtual void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
                             double high) = 0;

@@ -82,6 +82,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // logits [N, V] (any float dtype), targets [N] i64; mean over targets != ignore_index, computed in
 // fp32 (f64 for f64 logits). Returns a scalar of the logits' dtype (f32 for 16-bit logits).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+// cross_entropy(linear(x, weight), targets) for x [..., D], weight [V, D], targets with one id per
+// row of x, computed chunk_rows rows at a time (0: about 2^27 logits per chunk) so that the
+// [N, V] logits never exist; the gradients are made in the forward pass. Same value as the two
+// ops; in 16-bit dtypes the weight's gradient is rounded once per chunk.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets,
+                            int64_t ignore_index = -100, int64_t chunk_rows = 0);
 // weight [V, D], ids [...] (i32/i64) -> [..., D]. An id outside [0, V) is an error.
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x [..., D] * rsqrt(mean(x^2) + eps) * weight[D]; statistics in fp32.
@@ -90,27 +96,41 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 // add's and rms_norm's values (x and r of one shape), recorded as those two ops (same gradients).
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& weight,
                                        double eps);
-// Rotary embedding, Hugging Face Llama's rotate-half convention, on x [B, S, H, D] (D even) at
-// positions position_offset .. position_offset + S - 1.
-Tensor rope(const Tensor& x, double theta, int64_t position_offset = 0);
+// The frequencies of a rotary embedding: the pair (x[i], x[i + D/2]) of a head at position p is
+// rotated by the angle p * inv_freq[i], and cos and sin are multiplied by attention_scaling (YaRN's
+// attention factor; 1 for the other scalings). inv_freq holds D/2 float32 values, computed once
+// from the model config as Hugging Face computes them (models/rope_scaling.h).
+struct RopeFrequencies {
+  std::vector<float> inv_freq;
+  double attention_scaling = 1.0;
+};
+// Hugging Face's default RoPE: inv_freq[i] = 1 / theta^(float(2i) / dim), all in float32.
+RopeFrequencies default_rope_frequencies(double theta, int64_t dim);
+// Rotary embedding, Hugging Face Llama's rotate-half convention, on x [B, S, H, D] (D even, D/2
+// frequencies). Token (b, s) sits at position position_ids[b, s] when position_ids ([B, S], I64 or
+// I32, on x's device) is given, else at position_offset + s.
+Tensor rope(const Tensor& x, const RopeFrequencies& freqs, int64_t position_offset = 0,
+            const Tensor& position_ids = Tensor());
 // silu(gate) * up
 Tensor swiglu(const Tensor& gate, const Tensor& up);
-// Causal attention. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped KV
-// heads). Output [B, S, Hq, D]. scale defaults to 1/sqrt(D). Never materializes S x S in the
-// fused backends; the CPU version works one query row at a time.
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
-                 std::optional<double> scale = std::nullopt);
-// Which keys each query sees, beyond (optional) causality.
+// Which keys each query sees. The default: causal (query i sees keys j <= i).
 struct AttentionMask {
   bool causal = true;
   // 0: no window. W > 0: query i sees keys j with i - W < j <= i (Hugging Face's sliding_window
   // of Mistral and Qwen2: W keys, the query's own included). Needs causal.
   int64_t window = 0;
-  // Undefined, or [B, S] int32: query i sees key j only when both carry the same id (documents
-  // packed into one row). Needs causal.
+  // Undefined, or [B, S] int32 on q's device: documents packed into one row, each a run of equal
+  // ids (0 0 0 1 1 2 ...); query i sees key j only within its own run. Equal ids in separate runs
+  // are separate documents (Hugging Face's packed-sequence ids increase, so there it is the same
+  // as comparing ids). Needs causal.
   Tensor segment_ids;
 };
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
+// Attention, q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped KV
+// heads). Output [B, S, Hq, D]. scale defaults to 1/sqrt(D). Never materializes S x S in the
+// fused backends; the CPU version works one query row at a time. A row's visible keys always
+// include its own (causal), so no row is empty.
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const AttentionMask& mask = AttentionMask{},
                  std::optional<double> scale = std::nullopt);
 
 // ---- random (counter-based Philox: the same stream on every device) ----------------------------

@@ -540,6 +540,34 @@ bool is_section(const std::string& p) {
 
 void apply_deepspeed_json(Config& c, const std::string& file, Ctx& ctx);
 
+}  // namespace
+
+std::string hf_class_prefix(const std::string& model_name) {
+  if (model_name == "qwen2") return "Qwen2";
+  if (model_name == "qwen3") return "Qwen3";
+  if (model_name == "mistral") return "Mistral";
+  return "Llama";
+}
+
+namespace {
+
+// A YAML scalar as the JSON value it spells (config.json's types): true/false, null, an integer,
+// a number, else a string.
+nlohmann::json yaml_scalar_json(const std::string& raw) {
+  const std::string text = trim(raw);
+  if (text == "true" || text == "false") return text == "true";
+  if (text == "null" || text == "~" || text.empty()) return nullptr;
+  const char* b = text.c_str();
+  char* e = nullptr;
+  errno = 0;
+  const long long i = std::strtoll(b, &e, 10);
+  if (e == b + text.size() && errno == 0) return static_cast<int64_t>(i);
+  errno = 0;
+  const double d = std::strtod(b, &e);
+  if (e == b + text.size() && errno == 0 && std::isfinite(d)) return d;
+  return raw;
+}
+
 std::vector<Field> build_schema() {
   std::vector<Field> s;
   auto add = [&](Field f) { s.push_back(std::move(f)); };
@@ -924,7 +952,9 @@ std::vector<Field> build_schema() {
 
   // ---- model ----
   const int64_t kMax = std::numeric_limits<int64_t>::max();
-  add(f_enum("model.name", ACCEL_REF(model.name), {"llama"}, "Model family."));
+  add(f_enum("model.name", ACCEL_REF(model.name), {"llama", "qwen2", "qwen3", "mistral"},
+             "Model family: Hugging Face's model_type (LlamaForCausalLM, Qwen2ForCausalLM, "
+             "Qwen3ForCausalLM, MistralForCausalLM); the families differ in the options below."));
   add(f_int("model.hidden_size", ACCEL_REF(model.hidden_size), 1, kMax, "Model width."));
   add(f_int("model.num_hidden_layers", ACCEL_REF(model.num_hidden_layers), 1, kMax,
             "Decoder layers."));
@@ -937,11 +967,62 @@ std::vector<Field> build_schema() {
   add(f_int("model.vocab_size", ACCEL_REF(model.vocab_size), 1, kMax,
             "Vocabulary size (must cover the tokenizer's ids)."));
   add(f_int("model.max_position_embeddings", ACCEL_REF(model.max_position_embeddings), 1, kMax,
-            "Longest sequence the model is defined for (training.seq_len must not exceed it)."));
+            "Longest sequence the model is defined for (training.seq_len must not exceed it, "
+            "except with rope_type dynamic)."));
   add(f_int("model.head_dim", ACCEL_REF(model.head_dim), 0, kMax,
-            "Per-head width; 0 = hidden_size / num_attention_heads."));
+            "Per-head width; 0 = hidden_size / num_attention_heads (Qwen3 sets it apart)."));
   add(f_double("model.rope_theta", ACCEL_REF(model.rope_theta), 0,
                std::numeric_limits<double>::infinity(), true, "RoPE base frequency."));
+  {
+    // RoPE scaling as a map in config.json's spelling; rope_parameters (transformers 5) may hold
+    // rope_theta too.
+    auto rope_field = [](const std::string& path, bool with_theta, std::string doc) {
+      Field f;
+      f.path = path;
+      f.type = "map";
+      f.doc = std::move(doc);
+      f.set = [with_theta, path](Config& c, const YAML::Node& n, Ctx& ctx) {
+        YAML::Node v = n;
+        if (n.IsScalar() && ctx.kind != LayerKind::File) {
+          try {
+            v = YAML::Load(n.Scalar());
+          } catch (const YAML::Exception&) {
+            type_error(ctx, "a map such as {rope_type: llama3, factor: 32, ...}", n);
+          }
+        }
+        if (v.IsNull()) {
+          c.model.rope_scaling = RopeScaling();
+          return;
+        }
+        if (!v.IsMap()) type_error(ctx, "a map such as {rope_type: llama3, factor: 32, ...}", v);
+        nlohmann::json j = nlohmann::json::object();
+        for (auto it = v.begin(); it != v.end(); ++it) {
+          if (!it->first.IsScalar() || !it->second.IsScalar())
+            type_error(ctx, "a map of plain values", v);
+          j[it->first.Scalar()] = yaml_scalar_json(it->second.Scalar());
+        }
+        double theta = c.model.rope_theta;
+        try {
+          c.model.rope_scaling = parse_rope_scaling(j, path, with_theta ? &theta : nullptr);
+        } catch (const std::invalid_argument& e) {
+          fail(ctx.where, e.what());
+        }
+        c.model.rope_theta = theta;
+      };
+      f.get = [](const Config& c) { return c.model.rope_scaling.to_json().dump(); };
+      return f;
+    };
+    add(rope_field("model.rope_scaling", false,
+                   "RoPE scaling, as config.json's rope_scaling: {rope_type: default | linear | "
+                   "dynamic | llama3 | yarn, factor, ...} (llama3: low_freq_factor, "
+                   "high_freq_factor, original_max_position_embeddings; yarn: "
+                   "original_max_position_embeddings, beta_fast, beta_slow, attention_factor, "
+                   "mscale, mscale_all_dim, truncate); `type` is read as rope_type."));
+    add(grouped(rope_field("model.rope_parameters", true,
+                           "Transformers 5's spelling of rope_scaling, which may hold rope_theta "
+                           "too."),
+                "model.rope_scaling", true));
+  }
   add(f_double("model.rms_norm_eps", ACCEL_REF(model.rms_norm_eps), 0,
                std::numeric_limits<double>::infinity(), true, "RMSNorm epsilon."));
   add(f_double("model.initializer_range", ACCEL_REF(model.initializer_range), 0,
@@ -949,10 +1030,30 @@ std::vector<Field> build_schema() {
                "Std of the normal initialization of weights."));
   add(f_bool("model.tie_word_embeddings", ACCEL_REF(model.tie_word_embeddings),
              "lm_head shares the embedding matrix."));
+  add(f_bool("model.attention_bias", ACCEL_REF(model.attention_bias),
+             "llama, qwen3: biases on q/k/v/o_proj. Not an option of qwen2 (q/k/v always have "
+             "biases there) or mistral."));
+  add(f_int("model.sliding_window", ACCEL_REF(model.sliding_window), 0, kMax,
+            "Sliding-window attention: each query sees this many keys, its own included (0 = "
+            "none). mistral: every layer; qwen2/qwen3: with use_sliding_window."));
+  add(f_bool("model.use_sliding_window", ACCEL_REF(model.use_sliding_window),
+             "qwen2, qwen3: layers from max_window_layers on use sliding_window."));
+  add(f_int("model.max_window_layers", ACCEL_REF(model.max_window_layers), 0, kMax,
+            "qwen2, qwen3: the first layer that uses the sliding window (those before it attend "
+            "fully)."));
+  add(f_list("model.layer_types", ACCEL_REF(model.layer_types),
+             "qwen2, qwen3: full_attention or sliding_attention per layer (transformers 5); "
+             "replaces the use_sliding_window / max_window_layers rule. Empty = that rule."));
+  add(f_enum("model.hidden_act", ACCEL_REF(model.hidden_act), {"silu"},
+             "MLP activation: silu (SwiGLU), the only one these families use."));
+  add(f_bool("model.mlp_bias", ACCEL_REF(model.mlp_bias),
+             "Llama's MLP biases: only false is supported."));
+  add(f_double("model.attention_dropout", ACCEL_REF(model.attention_dropout), 0, 1, false,
+               "Only 0 is supported (no dropout)."));
   add(f_str("model.init_from", ACCEL_REF(model.init_from),
-            "A Hugging Face model folder (config.json + safetensors): its shape replaces the "
-            "model.* shape keys and its weights initialize the model (F32, or BF16/F16 widened "
-            "to fp32; other dtypes are refused)."));
+            "A Hugging Face model folder (config.json + safetensors) of a supported family: its "
+            "config.json replaces the model.* keys and its weights initialize the model (F32, or "
+            "BF16/F16 widened to fp32; other dtypes are refused)."));
 
   // ---- training ----
   {
@@ -965,7 +1066,11 @@ std::vector<Field> build_schema() {
     add(f);
   }
   add(f_int("training.max_steps", ACCEL_REF(training.max_steps), 0, kMax,
-            "Optimizer steps to run."));
+            "Optimizer steps to run (wins over training.num_epochs when both are given)."));
+  add(f_double("training.num_epochs", ACCEL_REF(training.num_epochs), 0,
+               std::numeric_limits<double>::infinity(), false,
+               "Epochs over the training data instead of max_steps (0 = off): the run takes "
+               "ceil(num_epochs x batches per epoch / gradient_accumulation_steps) steps."));
   add(f_int("training.micro_batch_size", ACCEL_REF(training.micro_batch_size), 1, kMax,
             "Sequences per micro-batch per process."));
   add(f_int("training.seq_len", ACCEL_REF(training.seq_len), 1, kMax, "Tokens per sequence."));
@@ -1019,7 +1124,29 @@ std::vector<Field> build_schema() {
   // ---- data ----
   add(f_enum("data.source", ACCEL_REF(data.source),
              "text: tokenize data.text_files at start; shards: pre-tokenized token shards "
-             "(accel-data); synthetic: random tokens (benchmarks)."));
+             "(accel-data); synthetic: random tokens (benchmarks); jsonl: tokenize "
+             "data.jsonl_files at start (text, prompt/completion or chat samples)."));
+  add(f_list("data.jsonl_files", ACCEL_REF(data.jsonl_files),
+             "source jsonl: JSONL files or glob patterns, plain, .gz or .zst (one JSON object "
+             "per line)."));
+  add(f_enum("data.format", ACCEL_REF(data.format),
+             "JSONL sample format; auto: from the first line (messages, prompt + completion, or "
+             "data.text_field), printed at start."));
+  add(f_str("data.text_field", ACCEL_REF(data.text_field), "format text: the field to train on."));
+  add(f_enum("data.chat_template", ACCEL_REF(data.chat_template),
+             "format messages: the chat template; auto: the one of the tokenizer_config.json "
+             "beside data.tokenizer (refused by name when it is not one of the others)."));
+  add(f_bool("data.packing", ACCEL_REF(data.packing),
+             "Documents (JSONL, document shards): pack several into each seq_len row, attention "
+             "kept within each; false: one per row, padded."));
+  add(f_bool("data.reset_position_ids", ACCEL_REF(data.reset_position_ids),
+             "Packing: positions restart at 0 in each document."));
+  add(f_int("data.pad_to_multiple_of", ACCEL_REF(data.pad_to_multiple_of), 0, kMax,
+            "Without packing: pad rows to the longest in the batch rounded up to a multiple of "
+            "this (0 = the longest; at most seq_len)."));
+  add(f_enum("data.overlong", ACCEL_REF(data.overlong),
+             "A document longer than training.seq_len: cut to seq_len, left out, or an error "
+             "naming its file and line (counts are printed and written to metrics.jsonl)."));
   add(f_list("data.text_files", ACCEL_REF(data.text_files),
              "source text: UTF-8 text files (paths relative to the working directory)."));
   add(f_str("data.train_path", ACCEL_REF(data.train_path), "source shards: training shards."));
@@ -1105,10 +1232,8 @@ const std::vector<Synonym>& key_synonyms() {
   static const std::vector<Synonym> s = {
       {"learning_rate", "optimizer.lr", "Trainer's learning_rate"},
       {"lr", "optimizer.lr", "the peak learning rate"},
-      {"num_train_epochs", "",
-       "epochs are not supported yet: a run is counted in optimizer steps, set training.max_steps"},
-      {"num_epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
-      {"epochs", "", "epochs are not supported yet: set training.max_steps (optimizer steps)"},
+      {"num_train_epochs", "training.num_epochs", "Trainer's num_train_epochs"},
+      {"epochs", "training.num_epochs", "epochs over the training data"},
       {"report_to", "logging.tensorboard",
        "TensorBoard files are written to training.output_dir/tb (on by default); metrics also go "
        "to metrics.jsonl (logging.metrics_file)"},
@@ -1677,20 +1802,22 @@ void resolve(Config& c) {
           "per-parameter sharding is implemented; the training math is the same)");
       c.fsdp.fsdp_version = 2;
     }
-    if (c.fsdp.fsdp_auto_wrap_policy == FsdpWrapPolicy::TransformerBased &&
-        c.model.name == "llama") {
+    if (c.fsdp.fsdp_auto_wrap_policy == FsdpWrapPolicy::TransformerBased) {
+      // Every family's model has one layer class to wrap: its decoder layer (model.init_from's
+      // family replaces model.name's once the folder is read).
+      const std::string layer = hf_class_prefix(c.model.name) + "DecoderLayer";
       std::vector<std::string> names;
       for (auto& p : split(c.fsdp.fsdp_transformer_layer_cls_to_wrap, ','))
         if (!trim(p).empty()) names.push_back(trim(p));
       std::vector<std::string> others;
       for (auto& n : names)
-        if (n != "LlamaDecoderLayer") others.push_back(n);
+        if (n != layer) others.push_back(n);
       if (!others.empty())
         c.notices.push_back("key fsdp_config.fsdp_transformer_layer_cls_to_wrap=" +
-                            c.fsdp.fsdp_transformer_layer_cls_to_wrap +
-                            " names no layer of the llama model (" + join(others, ", ") +
-                            "); each DecoderLayer is wrapped");
-      c.fsdp.fsdp_transformer_layer_cls_to_wrap = "LlamaDecoderLayer";
+                            c.fsdp.fsdp_transformer_layer_cls_to_wrap + " names no layer of the " +
+                            c.model.name + " model (" + join(others, ", ") + "); each " + layer +
+                            " is wrapped");
+      c.fsdp.fsdp_transformer_layer_cls_to_wrap = layer;
     }
     if (c.fsdp.fsdp_activation_checkpointing || c.training.activation_checkpointing)
       c.fsdp.fsdp_activation_checkpointing = c.training.activation_checkpointing = true;
@@ -1711,6 +1838,37 @@ void collect_notices(Config& c) {
                         ")");
   }
   auto given = [&](const std::string& p) { return c.origins.count(p) > 0; };
+  if (c.training.num_epochs > 0 && given("training.max_steps"))
+    c.notices.push_back("key training.num_epochs=" + fmt_double(c.training.num_epochs) +
+                        " has no effect: training.max_steps (" + origin(c, "training.max_steps") +
+                        ") is given too and wins (" + std::to_string(c.training.max_steps) +
+                        " steps)");
+  if (c.data.source == DataSource::Text || c.data.source == DataSource::Synthetic) {
+    for (const char* k :
+         {"data.jsonl_files", "data.format", "data.text_field", "data.chat_template",
+          "data.packing", "data.reset_position_ids", "data.pad_to_multiple_of", "data.overlong"})
+      if (given(k))
+        c.notices.push_back(std::string("key ") + k + " has no effect with data.source " +
+                            name_of(c.data.source) + " (it applies to JSONL documents)");
+  } else {
+    if (!c.data.packing && given("data.reset_position_ids"))
+      c.notices.push_back(
+          "key data.reset_position_ids has no effect because data.packing is false");
+    if (c.data.packing && given("data.pad_to_multiple_of"))
+      c.notices.push_back(
+          "key data.pad_to_multiple_of has no effect because data.packing is true (packed rows "
+          "are seq_len long)");
+    if (c.data.source == DataSource::Shards && given("data.jsonl_files"))
+      c.notices.push_back("key data.jsonl_files has no effect with data.source shards");
+    if (c.data.format != DataFormat::Auto && c.data.format != DataFormat::Messages &&
+        given("data.chat_template"))
+      c.notices.push_back(std::string("key data.chat_template has no effect with data.format ") +
+                          name_of(c.data.format));
+    if (c.data.format != DataFormat::Auto && c.data.format != DataFormat::Text &&
+        given("data.text_field"))
+      c.notices.push_back(std::string("key data.text_field has no effect with data.format ") +
+                          name_of(c.data.format));
+  }
   if (c.fp8.present && c.mixed_precision != MixedPrecision::Fp8)
     c.notices.push_back("fp8_config (" + first_key_under(c, "fp8_config.") +
                         ") has no effect because mixed_precision is " + name_of(c.mixed_precision));
@@ -1915,7 +2073,19 @@ void validate_config(const Config& c) {
           {"model.intermediate_size", m.intermediate_size}},
          "one micro-batch's MLP activations");
   }
-  if (m.init_from.empty() && c.training.seq_len > m.max_position_embeddings)
+  if (m.mlp_bias)
+    err("model.mlp_bias", "model.mlp_bias true is not supported (MLPs without biases)");
+  if (m.attention_dropout != 0)
+    err("model.attention_dropout", "model.attention_dropout " + fmt_double(m.attention_dropout) +
+                                       " is not supported: accel-train has no dropout (set 0)");
+  try {
+    validate_rope_scaling(m.rope_scaling, m.max_position_embeddings, "model.rope_scaling");
+  } catch (const std::invalid_argument& e) {
+    err("model.rope_scaling", e.what());
+  }
+  // Dynamic RoPE scaling is made for sequences past max_position_embeddings.
+  if (m.init_from.empty() && c.training.seq_len > m.max_position_embeddings &&
+      m.rope_scaling.rope_type != "dynamic")
     err("training.seq_len", "training.seq_len " + std::to_string(c.training.seq_len) +
                                 " exceeds model.max_position_embeddings " +
                                 std::to_string(m.max_position_embeddings));
@@ -1953,6 +2123,10 @@ void validate_config(const Config& c) {
         "distributed.backend nccl needs GPU tensors but training.device "
         "is cpu (" +
             origin(c, "training.device") + "): use backend cpu or auto");
+  if (c.data.source == DataSource::Jsonl && c.data.jsonl_files.empty())
+    err("data.source",
+        "data.source is jsonl but data.jsonl_files is empty: list the JSONL files (or glob "
+        "patterns)");
   if (c.data.source == DataSource::Shards && c.data.train_path.empty())
     err("data.source",
         "data.source is shards but data.train_path is empty: give the training "

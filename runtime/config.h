@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/rope_scaling.h"
+
 namespace accel {
 
 class ConfigError : public std::runtime_error {
@@ -33,8 +35,11 @@ enum class NanPolicy { Stop, Skip };
 enum class ProgressMode { Auto, Bar, Plain, None };
 enum class OptimizerName { AdamW, Sgd };
 enum class LrScheduleKind { Constant, Linear, Cosine };
-enum class DataSource { Text, Shards, Synthetic };
-enum class CommBackend { Auto, Nccl, Cpu };  // distributed.backend
+enum class DataSource { Text, Shards, Synthetic, Jsonl };
+enum class DataFormat { Auto, Text, PromptCompletion, Messages };        // data.format
+enum class ChatTemplateChoice { Llama3, Chatml, Qwen3, Mistral, Auto };  // data.chat_template
+enum class OverlongPolicy { Truncate, Drop, Error };                     // data.overlong
+enum class CommBackend { Auto, Nccl, Cpu };                              // distributed.backend
 enum class FsdpWrapPolicy { TransformerBased, SizeBased, NoWrap };
 enum class FsdpStateDictType { Sharded, Full };
 enum class OffloadDevice { None, Cpu, Nvme };
@@ -56,7 +61,10 @@ ACCEL_ENUM_NAMES(NanPolicy, "stop", "skip");
 ACCEL_ENUM_NAMES(ProgressMode, "auto", "bar", "plain", "none");
 ACCEL_ENUM_NAMES(OptimizerName, "adamw", "sgd");
 ACCEL_ENUM_NAMES(LrScheduleKind, "constant", "linear", "cosine");
-ACCEL_ENUM_NAMES(DataSource, "text", "shards", "synthetic");
+ACCEL_ENUM_NAMES(DataSource, "text", "shards", "synthetic", "jsonl");
+ACCEL_ENUM_NAMES(DataFormat, "auto", "text", "prompt_completion", "messages");
+ACCEL_ENUM_NAMES(ChatTemplateChoice, "llama3", "chatml", "qwen3", "mistral", "auto");
+ACCEL_ENUM_NAMES(OverlongPolicy, "truncate", "drop", "error");
 ACCEL_ENUM_NAMES(CommBackend, "auto", "nccl", "cpu");
 ACCEL_ENUM_NAMES(FsdpWrapPolicy, "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP");
 ACCEL_ENUM_NAMES(FsdpStateDictType, "SHARDED_STATE_DICT", "FULL_STATE_DICT");
@@ -72,23 +80,40 @@ const char* name_of(E e) {
   return EnumNames<E>::names[static_cast<size_t>(e)];
 }
 
-// Hugging Face config.json names (LlamaConfig, Qwen2Config, ...).
+// Hugging Face config.json names (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig).
 struct ModelConfig {
-  std::string name = "llama";
+  std::string name =
+      "llama";  // the family: config.json's model_type (llama, qwen2, qwen3, mistral)
   int64_t hidden_size = 256, num_hidden_layers = 4, num_attention_heads = 4,
           num_key_value_heads = 0 /* 0 = same as num_attention_heads */, intermediate_size = 688,
           vocab_size = 256, max_position_embeddings = 2048,
           head_dim = 0 /* 0 = hidden_size / num_attention_heads */;
   double rope_theta = 10000, rms_norm_eps = 1e-5, initializer_range = 0.02;
+  RopeScaling rope_scaling;  // rope_scaling / rope_parameters
   bool tie_word_embeddings = false;
+  bool attention_bias = false;  // llama, qwen3: q/k/v/o biases (qwen2 always has q/k/v biases)
+  // Sliding window (0 = none): mistral in every layer; qwen2/qwen3 with use_sliding_window from
+  // layer max_window_layers on; layer_types (full_attention / sliding_attention) per layer.
+  int64_t sliding_window = 0, max_window_layers = 0;
+  bool use_sliding_window = false;
+  std::vector<std::string> layer_types;
+  // Hugging Face fields with one supported value (others are refused naming the key).
+  std::string hidden_act = "silu";
+  bool mlp_bias = false;
+  double attention_dropout = 0;
   std::string init_from;  // a Hugging Face model folder; its config.json gives the shape
 };
+
+// The Hugging Face class-name prefix of a model family ("qwen3" -> "Qwen3": Qwen3DecoderLayer).
+std::string hf_class_prefix(const std::string& model_name);
 
 struct TrainingConfig {
   uint64_t seed = 0;
   int64_t max_steps = 100, micro_batch_size = 8, seq_len = 128, eval_every = 0 /* 0 = off */,
           eval_batches = 4, log_every = 1, sample_tokens = 0;
   std::string sample_prompt;
+  // Epochs over the training data instead of max_steps (0 = off); a max_steps given too wins.
+  double num_epochs = 0;
   DeviceChoice device = DeviceChoice::Auto;
   bool allow_tf32 = false;
   bool activation_checkpointing = false;
@@ -115,6 +140,16 @@ struct DataConfig {
   std::string tokenizer = "byte";  // "byte" or a path to a tokenizer.json
   double eval_fraction = 0.05;
   bool shuffle = true;
+  // source jsonl (docs/data.md): files or patterns, .jsonl / .jsonl.gz / .jsonl.zst.
+  std::vector<std::string> jsonl_files;
+  DataFormat format = DataFormat::Auto;
+  std::string text_field = "text";
+  ChatTemplateChoice chat_template = ChatTemplateChoice::Auto;
+  // Documents (JSONL, or document shards): packed into seq_len rows, or one per row padded.
+  bool packing = true;
+  bool reset_position_ids = true;  // packing: positions restart at 0 in each document
+  int64_t pad_to_multiple_of = 0;  // no packing: rows padded to the longest (0) or a multiple
+  OverlongPolicy overlong = OverlongPolicy::Truncate;
 };
 
 struct CheckpointConfig {

@@ -1,7 +1,9 @@
-// accel-data: text files -> token shards for accel-train (docs/data.md).
+// accel-data: text or JSONL files -> token shards for accel-train (docs/data.md).
 //
 //   accel-data --tokenizer byte|PATH/tokenizer.json --out DIR [--eval-fraction F]
 //              [--shard-tokens N] [--no-eot] FILES...
+//   accel-data --tokenizer T --out DIR [--format F] [--text-field K] [--chat-template C]
+//              FILES.jsonl[.gz|.zst]...    (document shards: trained flags per token)
 //   accel-data --info SHARDS...  [--tokenizer T --decode N]
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "runtime/data/data.h"
+#include "runtime/data/jsonl.h"
 #include "tools/cli.h"
 
 namespace {
@@ -38,12 +41,58 @@ int info(const std::vector<std::string>& shards, const std::string& tokenizer_sp
     printf("%s: %s tokens, uint%d, vocab_size %lld, max token %u\n", path.c_str(),
            grouped(s->size()).c_str(), s->token_bytes() * 8,
            static_cast<long long>(s->vocab_size()), s->max_token(0, s->size()));
+    if (s->has_documents()) {
+      int64_t trained = 0;
+      for (int64_t i = 0; i < s->size(); ++i) trained += s->trained(i) ? 1 : 0;
+      printf("  %s documents, %s trained tokens\n", grouped(s->documents()).c_str(),
+             grouped(trained).c_str());
+    }
     if (tok) {
       std::vector<uint32_t> ids(static_cast<size_t>(std::min<int64_t>(decode, s->size())));
       s->read(0, static_cast<int64_t>(ids.size()), ids.data());
       printf("  first %zu tokens: %s\n", ids.size(), tok->decode(ids).c_str());
     }
   }
+  return 0;
+}
+
+bool is_jsonl(const std::string& path) {
+  for (const char* tail : {".jsonl", ".jsonl.gz", ".jsonl.zst"}) {
+    const std::string t = tail;
+    if (path.size() >= t.size() && path.compare(path.size() - t.size(), t.size(), t) == 0)
+      return true;
+  }
+  return false;
+}
+
+// Parses a --format / --chat-template value by the config's spelling.
+template <class E>
+E parse_choice(const std::string& option, const std::string& v) {
+  std::string all;
+  for (size_t i = 0; i < std::size(accel::EnumNames<E>::names); ++i) {
+    if (v == accel::EnumNames<E>::names[i]) return static_cast<E>(i);
+    all += (i ? ", " : "") + std::string(accel::EnumNames<E>::names[i]);
+  }
+  throw std::invalid_argument(option + " '" + v + "' is not one of " + all);
+}
+
+int jsonl(const std::vector<std::string>& files, const accel::Tokenizer& tok,
+          const accel::JsonlOptions& o, const std::string& out_dir, int64_t shard_tokens) {
+  const accel::JsonlShardSet set =
+      accel::tokenize_jsonl_files(files, tok, o, out_dir, shard_tokens);
+  printf("%s\n", set.notice.c_str());
+  for (const auto& [path, n] : set.file_documents)
+    printf("  %-40s %s documents\n", path.c_str(), grouped(n).c_str());
+  printf("wrote %zu document shard(s): %s documents, %s tokens, %s trained (%.1f%%)\n",
+         set.shards.size(), grouped(set.documents).c_str(), grouped(set.tokens).c_str(),
+         grouped(set.trained_tokens).c_str(),
+         100.0 * static_cast<double>(set.trained_tokens) / static_cast<double>(set.tokens));
+  for (const auto& p : set.shards) printf("  %s\n", p.c_str());
+  printf("  %s/manifest.json\n", out_dir.c_str());
+  printf(
+      "train on them with data.source: shards, data.train_path: %s/train (the eval split comes "
+      "from data.eval_fraction)\n",
+      out_dir.c_str());
   return 0;
 }
 
@@ -75,6 +124,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--no-eot", no_eot,
                "do not put the tokenizer's end-of-text token (e.g. <|endoftext|>) after each file");
+  std::string format = "auto", text_field = "text", chat_template = "auto";
+  app.add_option("--format", format,
+                 "JSONL inputs: auto (from the first line), text, prompt_completion, messages")
+      ->capture_default_str();
+  app.add_option("--text-field", text_field, "JSONL format text: the field to train on")
+      ->capture_default_str();
+  app.add_option("--chat-template", chat_template,
+                 "JSONL format messages: llama3, chatml, qwen3, mistral, or auto (the "
+                 "tokenizer_config.json beside --tokenizer)")
+      ->capture_default_str();
   app.add_flag("--info", show_info, "print the header of each shard given as FILES and exit");
   app.add_option("--decode", decode, "with --info: decode this many first tokens");
   app.add_option("FILES", files, "text files or glob patterns (shards with --info)")->required();
@@ -87,8 +146,33 @@ int main(int argc, char** argv) {
       return 2;
     }
     auto tok = accel::make_tokenizer(tokenizer);
-    accel::TextFileSelection selected =
-        accel::select_text_files(accel::expand_data_paths(files, "accel-data", nullptr), "FILES");
+    for (const std::string& f : files) accel::refuse_unreadable_dataset(f, "accel-data");
+    const std::vector<std::string> expanded =
+        accel::expand_data_paths(files, "accel-data", nullptr);
+    const size_t n_jsonl =
+        static_cast<size_t>(std::count_if(expanded.begin(), expanded.end(), is_jsonl));
+    if (n_jsonl > 0) {
+      if (n_jsonl != expanded.size())
+        throw std::invalid_argument(
+            "FILES mixes JSONL (.jsonl, .jsonl.gz, .jsonl.zst) and text files; make their "
+            "shards in two runs");
+      if (eval_fraction > 0)
+        throw std::invalid_argument(
+            "--eval-fraction is for text; JSONL document shards are split at training time by "
+            "data.eval_fraction");
+      if (no_eot)
+        throw std::invalid_argument(
+            "--no-eot is for text; every JSONL document ends with the end-of-text token when "
+            "the tokenizer has one");
+      accel::JsonlOptions o;
+      o.format = parse_choice<accel::DataFormat>("--format", format);
+      o.text_field = text_field;
+      o.chat_template = parse_choice<accel::ChatTemplateChoice>("--chat-template", chat_template);
+      o.tokenizer_spec = tokenizer;
+      printf("tokenizer: %s\n", tok->description().c_str());
+      return jsonl(expanded, *tok, o, out_dir, shard_tokens);
+    }
+    accel::TextFileSelection selected = accel::select_text_files(expanded, "FILES");
     for (const std::string& n : selected.notices)
       fprintf(stderr, "accel-data: warning: %s\n", n.c_str());
     const std::vector<std::string>& inputs = selected.files;

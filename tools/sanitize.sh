@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 # libomp-dev (OpenMP for clang). Debian's "clang" package pulls the matching libclang-rt only as a
 # recommendation, so the runtime package is named explicitly from clang's version.
 packages=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libboost-dev
-          libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libprotobuf-dev protobuf-compiler
+          libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libpcre2-dev zlib1g-dev libzstd-dev libprotobuf-dev protobuf-compiler
           fortunes openmpi-bin clang libomp-dev)
 missing=()
 for p in "${packages[@]}"; do

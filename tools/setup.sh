@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libboost-dev
-          libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libprotobuf-dev protobuf-compiler fortunes
+          libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libpcre2-dev zlib1g-dev libzstd-dev libprotobuf-dev protobuf-compiler fortunes
           openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
@@ -22,3 +22,6 @@ fi
 # CUDA parts build when nvcc is found (the toolkit lives in /usr/local/cuda on our machines).
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release ${ACCEL_CMAKE_ARGS:-}
 cmake --build build -j "$(nproc)"
+
+# The fine-tuning example (configs/sft-tiny.yaml): prompt/completion samples made from fortunes.
+tools/make_sft_example.sh build/sft

@@ -3,9 +3,13 @@
 // row by row from it (flash-attention's backward):
 //   P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
 //   dQ = dS K * scale, dK = dS^T Q * scale.
-// Math is in float (double for f64 tensors); 16-bit inputs are widened once up front.
+// Math is in float (double for f64 tensors); 16-bit inputs are widened once up front. Every mask
+// (causal, sliding window, documents) leaves each query row one contiguous range of keys.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "ops/cpu/cpu_backend.h"
 #include "ops/cpu/cpu_common.h"
@@ -43,17 +47,40 @@ void finish_output(const Tensor& t, const std::vector<A>& own) {
 
 struct AttnShape {
   int64_t b, sq, sk, hq, hkv, d, group;
-  // Number of keys query row i may see.
-  int64_t visible(int64_t i, bool causal) const {
-    if (!causal) return sk;
-    return std::clamp<int64_t>(i + 1 + (sk - sq), 0, sk);  // bottom-right aligned when sk != sq
-  }
   int64_t q_index(int64_t bi, int64_t i, int64_t h) const { return ((bi * sq + i) * hq + h) * d; }
   int64_t kv_index(int64_t bi, int64_t j, int64_t h) const { return ((bi * sk + j) * hkv + h) * d; }
 };
 
+// The keys [lo, hi) each query row sees: every mask here leaves one contiguous range.
+struct KeyRanges {
+  const AttnShape& s;
+  bool causal;
+  int64_t window;
+  std::vector<int64_t> run_start;  // [B, S]: where the document holding position i begins
+
+  KeyRanges(const AttnShape& shape, const AttentionMask& mask)
+      : s(shape), causal(mask.causal), window(mask.window) {
+    if (!mask.segment_ids.defined()) return;
+    const int32_t* seg = static_cast<const int32_t*>(mask.segment_ids.data_ptr());
+    run_start.resize(static_cast<size_t>(s.b * s.sq));
+    for (int64_t bi = 0; bi < s.b; ++bi)
+      for (int64_t i = 0; i < s.sq; ++i) {
+        const int64_t r = bi * s.sq + i;
+        run_start[r] = i > 0 && seg[r] == seg[r - 1] ? run_start[r - 1] : i;
+      }
+  }
+  std::pair<int64_t, int64_t> operator()(int64_t bi, int64_t i) const {
+    if (!causal) return {0, s.sk};
+    const int64_t pos = i + (s.sk - s.sq);  // bottom-right aligned when sk != sq
+    const int64_t hi = std::clamp<int64_t>(pos + 1, 0, s.sk);
+    int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    if (!run_start.empty()) lo = std::max(lo, run_start[bi * s.sq + i]);
+    return {std::min(lo, hi), hi};
+  }
+};
+
 AttnShape check_shapes(const char* op, const Tensor& out, const Tensor& lse, const Tensor& q,
-                       const Tensor& k, const Tensor& v) {
+                       const Tensor& k, const Tensor& v, const AttentionMask& mask) {
   if (q.dim() != 4 || k.dim() != 4 || k.shape() != v.shape() || q.shape()[0] != k.shape()[0] ||
       q.shape()[3] != k.shape()[3] || k.shape()[2] == 0 || q.shape()[2] % k.shape()[2] != 0 ||
       out.shape() != q.shape() || !q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() ||
@@ -64,6 +91,12 @@ AttnShape check_shapes(const char* op, const Tensor& out, const Tensor& lse, con
                            lse.str());
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype() || out.dtype() != q.dtype())
     throw std::invalid_argument(std::string("[") + op + "] q, k, v and out must share a dtype");
+  const Tensor& seg = mask.segment_ids;
+  if (seg.defined() &&
+      (seg.dtype() != DType::I32 || !seg.is_contiguous() || q.shape()[1] != k.shape()[1] ||
+       seg.shape() != Shape{q.shape()[0], q.shape()[1]}))
+    throw std::logic_error(std::string("[") + op + "] CPU backend got segment_ids " + seg.str() +
+                           " for q " + q.str() + " and k " + k.str());
   AttnShape s;
   s.b = q.shape()[0];
   s.sq = q.shape()[1];
@@ -82,21 +115,22 @@ A dot(const A* a, const A* b, int64_t n) {
   return s;
 }
 
-// Scores of query row `qr` against the first `n` keys of kv head `hk`; returns the row max.
+// Scores of query row `qr` against keys [lo, hi) of kv head `hk` into out[0, hi - lo); returns
+// the row max.
 template <class A>
-A scores(const AttnShape& s, const A* qr, const A* k, int64_t bi, int64_t hk, int64_t n, A scale,
-         A* out) {
+A scores(const AttnShape& s, const A* qr, const A* k, int64_t bi, int64_t hk, int64_t lo,
+         int64_t hi, A scale, A* out) {
   A m = -std::numeric_limits<A>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    out[j] = scale * dot(qr, k + s.kv_index(bi, j, hk), s.d);
-    m = std::max(m, out[j]);
+  for (int64_t j = lo; j < hi; ++j) {
+    out[j - lo] = scale * dot(qr, k + s.kv_index(bi, j, hk), s.d);
+    m = std::max(m, out[j - lo]);
   }
   return m;
 }
 
 template <class A, class TrL>
 void attention_forward(const AttnShape& s, const Tensor& out, const Tensor& lse, const Tensor& q,
-                       const Tensor& k, const Tensor& v, bool causal, A scale) {
+                       const Tensor& k, const Tensor& v, const KeyRanges& keys, A scale) {
   std::vector<A> q_own, k_own, v_own, o_own;
   const A* qp = input_ptr<A>(q, q_own);
   const A* kp = input_ptr<A>(k, k_own);
@@ -110,20 +144,20 @@ void attention_forward(const AttnShape& s, const Tensor& out, const Tensor& lse,
     for (int64_t r = rb; r < re; ++r) {
       const int64_t i = r % s.sq, h = (r / s.sq) % s.hq, bi = r / (s.sq * s.hq);
       const int64_t hk = h / s.group;
-      const int64_t n = s.visible(i, causal);
+      const auto [lo, hi] = keys(bi, i);
       A* orow = op + s.q_index(bi, i, h);
       std::fill(orow, orow + s.d, A(0));
-      if (n == 0) {
+      if (lo == hi) {
         lp[r] = TrL::store(-std::numeric_limits<float>::infinity());
         continue;
       }
-      const A m = scores(s, qp + s.q_index(bi, i, h), kp, bi, hk, n, scale, p.data());
+      const A m = scores(s, qp + s.q_index(bi, i, h), kp, bi, hk, lo, hi, scale, p.data());
       A l = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - m);
-        l += p[j];
+      for (int64_t j = lo; j < hi; ++j) {
+        const A pj = std::exp(p[j - lo] - m);
+        l += pj;
         const A* vr = vp + s.kv_index(bi, j, hk);
-        for (int64_t c = 0; c < s.d; ++c) orow[c] += p[j] * vr[c];
+        for (int64_t c = 0; c < s.d; ++c) orow[c] += pj * vr[c];
       }
       const A inv = A(1) / l;
       for (int64_t c = 0; c < s.d; ++c) orow[c] *= inv;
@@ -137,7 +171,7 @@ template <class A, class TrL>
 void attention_backward_impl(const AttnShape& s, const Tensor& grad_q, const Tensor& grad_k,
                              const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                             bool causal, A scale) {
+                             const KeyRanges& keys, A scale) {
   std::vector<A> q_own, k_own, v_own, o_own, do_own, dq_own, dk_own, dv_own;
   const A* qp = input_ptr<A>(q, q_own);
   const A* kp = input_ptr<A>(k, k_own);
@@ -167,21 +201,21 @@ void attention_backward_impl(const AttnShape& s, const Tensor& grad_q, const Ten
           const A* dor = dop + qi;
           A* dqr = dq + qi;
           std::fill(dqr, dqr + s.d, A(0));
-          const int64_t n = s.visible(i, causal);
-          if (n == 0) continue;
-          const A m = scores(s, qr, kp, bi, hk, n, scale, p.data());
+          const auto [lo, hi] = keys(bi, i);
+          if (lo == hi) continue;
+          const A m = scores(s, qr, kp, bi, hk, lo, hi, scale, p.data());
           A row_lse;
           if (recompute_lse) {
             A l = 0;
-            for (int64_t j = 0; j < n; ++j) l += std::exp(p[j] - m);
+            for (int64_t j = lo; j < hi; ++j) l += std::exp(p[j - lo] - m);
             row_lse = m + std::log(l);
           } else {
             row_lse = static_cast<A>(TrL::load(lp[(bi * s.hq + h) * s.sq + i]));
           }
           const A di = dot(dor, op + qi, s.d);  // rowsum(dO * O)
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = lo; j < hi; ++j) {
             const int64_t kj = s.kv_index(bi, j, hk);
-            const A pj = std::exp(p[j] - row_lse);
+            const A pj = std::exp(p[j - lo] - row_lse);
             const A dpj = dot(dor, vp + kj, s.d);
             const A ds = pj * (dpj - di) * scale;
             for (int64_t c = 0; c < s.d; ++c) {
@@ -220,29 +254,31 @@ void dispatch_attention(DType q_dtype, DType lse_dtype, const char* op, F&& f) {
 }  // namespace
 
 void CpuBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                           const Tensor& v, bool causal, double scale) {
-  const AttnShape s = check_shapes("attention", out, lse, q, k, v);
+                           const Tensor& v, const AttentionMask& mask, double scale) {
+  const AttnShape s = check_shapes("attention", out, lse, q, k, v, mask);
   if (out.numel() == 0 && lse.numel() == 0) return;
+  const KeyRanges keys(s, mask);
   dispatch_attention(q.dtype(), lse.dtype(), "attention", [&](auto a_tag, auto tr_l) {
     using A = decltype(a_tag);
-    attention_forward<A, decltype(tr_l)>(s, out, lse, q, k, v, causal, static_cast<A>(scale));
+    attention_forward<A, decltype(tr_l)>(s, out, lse, q, k, v, keys, static_cast<A>(scale));
   });
 }
 
 void CpuBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
                                     const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
                                     const Tensor& k, const Tensor& v, const Tensor& out,
-                                    const Tensor& lse, bool causal, double scale) {
-  const AttnShape s = check_shapes("attention", out, lse, q, k, v);
+                                    const Tensor& lse, const AttentionMask& mask, double scale) {
+  const AttnShape s = check_shapes("attention", out, lse, q, k, v, mask);
   if (grad_q.shape() != q.shape() || grad_k.shape() != k.shape() || grad_v.shape() != v.shape() ||
       grad_out.shape() != q.shape() || !grad_q.is_contiguous() || !grad_k.is_contiguous() ||
       !grad_v.is_contiguous() || !grad_out.is_contiguous() || grad_q.dtype() != q.dtype() ||
       grad_k.dtype() != q.dtype() || grad_v.dtype() != q.dtype() || grad_out.dtype() != q.dtype())
     throw std::logic_error("[attention] backward: gradients must be contiguous and match q, k, v");
+  const KeyRanges keys(s, mask);
   dispatch_attention(q.dtype(), lse.dtype(), "attention", [&](auto a_tag, auto tr_l) {
     using A = decltype(a_tag);
     attention_backward_impl<A, decltype(tr_l)>(s, grad_q, grad_k, grad_v, grad_out, q, k, v, out,
-                                               lse, causal, static_cast<A>(scale));
+                                               lse, keys, static_cast<A>(scale));
   });
 }
 

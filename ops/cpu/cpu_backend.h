@@ -49,8 +49,8 @@ class CpuBackend final : public Backend {
                          const Tensor& x, const Tensor& weight, const Tensor& rstd,
                          const Tensor& grad_x_add) override;
   // rope.cpp
-  void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-            bool inverse) override;
+  void rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+            int64_t position_offset, const Tensor& position_ids, bool inverse) override;
   // swiglu.cpp
   void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
   void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
@@ -58,10 +58,11 @@ class CpuBackend final : public Backend {
 
   // attention.cpp
   void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                 const Tensor& v, bool causal, double scale) override;
+                 const Tensor& v, const AttentionMask& mask, double scale) override;
   void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
                           const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const Tensor& out, const Tensor& lse, bool causal, double scale) override;
+                          const Tensor& out, const Tensor& lse, const AttentionMask& mask,
+                          double scale) override;
 
   // random.cpp
   void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,

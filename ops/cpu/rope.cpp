@@ -1,7 +1,6 @@
 // Rotary position embeddings (and the inverse rotation for the backward). The 16-bit paths round
 // cos/sin and the products to the activation dtype where Hugging Face's Llama does.
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 #include "ops/cpu/cpu_backend.h"
@@ -11,56 +10,64 @@ namespace accel {
 using namespace cpu;
 
 namespace {
-// cos/sin of angle (position_offset + s) * inv_freq[i] for s < S, i < D/2, as [S][D/2]. For f64
-// everything is double; otherwise float32 exactly as Hugging Face computes it: inv_freq =
-// 1 / theta^(float(2i) / D) in float, angle = float(pos) * inv_freq in float, cos/sin in float.
+// cos/sin (times attention_scaling) of the angle p * inv_freq[i] for each table row's position p
+// and i < D/2, as [rows][D/2]. For f64 the angle and cos/sin are double (of the float32
+// inv_freq); otherwise float32 exactly as Hugging Face computes them: angle = float(p) *
+// inv_freq in float, cos/sin in float, then the product with the scaling in float.
 template <class A>
-void rope_table(int64_t s_len, int64_t half, int64_t d, double theta, int64_t position_offset,
+void rope_table(const std::vector<int64_t>& positions, const RopeFrequencies& f,
                 std::vector<A>& cos_t, std::vector<A>& sin_t) {
-  cos_t.resize(static_cast<size_t>(s_len * half));
-  sin_t.resize(static_cast<size_t>(s_len * half));
-  std::vector<A> inv(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    if constexpr (std::is_same_v<A, double>) {
-      inv[i] = 1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(d));
-    } else {
-      const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
-      inv[i] = 1.0f / std::pow(static_cast<float>(theta), expo);
-    }
-  }
-  for (int64_t s = 0; s < s_len; ++s) {
-    const A pos = static_cast<A>(position_offset + s);
-    for (int64_t i = 0; i < half; ++i) {
-      const A angle = pos * inv[i];
-      cos_t[s * half + i] = std::cos(angle);
-      sin_t[s * half + i] = std::sin(angle);
+  const size_t half = f.inv_freq.size();
+  cos_t.resize(positions.size() * half);
+  sin_t.resize(positions.size() * half);
+  const A scale = static_cast<A>(f.attention_scaling);
+  for (size_t r = 0; r < positions.size(); ++r) {
+    const A pos = static_cast<A>(positions[r]);
+    for (size_t i = 0; i < half; ++i) {
+      const A angle = pos * static_cast<A>(f.inv_freq[i]);
+      cos_t[r * half + i] = std::cos(angle) * scale;
+      sin_t[r * half + i] = std::sin(angle) * scale;
     }
   }
 }
 }  // namespace
 
-void CpuBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-                      bool inverse) {
-  require(x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
-              out.dtype() == x.dtype() && x.shape()[3] % 2 == 0,
-          "rope", "needs contiguous [B, S, H, D] x and out with D even, got " + x.str());
+void CpuBackend::rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+                      int64_t position_offset, const Tensor& position_ids, bool inverse) {
+  require(
+      x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
+          out.dtype() == x.dtype() && x.shape()[3] % 2 == 0 &&
+          static_cast<int64_t>(freqs.inv_freq.size()) * 2 == x.shape()[3],
+      "rope",
+      "needs contiguous [B, S, H, D] x and out with D even and D/2 frequencies, got " + x.str());
   const int64_t b_len = x.shape()[0], s_len = x.shape()[1], h_len = x.shape()[2], d = x.shape()[3],
                 half = d / 2;
   if (x.numel() == 0) return;
+  // One table row per sequence position, or per token when the positions are given.
+  std::vector<int64_t> positions;
+  if (position_ids.defined()) {
+    require(position_ids.is_contiguous() && position_ids.numel() == b_len * s_len, "rope",
+            "position_ids must be contiguous [B, S], got " + position_ids.str());
+    for (double p : position_ids.to_vector()) positions.push_back(static_cast<int64_t>(p));
+  } else {
+    for (int64_t s = 0; s < s_len; ++s) positions.push_back(position_offset + s);
+  }
+  const bool per_token = position_ids.defined();
   dispatch_float(x.dtype(), "rope", [&](auto tr) {
     using Tr = decltype(tr);
     using A = AccOf<Tr>;
     using C = typename Tr::C;
     std::vector<A> cos_t, sin_t;
-    rope_table<A>(s_len, half, d, theta, position_offset, cos_t, sin_t);
+    rope_table<A>(positions, freqs, cos_t, sin_t);
     const auto* xp = ptr<Tr>(x);
     auto* o = ptr<Tr>(out);
     const int64_t rows = b_len * s_len * h_len;
     parallel_for(rows, row_grain(d), [&](int64_t rb, int64_t re) {
       for (int64_t r = rb; r < re; ++r) {
-        const int64_t s = (r / h_len) % s_len;
-        const A* ct = cos_t.data() + s * half;
-        const A* st = sin_t.data() + s * half;
+        const int64_t token = r / h_len;  // b * S + s
+        const int64_t row = per_token ? token : token % s_len;
+        const A* ct = cos_t.data() + row * half;
+        const A* st = sin_t.data() + row * half;
         const auto* xr = xp + r * d;
         auto* orow = o + r * d;
         for (int64_t i = 0; i < half; ++i) {

@@ -9,7 +9,10 @@
 // The backward recomputes probabilities from the saved log-sum-exp (flash-attention style) in two
 // kernels: dQ over key tiles and dK/dV over query tiles, so no atomics are needed.
 // Causal masking is bottom-right aligned when the key count differs from the query count, as in
-// the CPU reference: query i sees keys j < i + 1 + (Sk - Sq).
+// the CPU reference: query i sees keys j < i + 1 + (Sk - Sq). Sliding windows and documents
+// (segment_ids) narrow each row to one range of keys (attention.cuh); every kernel walks only the
+// key (or query) tiles its rows see (the tensor-core kernels mask elements only in the tiles at a
+// range's edges; the generic ones test each element, which costs them little).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -67,12 +70,6 @@ constexpr int kRows = 4;   // warps (rows) per block
 constexpr int kTile = 32;  // columns per shared-memory tile
 constexpr int kMaxT = 8;   // head dim up to 32 * kMaxT
 
-__device__ __forceinline__ int64_t visible_keys(const AttnParams& p, int64_t i) {
-  if (!p.causal) return p.sk;
-  int64_t n = i + 1 + (p.sk - p.sq);
-  return n < 0 ? 0 : (n > p.sk ? p.sk : n);
-}
-
 template <class T>
 __device__ __forceinline__ void stage_rows(float* dst, int ld, const T* src, int64_t row0,
                                            int64_t rows_total, int64_t row_stride, int n_rows,
@@ -102,21 +99,24 @@ __global__ void attn_fwd_generic(AttnParams p, T* __restrict__ out, float* __res
   const T* kb = k + (b * p.sk * p.hkv + hk) * d;
   const T* vb = v + (b * p.sk * p.hkv + hk) * d;
   stage_rows(qs, d, qb, i0, p.sq, q_stride, kRows, d);
-  const int64_t n_i = row_ok ? visible_keys(p, i) : 0;
-  const int64_t n_max = visible_keys(p, (i0 + kRows < p.sq ? i0 + kRows : p.sq) - 1);
+  // This row's keys [lo_i, hi_i); the block's rows together see [j_begin, j_end).
+  const int64_t lo_i = row_ok ? attn_keys_lo(p, b, i) : 0;
+  const int64_t hi_i = row_ok ? attn_keys_hi(p, i) : 0;
+  const int64_t j_begin = attn_keys_lo(p, b, i0);
+  const int64_t j_end = attn_keys_hi(p, (i0 + kRows < p.sq ? i0 + kRows : p.sq) - 1);
   const int nt = (d + 31) / 32;
   float acc[kMaxT];
 #pragma unroll
   for (int t = 0; t < kMaxT; ++t) acc[t] = 0.f;
   float m = -INFINITY, l = 0.f;
-  for (int64_t j0 = 0; j0 < n_max; j0 += kTile) {
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTile) {
     __syncthreads();
     stage_rows(ks, ld, kb, j0, p.sk, kv_stride, kTile, d);
     stage_rows(vs, ld, vb, j0, p.sk, kv_stride, kTile, d);
     __syncthreads();
-    if (j0 >= n_i) continue;
+    if (j0 >= hi_i || j0 + kTile <= lo_i) continue;  // warp-uniform
     float s = -INFINITY;
-    if (j0 + lane < n_i) {
+    if (j0 + lane >= lo_i && j0 + lane < hi_i) {
       float dot = 0.f;
       const float* kr = ks + lane * ld;
       const float* qr = qs + warp * d;
@@ -209,22 +209,24 @@ __global__ void attn_bwd_dq_generic(AttnParams p, T* __restrict__ dq, const T* _
   const T* vb = v + (b * p.sk * p.hkv + hk) * d;
   stage_rows(qs, d, q + (b * p.sq * p.hq + h) * d, i0, p.sq, q_stride, kRows, d);
   stage_rows(dos, d, dout + (b * p.sq * p.hq + h) * d, i0, p.sq, q_stride, kRows, d);
-  const int64_t n_i = row_ok ? visible_keys(p, i) : 0;
-  const int64_t n_max = visible_keys(p, (i0 + kRows < p.sq ? i0 + kRows : p.sq) - 1);
+  const int64_t lo_i = row_ok ? attn_keys_lo(p, b, i) : 0;
+  const int64_t hi_i = row_ok ? attn_keys_hi(p, i) : 0;
+  const int64_t j_begin = attn_keys_lo(p, b, i0);
+  const int64_t j_end = attn_keys_hi(p, (i0 + kRows < p.sq ? i0 + kRows : p.sq) - 1);
   const float row_lse = row_ok ? lse[(b * p.hq + h) * p.sq + i] : 0.f;
   const float row_delta = row_ok ? delta[(b * p.hq + h) * p.sq + i] : 0.f;
   const int nt = (d + 31) / 32;
   float acc[kMaxT];
 #pragma unroll
   for (int t = 0; t < kMaxT; ++t) acc[t] = 0.f;
-  for (int64_t j0 = 0; j0 < n_max; j0 += kTile) {
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTile) {
     __syncthreads();
     stage_rows(ks, ld, kb, j0, p.sk, kv_stride, kTile, d);
     stage_rows(vs, ld, vb, j0, p.sk, kv_stride, kTile, d);
     __syncthreads();
-    if (j0 >= n_i) continue;
+    if (j0 >= hi_i || j0 + kTile <= lo_i) continue;  // warp-uniform
     float ds = 0.f;
-    if (j0 + lane < n_i) {
+    if (j0 + lane >= lo_i && j0 + lane < hi_i) {
       float dot = 0.f, dp = 0.f;
       const float* kr = ks + lane * ld;
       const float* vr = vs + lane * ld;
@@ -277,17 +279,18 @@ __global__ void attn_bwd_dkv_generic(AttnParams p, T* __restrict__ dk, T* __rest
   float acc_k[kMaxT], acc_v[kMaxT];
 #pragma unroll
   for (int t = 0; t < kMaxT; ++t) acc_k[t] = acc_v[t] = 0.f;
-  // First query row that sees key j0b (causal): i + 1 + (sk - sq) > j0b.
-  int64_t i_start = p.causal ? j0b - (p.sk - p.sq) : 0;
-  if (i_start < 0) i_start = 0;
-  i_start = i_start / kTile * kTile;
+  // This key's queries [qlo, qhi); the block's keys together are seen by [i_start, i_end).
+  const int64_t qlo = row_ok ? attn_queries_lo(p, j) : 0;
+  const int64_t qhi = row_ok ? attn_queries_hi(p, b, j) : 0;
+  const int64_t i_start = attn_queries_lo(p, j0b);
+  const int64_t i_end = attn_queries_hi(p, b, (j0b + kRows < p.sk ? j0b + kRows : p.sk) - 1);
   for (int64_t g = 0; g < p.group; ++g) {
     const int64_t h = hk * p.group + g;
     const T* qb = q + (b * p.sq * p.hq + h) * d;
     const T* db = dout + (b * p.sq * p.hq + h) * d;
     const float* lse_b = lse + (b * p.hq + h) * p.sq;
     const float* delta_b = delta + (b * p.hq + h) * p.sq;
-    for (int64_t i0 = i_start; i0 < p.sq; i0 += kTile) {
+    for (int64_t i0 = i_start; i0 < i_end; i0 += kTile) {
       __syncthreads();
       stage_rows(qs, ld, qb, i0, p.sq, q_stride, kTile, d);
       stage_rows(dos, ld, db, i0, p.sq, q_stride, kTile, d);
@@ -299,7 +302,7 @@ __global__ void attn_bwd_dkv_generic(AttnParams p, T* __restrict__ dk, T* __rest
       __syncthreads();
       const int64_t i = i0 + lane;
       float pj = 0.f, ds = 0.f;
-      if (row_ok && i < p.sq && j < visible_keys(p, i)) {
+      if (i >= qlo && i < qhi) {
         float dot = 0.f, dp = 0.f;
         const float* qr = qs + lane * ld;
         const float* dr = dos + lane * ld;
@@ -336,7 +339,66 @@ __global__ void attn_bwd_dkv_generic(AttnParams p, T* __restrict__ dk, T* __rest
     }
 }
 
-AttnParams make_params(const Tensor& q, const Tensor& k, bool causal, double scale) {
+// Inclusive scan over the block's threads (blockDim.x a multiple of 32, at most 1024) with a
+// commutative, associative op; every thread also gets the block's total.
+template <class Op>
+__device__ int block_scan(int v, Op op, int* total) {
+  __shared__ int warp_totals[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int o = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v = op(v, o);
+  }
+  __syncthreads();  // warp_totals of a previous call are read
+  if (lane == 31) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int t = lane < warps ? warp_totals[lane] : warp_totals[0];
+    for (int off = 1; off < 32; off <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, t, off);
+      if (lane >= off) t = op(t, o);
+    }
+    warp_totals[lane] = t;  // inclusive over warps
+  }
+  __syncthreads();
+  if (warp > 0) v = op(v, warp_totals[warp - 1]);
+  *total = warp_totals[warps - 1];
+  return v;
+}
+
+// Document bounds from segment ids [B, S] (one block per row): lo[i] = the first position of the
+// run of equal ids holding i (a max-scan of run starts), hi[i] = one past its last position (a
+// min-scan of run ends, right to left).
+__global__ void attn_segment_bounds(int64_t rows, int64_t s, const int32_t* __restrict__ seg,
+                                    int32_t* __restrict__ lo, int32_t* __restrict__ hi) {
+  auto max_op = [](int a, int b) { return a > b ? a : b; };
+  auto min_op = [](int a, int b) { return a < b ? a : b; };
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int32_t* id = seg + r * s;
+    int carry = 0, total = 0;
+    for (int64_t c0 = 0; c0 < s; c0 += blockDim.x) {
+      const int64_t i = c0 + threadIdx.x;
+      const int start = i < s && (i == 0 || id[i] != id[i - 1]) ? static_cast<int>(i) : 0;
+      const int v = max_op(block_scan(start, max_op, &total), carry);
+      if (i < s) lo[r * s + i] = v;
+      carry = max_op(carry, total);
+    }
+    carry = static_cast<int>(s);
+    for (int64_t c0 = 0; c0 < s; c0 += blockDim.x) {
+      const int64_t i = s - 1 - (c0 + threadIdx.x);
+      const int end = i >= 0 && (i == s - 1 || id[i] != id[i + 1]) ? static_cast<int>(i + 1)
+                                                                   : static_cast<int>(s);
+      const int v = min_op(block_scan(end, min_op, &total), carry);
+      if (i >= 0) hi[r * s + i] = v;
+      carry = min_op(carry, total);
+    }
+  }
+}
+
+// The kernels' parameters; with segment_ids, `bounds` receives the documents' bounds (computed
+// on `stream`) that the parameters point to.
+AttnParams make_params(const Tensor& q, const Tensor& k, const AttentionMask& mask, double scale,
+                       DeviceBuffer& bounds, cudaStream_t stream) {
   AttnParams p;
   p.b = q.shape()[0];
   p.sq = q.shape()[1];
@@ -345,13 +407,27 @@ AttnParams make_params(const Tensor& q, const Tensor& k, bool causal, double sca
   p.sk = k.shape()[1];
   p.hkv = k.shape()[2];
   p.group = p.hq / p.hkv;
-  p.causal = causal;
+  p.causal = mask.causal;
+  p.window = mask.window;
+  p.seg_lo = p.seg_hi = nullptr;
   p.scale = static_cast<float>(scale);
+  const Tensor& seg = mask.segment_ids;
+  if (seg.defined() && p.b * p.sq > 0) {
+    const int64_t n = p.b * p.sq;
+    bounds = DeviceBuffer(static_cast<size_t>(2 * n) * sizeof(int32_t));
+    int32_t* lo = bounds.as<int32_t>();
+    const unsigned blocks = static_cast<unsigned>(p.b < 65535 ? p.b : 65535);
+    attn_segment_bounds<<<blocks, 1024, 0, stream>>>(
+        p.b, p.sq, static_cast<const int32_t*>(seg.data_ptr()), lo, lo + n);
+    ACCEL_CUDA_CHECK_LAUNCH("attention (document bounds)");
+    p.seg_lo = lo;
+    p.seg_hi = lo + n;
+  }
   return p;
 }
 
 void check_attention(const char* op, const Tensor& out, const Tensor& lse, const Tensor& q,
-                     const Tensor& k, const Tensor& v) {
+                     const Tensor& k, const Tensor& v, const AttentionMask& mask) {
   require_cuda(q, op, "q");
   require_cuda(k, op, "k");
   require_cuda(v, op, "v");
@@ -366,6 +442,13 @@ void check_attention(const char* op, const Tensor& out, const Tensor& lse, const
               ", lse " + lse.str());
   require(k.dtype() == q.dtype() && v.dtype() == q.dtype() && out.dtype() == q.dtype(), op,
           "q, k, v and out must share a dtype");
+  const Tensor& seg = mask.segment_ids;
+  if (seg.defined())
+    require(seg.dtype() == DType::I32 && seg.is_contiguous() && seg.device() == q.device() &&
+                q.shape()[1] == k.shape()[1] && seg.shape() == Shape{q.shape()[0], q.shape()[1]},
+            op, "segment_ids " + seg.str() + " for q " + q.str() + " and k " + k.str());
+  require(mask.window >= 0 && (mask.causal || (mask.window == 0 && !seg.defined())), op,
+          "a window or segment_ids needs causal attention");
   if (q.shape()[3] > 32 * kMaxT)
     throw std::invalid_argument(
         std::string("[") + op + "] the CUDA kernels support head dims up to " +
@@ -386,12 +469,13 @@ void set_attention_impl(const char* impl) { g_impl = parse_impl(impl); }
 }  // namespace cuda
 
 void CudaBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                            const Tensor& v, bool causal, double scale) {
+                            const Tensor& v, const AttentionMask& mask, double scale) {
   using namespace cuda;
-  check_attention("attention", out, lse, q, k, v);
+  check_attention("attention", out, lse, q, k, v, mask);
   if (out.numel() == 0 && lse.numel() == 0) return;
   OpScope sc(q);
-  AttnParams p = make_params(q, k, causal, scale);
+  DeviceBuffer bounds;
+  const AttnParams p = make_params(q, k, mask, scale, bounds, sc.stream);
   if (p.sk == 0) {
     ::accel::kernels::cuda::fill(out, 0.0);
     ::accel::kernels::cuda::fill(lse, -INFINITY);
@@ -419,9 +503,9 @@ void CudaBackend::attention(const Tensor& out, const Tensor& lse, const Tensor& 
 void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
                                      const Tensor& grad_v, const Tensor& grad_out, const Tensor& q,
                                      const Tensor& k, const Tensor& v, const Tensor& out,
-                                     const Tensor& lse, bool causal, double scale) {
+                                     const Tensor& lse, const AttentionMask& mask, double scale) {
   using namespace cuda;
-  check_attention("attention", out, lse, q, k, v);
+  check_attention("attention", out, lse, q, k, v, mask);
   require(grad_q.shape() == q.shape() && grad_k.shape() == k.shape() &&
               grad_v.shape() == v.shape() && grad_out.shape() == q.shape() &&
               grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous() &&
@@ -429,13 +513,14 @@ void CudaBackend::attention_backward(const Tensor& grad_q, const Tensor& grad_k,
               grad_v.dtype() == q.dtype() && grad_out.dtype() == q.dtype(),
           "attention", "backward: gradients must be contiguous and match q, k, v");
   OpScope sc(q);
-  AttnParams p = make_params(q, k, causal, scale);
   if (q.numel() == 0 || k.numel() == 0) {
     if (grad_q.numel()) ::accel::kernels::cuda::fill(grad_q, 0.0);
     if (grad_k.numel()) ::accel::kernels::cuda::fill(grad_k, 0.0);
     if (grad_v.numel()) ::accel::kernels::cuda::fill(grad_v, 0.0);
     return;
   }
+  DeviceBuffer bounds;
+  const AttnParams p = make_params(q, k, mask, scale, bounds, sc.stream);
   Tensor dout = grad_out.is_contiguous() ? grad_out : grad_out.clone();
   if (try_cudnn([&](std::string* why) {
         return attention_backward_cudnn(p, grad_q, grad_k, grad_v, dout, q, k, v, out, lse,

@@ -1,10 +1,11 @@
 // cuDNN's fused flash attention (forward and backward) through the backend graph API.
 //
 // cuDNN has no "attention" call: it recognises the scaled-dot-product pattern in an operation
-// graph (matmul, scale, causal mask, softmax with saved statistics, matmul) and runs it as one
-// fused kernel. The graphs below spell that pattern out with the same operations, data types and
-// layouts that cuDNN's own frontend library builds for its SDPA node (which these machines do not
-// have). Built graphs and their execution plans are cached per problem (shape, dtype, mask, scale).
+// graph (matmul, scale, causal mask and sliding window, softmax with saved statistics, matmul)
+// and runs it as one fused kernel. The graphs below spell that pattern out with the same
+// operations, data types and layouts that cuDNN's own frontend library builds for its SDPA node
+// (which these machines do not have). Documents packed in a row (segment_ids) are declined. Built
+// graphs and their execution plans are cached per problem (shape, dtype, mask, scale).
 //
 // Layouts: our q/out are [B, S, Hq, D] and k/v [B, S, Hkv, D]; cuDNN sees them as [B, H, S, D]
 // with strides, K (and V in backward) as the transposed [B, H, D, S] views. lse [B, Hq, S] is
@@ -174,6 +175,26 @@ class GraphBuilder {
     return masked;
   }
 
+  // Hugging Face's sliding window on top of the causal mask: scores with col + window <= row
+  // become -huge (col + window > row is kept), the pattern cuDNN's frontend builds for a left
+  // bound ("diagonal band") with a top-left diagonal: the window is a by-value float scalar.
+  cudnnBackendDescriptor_t window_mask(cudnnBackendDescriptor_t s, const Dims& dims,
+                                       const Dims& strides, int64_t window_uid,
+                                       int64_t neg_inf_uid) {
+    auto row = temp(dims, strides, CUDNN_DATA_INT32);
+    auto col = temp(dims, strides, CUDNN_DATA_INT32);
+    auto col_plus_window = temp(dims, strides);
+    auto keep_mask = temp(dims, strides, CUDNN_DATA_BOOLEAN);
+    auto masked = temp(dims, strides);
+    pointwise(CUDNN_POINTWISE_GEN_INDEX, s, row, nullptr, nullptr, CUDNN_DATA_INT32, 2);
+    pointwise(CUDNN_POINTWISE_GEN_INDEX, s, col, nullptr, nullptr, CUDNN_DATA_INT32, 3);
+    pointwise(CUDNN_POINTWISE_ADD, col, col_plus_window, scalar(window_uid), nullptr,
+              CUDNN_DATA_FLOAT, 3);
+    pointwise(CUDNN_POINTWISE_CMP_GT, col_plus_window, keep_mask, row, nullptr, CUDNN_DATA_BOOLEAN);
+    pointwise(CUDNN_POINTWISE_BINARY_SELECT, s, masked, scalar(neg_inf_uid), keep_mask);
+    return masked;
+  }
+
   // The finalized operation graph on `handle`.
   std::unique_ptr<Desc> finish(cudnnHandle_t handle) {
     std::vector<cudnnBackendDescriptor_t> ops;
@@ -213,6 +234,8 @@ enum Uid : int64_t {
   kOne,
   kSoftmaxSum,  // backward workspace: rowsum(dO * O), fp32 [B, Hq, S, 1]
   kDQAccum,     // backward workspace: fp32 dQ accumulator [B, Hq, S, D]
+  kWindow,      // the sliding window (float scalar)
+  kNegInfWindow,
 };
 
 // [B, H, S, D] view of a contiguous [B, S, H, D] tensor, and its transpose [B, H, D, S].
@@ -322,8 +345,11 @@ struct AttnGraph {
     g.pointwise(CUDNN_POINTWISE_MUL, qk, scaled, scale);
     return scaled;
   }
-  cudnnBackendDescriptor_t masked(cudnnBackendDescriptor_t x, bool causal) {
-    return causal ? g.causal_mask(x, scores, scores_st, kNegInf) : x;
+  // The causal mask, and the sliding window's on top where there is one.
+  cudnnBackendDescriptor_t masked(cudnnBackendDescriptor_t x, const AttnParams& a) {
+    if (!a.causal) return x;
+    auto causal = g.causal_mask(x, scores, scores_st, kNegInf);
+    return a.window > 0 ? g.window_mask(causal, scores, scores_st, kWindow, kNegInfWindow) : causal;
   }
 };
 
@@ -335,7 +361,7 @@ std::unique_ptr<Plan> build_forward(const AttnParams& a, DType dtype, cudnnHandl
   auto q = t.q_like(kQ), kt = t.kv_transposed(kK), v = t.kv_like(kV), o = t.q_like(kO);
   auto stats = t.stats();
 
-  auto logits = t.masked(t.scaled_scores(q, kt, g.scalar(kScale)), a.causal);
+  auto logits = t.masked(t.scaled_scores(q, kt, g.scalar(kScale)), a);
   // Softmax with saved statistics: stats = max + log(sum(exp(x - max))).
   auto row_max = t.row_temp();
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, logits, row_max);
@@ -379,7 +405,7 @@ std::unique_ptr<Plan> build_backward(const AttnParams& a, DType dtype, cudnnHand
   auto shifted = t.score_temp();
   g.pointwise(CUDNN_POINTWISE_SUB, t.scaled_scores(q, kt, scale), shifted, stats);
   auto probs = t.score_temp();
-  g.pointwise(CUDNN_POINTWISE_EXP, t.masked(shifted, a.causal), probs);
+  g.pointwise(CUDNN_POINTWISE_EXP, t.masked(shifted, a), probs);
 
   // dV = P^T dO (per q head, then summed over each KV head's group). The per-head partial sums are
   // in the input dtype: that is the pattern cuDNN knows (declared fp32, the graph still finalizes
@@ -426,7 +452,7 @@ std::unique_ptr<Plan> build_backward(const AttnParams& a, DType dtype, cudnnHand
 
 struct DeviceState {
   cudnnHandle_t handle = nullptr;
-  std::map<std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int, int, bool, float>,
+  std::map<std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int, int, bool, int64_t, float>,
            std::unique_ptr<Plan>>
       plans;
 };
@@ -449,7 +475,7 @@ const Plan* plan_for(bool backward, const AttnParams& a, DType dtype, std::strin
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceState& st = state(current_device());
   const auto key = std::make_tuple(backward, a.b, a.sq, a.hq, a.hkv, a.d, static_cast<int>(dtype),
-                                   a.causal, a.scale);
+                                   a.causal, a.window, a.scale);
   auto it = st.plans.find(key);
   if (it == st.plans.end()) {
     std::unique_ptr<Plan> plan;
@@ -485,6 +511,19 @@ void execute(const Plan& plan, cudaStream_t stream, std::vector<int64_t> uids,
 
 size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
 
+// The by-value scalars of the masks in the graph (the host values must outlive the execution).
+void add_mask_scalars(const AttnParams& p, std::vector<int64_t>& uids, std::vector<void*>& ptrs,
+                      float* neg_inf, float* window) {
+  if (!p.causal) return;
+  uids.push_back(kNegInf);
+  ptrs.push_back(neg_inf);
+  if (p.window == 0) return;
+  uids.push_back(kWindow);
+  ptrs.push_back(window);
+  uids.push_back(kNegInfWindow);
+  ptrs.push_back(neg_inf);
+}
+
 // Empty when cuDNN can take the problem by its shape and dtype, else the reason it cannot.
 std::string cudnn_attention_unsupported(const AttnParams& p, DType dtype) {
   if (dtype != DType::BF16 && dtype != DType::F16)
@@ -492,6 +531,8 @@ std::string cudnn_attention_unsupported(const AttnParams& p, DType dtype) {
   if (p.d % 8 != 0 || p.d > 128)
     return "cuDNN's fused attention needs a head dim <= 128, a multiple of 8";
   if (p.sq != p.sk) return "cuDNN's fused attention runs here with as many keys as queries only";
+  if (p.seg_lo != nullptr)
+    return "cuDNN's fused attention takes no segment_ids (documents packed in a row) here";
   if (p.sq == 0 || p.b == 0) return "empty problem";
   return "";
 }
@@ -512,10 +553,8 @@ bool attention_forward_cudnn(const AttnParams& p, const Tensor& out, const Tenso
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
   std::vector<void*> ptrs{q.data_ptr(),   k.data_ptr(),   v.data_ptr(),
                           out.data_ptr(), lse.data_ptr(), &scale};
-  if (p.causal) {
-    uids.push_back(kNegInf);
-    ptrs.push_back(&neg_inf);
-  }
+  float window = static_cast<float>(p.window);
+  add_mask_scalars(p, uids, ptrs, &neg_inf, &window);
   execute(*plan, stream, uids, ptrs, workspace.get());
   return true;
 }
@@ -551,10 +590,8 @@ bool attention_backward_cudnn(const AttnParams& p, const Tensor& grad_q, const T
                           &one,
                           base + plan_bytes,
                           base + plan_bytes + sum_bytes};
-  if (p.causal) {
-    uids.push_back(kNegInf);
-    ptrs.push_back(&neg_inf);
-  }
+  float window = static_cast<float>(p.window);
+  add_mask_scalars(p, uids, ptrs, &neg_inf, &window);
   execute(*plan, stream, uids, ptrs, base);
   return true;
 }

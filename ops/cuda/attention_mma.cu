@@ -107,6 +107,78 @@ constexpr int mtiles() {
   return D <= 64 ? 2 : 1;
 }
 
+// The masks seen from the MT m16 tiles of rows of one warp (rows first .. first + 16 MT - 1; row r
+// is held by the lanes with g = r % 8): for query rows the keys each sees, for key rows (the
+// backward's dK/dV) the queries that see each. Per thread the ranges of its rows; per warp those
+// of its first and last valid row, which bound every tile test (ranges never move backwards
+// from one row to the next).
+template <int MT>
+struct WarpRanges {
+  int lo[MT][2], hi[MT][2];  // this thread's rows; rows past the end see nothing
+  int64_t first_lo, first_hi, last_lo, last_hi;
+  bool none;  // no valid row in this warp
+  // No row of the warp sees columns [c0, c0 + n).
+  __device__ bool skip(int64_t c0, int n) const {
+    return none || c0 + n <= first_lo || c0 >= last_hi;
+  }
+  // Every row of the warp (all 16 MT of them valid) sees all of columns [c0, c0 + n).
+  __device__ bool all_seen(int64_t c0, int n) const {
+    return full && last_lo <= c0 && c0 + n <= first_hi;
+  }
+  __device__ bool sees(int mt, int hf, int64_t c) const {
+    return c >= lo[mt][hf] && c < hi[mt][hf];
+  }
+  bool full;  // every row of the warp is valid
+};
+
+// Query rows: rows i of [0, sq), columns keys.
+template <int MT>
+__device__ __forceinline__ WarpRanges<MT> warp_keys(const AttnParams& p, int64_t b, int64_t first,
+                                                    int g) {
+  WarpRanges<MT> w;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t i = first + mt * 16 + g + hf * 8;
+      const bool ok = i < p.sq;
+      w.lo[mt][hf] = ok ? static_cast<int>(attn_keys_lo(p, b, i)) : 0;
+      w.hi[mt][hf] = ok ? static_cast<int>(attn_keys_hi(p, i)) : 0;
+    }
+  w.none = first >= p.sq;
+  w.full = first + 16 * MT <= p.sq;
+  const int64_t last = (first + 16 * MT < p.sq ? first + 16 * MT : p.sq) - 1;
+  w.first_lo = w.none ? 0 : attn_keys_lo(p, b, first);
+  w.first_hi = w.none ? 0 : attn_keys_hi(p, first);
+  w.last_lo = w.none ? 0 : attn_keys_lo(p, b, last);
+  w.last_hi = w.none ? 0 : attn_keys_hi(p, last);
+  return w;
+}
+
+// Key rows: rows j of [0, sk), columns queries.
+template <int MT>
+__device__ __forceinline__ WarpRanges<MT> warp_queries(const AttnParams& p, int64_t b,
+                                                       int64_t first, int g) {
+  WarpRanges<MT> w;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t j = first + mt * 16 + g + hf * 8;
+      const bool ok = j < p.sk;
+      w.lo[mt][hf] = ok ? static_cast<int>(attn_queries_lo(p, j)) : 0;
+      w.hi[mt][hf] = ok ? static_cast<int>(attn_queries_hi(p, b, j)) : 0;
+    }
+  w.none = first >= p.sk;
+  w.full = first + 16 * MT <= p.sk;
+  const int64_t last = (first + 16 * MT < p.sk ? first + 16 * MT : p.sk) - 1;
+  w.first_lo = w.none ? 0 : attn_queries_lo(p, first);
+  w.first_hi = w.none ? 0 : attn_queries_hi(p, b, first);
+  w.last_lo = w.none ? 0 : attn_queries_lo(p, last);
+  w.last_hi = w.none ? 0 : attn_queries_hi(p, b, last);
+  return w;
+}
+
 template <class T, int D, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_fwd_mma(AttnParams p, T* __restrict__ out, float* __restrict__ lse,
@@ -126,27 +198,22 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* qg = q + (b * p.sq * p.hq + h) * D;
   const T* kg = k + (b * p.sk * p.hkv + hk) * D;
   const T* vg = v + (b * p.sk * p.hkv + hk) * D;
-  const int64_t diag = p.sk - p.sq;  // key j is visible to row i when j <= i + diag
-
   const int64_t last_row = (i0 + BR < p.sq ? i0 + BR : p.sq) - 1;
-  int64_t n_keys = p.sk;
-  if (p.causal) {
-    n_keys = last_row + 1 + diag;
-    n_keys = n_keys < 0 ? 0 : (n_keys > p.sk ? p.sk : n_keys);
-  }
-  const int n_tiles = static_cast<int>((n_keys + kBc - 1) / kBc);
+  // The key tiles this block's rows see.
+  const int tile0 = static_cast<int>(attn_keys_lo(p, b, i0) / kBc);
+  const int n_tiles = static_cast<int>((attn_keys_hi(p, last_row) + kBc - 1) / kBc) - tile0;
 
   load_tile<T, D, BR>(qs, qg, i0, p.sq, q_stride);
   if (n_tiles > 0) {
-    load_tile<T, D, kBc>(kv, kg, 0, p.sk, kv_stride);
-    load_tile<T, D, kBc>(kv + kBc * D, vg, 0, p.sk, kv_stride);
+    load_tile<T, D, kBc>(kv, kg, int64_t(tile0) * kBc, p.sk, kv_stride);
+    load_tile<T, D, kBc>(kv + kBc * D, vg, int64_t(tile0) * kBc, p.sk, kv_stride);
   }
   cp_async_commit();
 
   const int g = lane >> 2, tq = lane & 3;
   const int wr0 = warp * 16 * MT;   // first row of this warp inside the block
   const int64_t wfirst = i0 + wr0;  // ... and in the sequence
-  const int64_t wlast = wfirst + 16 * MT - 1;
+  const WarpRanges<MT> wk = warp_keys<MT>(p, b, wfirst, g);
   const float scale2 = p.scale * kLog2e;
   float o[MT][ND][4];
   float m[MT][2], l[MT][2];
@@ -164,8 +231,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     T* vs = ks + kBc * D;
     if (t + 1 < n_tiles) {
       T* nk = kv + ((t + 1) & 1) * 2 * kBc * D;
-      load_tile<T, D, kBc>(nk, kg, int64_t(t + 1) * kBc, p.sk, kv_stride);
-      load_tile<T, D, kBc>(nk + kBc * D, vg, int64_t(t + 1) * kBc, p.sk, kv_stride);
+      load_tile<T, D, kBc>(nk, kg, int64_t(tile0 + t + 1) * kBc, p.sk, kv_stride);
+      load_tile<T, D, kBc>(nk + kBc * D, vg, int64_t(tile0 + t + 1) * kBc, p.sk, kv_stride);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -179,10 +246,9 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int kk = 0; kk < KD; ++kk)
           ldsm_x4(qf[mt][kk], qs + swz<D>(wr0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
     }
-    const int64_t j0 = int64_t(t) * kBc;
-    // A tile wholly above the diagonal for every row of this warp adds nothing.
-    const bool skip = p.causal && j0 > wlast + diag;
-    if (!skip) {
+    const int64_t j0 = int64_t(tile0 + t) * kBc;
+    // A tile that no row of this warp sees adds nothing.
+    if (!wk.skip(j0, kBc)) {
       // S = Q K^T for this warp's rows x 64 keys.
       float s[MT][NB][4];
 #pragma unroll
@@ -203,8 +269,7 @@ __global__ void __launch_bounds__(kWarps * 32)
           }
         }
       }
-      const bool need_mask = j0 + kBc > p.sk || (p.causal && j0 + kBc - 1 > wfirst + diag);
-      if (need_mask) {
+      if (!wk.all_seen(j0, kBc)) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -212,8 +277,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int64_t j = j0 + nb * 8 + tq * 2 + (e & 1);
-              const int64_t i = wfirst + mt * 16 + g + (e < 2 ? 0 : 8);
-              if (j >= p.sk || (p.causal && j > i + diag)) s[mt][nb][e] = -INFINITY;
+              if (!wk.sees(mt, e >> 1, j)) s[mt][nb][e] = -INFINITY;
             }
       }
 #pragma unroll
@@ -426,24 +490,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t q_off = (b * p.sq * p.hq + h) * D;
   const T* kg = k + (b * p.sk * p.hkv + hk) * D;
   const T* vg = v + (b * p.sk * p.hkv + hk) * D;
-  const int64_t diag = p.sk - p.sq;
   const int64_t last_row = (i0 + BR < p.sq ? i0 + BR : p.sq) - 1;
-  int64_t n_keys = p.sk;
-  if (p.causal) {
-    n_keys = last_row + 1 + diag;
-    n_keys = n_keys < 0 ? 0 : (n_keys > p.sk ? p.sk : n_keys);
-  }
-  const int n_tiles = static_cast<int>((n_keys + kBc - 1) / kBc);
+  const int tile0 = static_cast<int>(attn_keys_lo(p, b, i0) / kBc);
+  const int n_tiles = static_cast<int>((attn_keys_hi(p, last_row) + kBc - 1) / kBc) - tile0;
   load_tile<T, D, BR>(qs, q + q_off, i0, p.sq, q_stride);
   load_tile<T, D, BR>(dos, dout + q_off, i0, p.sq, q_stride);
   if (n_tiles > 0) {
-    load_tile<T, D, kBc>(kv, kg, 0, p.sk, kv_stride);
-    load_tile<T, D, kBc>(kv + kBc * D, vg, 0, p.sk, kv_stride);
+    load_tile<T, D, kBc>(kv, kg, int64_t(tile0) * kBc, p.sk, kv_stride);
+    load_tile<T, D, kBc>(kv + kBc * D, vg, int64_t(tile0) * kBc, p.sk, kv_stride);
   }
   cp_async_commit();
   const int g = lane >> 2, tq = lane & 3;
   const int wr0 = warp * 16 * MT;
-  const int64_t wfirst = i0 + wr0, wlast = wfirst + 16 * MT - 1;
+  const int64_t wfirst = i0 + wr0;
+  const WarpRanges<MT> wk = warp_keys<MT>(p, b, wfirst, g);
   const float* lse_b = lse + (b * p.hq + h) * p.sq;
   const float* delta_b = delta + (b * p.hq + h) * p.sq;
   float lse2[MT][2], del[MT][2];
@@ -467,20 +527,20 @@ __global__ void __launch_bounds__(kWarps * 32)
     T* vs = ks + kBc * D;
     if (t + 1 < n_tiles) {
       T* nk = kv + ((t + 1) & 1) * 2 * kBc * D;
-      load_tile<T, D, kBc>(nk, kg, int64_t(t + 1) * kBc, p.sk, kv_stride);
-      load_tile<T, D, kBc>(nk + kBc * D, vg, int64_t(t + 1) * kBc, p.sk, kv_stride);
+      load_tile<T, D, kBc>(nk, kg, int64_t(tile0 + t + 1) * kBc, p.sk, kv_stride);
+      load_tile<T, D, kBc>(nk + kBc * D, vg, int64_t(tile0 + t + 1) * kBc, p.sk, kv_stride);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const int64_t j0 = int64_t(t) * kBc;
-    if (!(p.causal && j0 > wlast + diag)) {
+    const int64_t j0 = int64_t(tile0 + t) * kBc;
+    if (!wk.skip(j0, kBc)) {
       float s[MT][NB][4], dp[MT][NB][4];
       mm_abt<T, D, MT, kBc>(s, qs, wr0, ks, lane);
       mm_abt<T, D, MT, kBc>(dp, dos, wr0, vs, lane);
-      const bool need_mask = j0 + kBc > p.sk || (p.causal && j0 + kBc - 1 > wfirst + diag);
+      const bool need_mask = !wk.all_seen(j0, kBc);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -488,12 +548,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int hf = e >> 1;
-            bool ok = true;
-            if (need_mask) {
-              const int64_t j = j0 + nb * 8 + tq * 2 + (e & 1);
-              const int64_t i = wfirst + mt * 16 + g + hf * 8;
-              ok = j < p.sk && !(p.causal && j > i + diag);
-            }
+            const bool ok = !need_mask || wk.sees(mt, hf, j0 + nb * 8 + tq * 2 + (e & 1));
             const float pr = ok ? exp2f(fmaf(s[mt][nb][e], scale2, -lse2[mt][hf])) : 0.f;
             s[mt][nb][e] = pr * (dp[mt][nb][e] - del[mt][hf]);
           }
@@ -505,17 +560,19 @@ __global__ void __launch_bounds__(kWarps * 32)
   store_rows<T, D, MT>(dq + q_off, wfirst, p.sq, q_stride, acc, p.scale, g, tq);
 }
 
-// The query tiles (BQ rows each) that can see key block j0b: under a causal mask the tiles from
-// the one holding the block's diagonal on, else all of them. Shared by both backward paths.
+// The query tiles (BQ rows each) that see some key of the block [j0b, j0b + bk): from the tile
+// holding the first query that sees key j0b to the last query that sees the block's last key.
+// Shared by both backward paths.
 struct QueryTiles {
   int64_t start;  // first query row, a multiple of BQ
   int count;
 };
 template <int BQ>
-__device__ __forceinline__ QueryTiles query_tiles_seeing(const AttnParams& p, int64_t j0b) {
-  int64_t start = p.causal ? j0b - (p.sk - p.sq) : 0;
-  start = start < 0 ? 0 : start / BQ * BQ;
-  return {start, start < p.sq ? static_cast<int>((p.sq - start + BQ - 1) / BQ) : 0};
+__device__ __forceinline__ QueryTiles query_tiles_seeing(const AttnParams& p, int64_t b,
+                                                         int64_t j0b, int bk) {
+  const int64_t start = attn_queries_lo(p, j0b) / BQ * BQ;
+  const int64_t end = attn_queries_hi(p, b, (j0b + bk < p.sk ? j0b + bk : p.sk) - 1);
+  return {start, end > start ? static_cast<int>((end - start + BQ - 1) / BQ) : 0};
 }
 
 // dK/dV for BK = 16 * kWarps * MT keys per block, over query tiles of BQ rows.
@@ -537,10 +594,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t j0b = int64_t(blockIdx.x) * BK;
   const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
   const int64_t kv_off = (b * p.sk * p.hkv + hk) * D;
-  const int64_t diag = p.sk - p.sq;
   load_tile<T, D, BK>(ks, k + kv_off, j0b, p.sk, kv_stride);
   load_tile<T, D, BK>(vs, v + kv_off, j0b, p.sk, kv_stride);
-  const QueryTiles qt = query_tiles_seeing<BQ>(p, j0b);
+  const QueryTiles qt = query_tiles_seeing<BQ>(p, b, j0b, BK);
   const int64_t i_start = qt.start;
   const int n_qt = qt.count;
   const int n_it = n_qt * static_cast<int>(p.group);
@@ -563,7 +619,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   cp_async_commit();
   const int g = lane >> 2, tq = lane & 3;
   const int wr0 = warp * 16 * MT;
-  const int64_t kfirst = j0b + wr0, klast = kfirst + 16 * MT - 1;
+  const int64_t kfirst = j0b + wr0;
+  const WarpRanges<MT> wq = warp_queries<MT>(p, b, kfirst, g);
   const float scale2 = p.scale * kLog2e;
   float acc_k[MT][D / 8][4], acc_v[MT][D / 8][4];
 #pragma unroll
@@ -586,12 +643,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float* lse2 = stats + (it & 1) * 2 * BQ;
     const float* dl = lse2 + BQ;
     const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
-    // Every key of this warp above the diagonal of every query row of the tile: nothing to add.
-    if (!(p.causal && kfirst > i0 + BQ - 1 + diag)) {
+    // No key of this warp seen by any query row of the tile: nothing to add.
+    if (!wq.skip(i0, BQ)) {
       float s[MT][NB][4], dp[MT][NB][4];
       mm_abt<T, D, MT, BQ>(s, ks, wr0, qs, lane);    // S^T: keys x queries
       mm_abt<T, D, MT, BQ>(dp, vs, wr0, dos, lane);  // dP^T
-      const bool need_mask = i0 + BQ > p.sq || (p.causal && klast > i0 + diag);
+      const bool need_mask = !wq.all_seen(i0, BQ);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -599,12 +656,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int col = nb * 8 + tq * 2 + (e & 1);
-            bool ok = true;
-            if (need_mask) {
-              const int64_t i = i0 + col;
-              const int64_t j = kfirst + mt * 16 + g + (e < 2 ? 0 : 8);
-              ok = i < p.sq && j < p.sk && !(p.causal && j > i + diag);
-            }
+            const bool ok = !need_mask || wq.sees(mt, e >> 1, i0 + col);
             const float pr = ok ? exp2f(fmaf(s[mt][nb][e], scale2, -lse2[col])) : 0.f;
             s[mt][nb][e] = pr;
             dp[mt][nb][e] = pr * (dp[mt][nb][e] - dl[col]);
@@ -709,10 +761,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t j0b = int64_t(blockIdx.z) * BK;
   const int64_t q_stride = p.hq * D, kv_stride = p.hkv * D;
   const int64_t kv_off = (b * p.sk * p.hkv + hk) * D;
-  const int64_t diag = p.sk - p.sq;
   load_tile<T, D, BK>(ks, k + kv_off, j0b, p.sk, kv_stride);
   load_tile<T, D, BK>(vs, v + kv_off, j0b, p.sk, kv_stride);
-  const QueryTiles qt = query_tiles_seeing<BQ>(p, j0b);
+  const QueryTiles qt = query_tiles_seeing<BQ>(p, b, j0b, BK);
   const int64_t i_start = qt.start;
   const int n_qt = qt.count;
   const int n_it = n_qt * hpc;
@@ -739,7 +790,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   cp_async_commit();
   const int g = lane >> 2, tq = lane & 3;
   const int wr0 = warp * 16;  // this warp's keys inside the block, and its dQ rows inside a tile
-  const int64_t kfirst = j0b + wr0, klast = kfirst + 15;
+  const int64_t kfirst = j0b + wr0;
+  const WarpRanges<MT> wq = warp_queries<MT>(p, b, kfirst, g);
+  // Which warps wrote their dS^T rows this iteration (the dQ pass reads only those).
+  __shared__ bool wrote_ds[kWarps];
   const float scale2 = p.scale * kLog2e;
   float acc_k[MT][D / 8][4], acc_v[MT][D / 8][4];
 #pragma unroll
@@ -758,24 +812,21 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float* dl = lse2 + BQ;
     const int64_t h = h0 + it / n_qt;
     const int64_t i0 = i_start + int64_t(it % n_qt) * BQ;
-    // Keys of this warp above the diagonal of every query row of the tile: nothing to add, and
-    // its dS^T rows are not read below (the dQ pass skips key chunks above its own rows).
-    if (!(p.causal && kfirst > i0 + BQ - 1 + diag)) {
+    // No key of this warp seen by any query row of the tile: nothing to add, and its dS^T rows
+    // are not written (nor read by the dQ pass below).
+    const bool active = !wq.skip(i0, BQ);
+    if (lane == 0) wrote_ds[warp] = active;
+    if (active) {
       float s[MT][NB][4], dp[MT][NB][4];
       mm_abt<T, D, MT, BQ>(s, ks, wr0, qs, lane);    // S^T: keys x queries
       mm_abt<T, D, MT, BQ>(dp, vs, wr0, dos, lane);  // dP^T
-      const bool need_mask = i0 + BQ > p.sq || klast >= p.sk || (p.causal && klast > i0 + diag);
+      const bool need_mask = !wq.all_seen(i0, BQ);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = nb * 8 + tq * 2 + (e & 1);
-          bool ok = true;
-          if (need_mask) {
-            const int64_t i = i0 + col;
-            const int64_t j = kfirst + g + (e < 2 ? 0 : 8);
-            ok = i < p.sq && j < p.sk && !(p.causal && j > i + diag);
-          }
+          const bool ok = !need_mask || wq.sees(0, e >> 1, i0 + col);
           const float pr = ok ? exp2f(fmaf(s[0][nb][e], scale2, -lse2[col])) : 0.f;
           s[0][nb][e] = pr;
           dp[0][nb][e] = pr * (dp[0][nb][e] - dl[col]);
@@ -791,10 +842,11 @@ __global__ void __launch_bounds__(kWarps * 32)
               Mma<T>::pack(dp[0][nb][2 * hf], dp[0][nb][2 * hf + 1]);
     }
     __syncthreads();  // dS^T complete
-    // dQ rows i0 + wr0 .. + 15 of head h; key chunk c (keys j0b + 16 c ..) adds nothing to rows
-    // that see none of its keys, which also covers the chunks whose warp skipped above.
+    // dQ rows i0 + wr0 .. + 15 of head h from the key chunks c (keys j0b + 16 c .., written by
+    // warp c) that these rows see.
     const int64_t r0 = i0 + wr0;
     if (r0 < p.sq) {
+      const WarpRanges<MT> rk = warp_keys<MT>(p, b, r0, g);
       float* dq_base = dq_acc + (b * p.sq * p.hq + h) * D;
 #pragma unroll
       for (int c0 = 0; c0 < D; c0 += DC) {
@@ -804,7 +856,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         bool any = false;
 #pragma unroll
         for (int c = 0; c < BK / 16; ++c) {
-          if (j0b + 16 * c >= p.sk || (p.causal && j0b + 16 * c > r0 + 15 + diag)) continue;
+          if (!wrote_ds[c] || rk.skip(j0b + 16 * c, 16)) continue;
           mm_atb<T, D, BQ, DC>(acc, dss, wr0 / 8, c, ks, c0, lane);
           any = true;
         }

@@ -40,16 +40,17 @@ class CudaBackend final : public Backend {
   void rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_out,
                          const Tensor& x, const Tensor& weight, const Tensor& rstd,
                          const Tensor& grad_x_add) override;
-  void rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-            bool inverse) override;
+  void rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+            int64_t position_offset, const Tensor& position_ids, bool inverse) override;
   void swiglu(const Tensor& out, const Tensor& gate, const Tensor& up) override;
   void swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up, const Tensor& grad_out,
                        const Tensor& gate, const Tensor& up) override;
   void attention(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                 const Tensor& v, bool causal, double scale) override;
+                 const Tensor& v, const AttentionMask& mask, double scale) override;
   void attention_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v,
                           const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const Tensor& out, const Tensor& lse, bool causal, double scale) override;
+                          const Tensor& out, const Tensor& lse, const AttentionMask& mask,
+                          double scale) override;
   void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
                     double high) override;
   void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,

@@ -1,4 +1,4 @@
-// Rotary position embeddings (and the inverse rotation for the backward). cos/sin and the
+// Rotary position embeddings (and the transposed rotation for the backward). cos/sin and the
 // products are rounded to the activation dtype where Hugging Face's Llama rounds them, as the CPU
 // reference does.
 #include <cmath>
@@ -13,6 +13,19 @@ using namespace cuda;
 constexpr int kMaxRopeHalf = 512;
 struct InvFreq {
   float v[kMaxRopeHalf];
+};
+
+// Where the tokens sit: position_ids (one of the two pointers, [B * S]) or offset + s.
+struct Positions {
+  const int64_t* ids64 = nullptr;
+  const int32_t* ids32 = nullptr;
+  int64_t offset = 0;
+  int s_len = 1;
+  __device__ __forceinline__ float at(int64_t token) const {
+    if (ids64) return static_cast<float>(ids64[token]);
+    if (ids32) return static_cast<float>(ids32[token]);
+    return static_cast<float>(offset + token % s_len);
+  }
 };
 
 // The rotation of the pair (x1, x2) = (x[i], x[i + half]) by the angle with cosine cs and sine sn,
@@ -35,15 +48,17 @@ __device__ __forceinline__ void rope_rotate(float x1, float x2, float cs, float 
 // memory once, then the block rotates the pairs (i, i + D/2) of all H heads.
 template <class T>
 __global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t positions,
-                            int s_len, int h_len, int half, int64_t position_offset, bool inverse,
+                            int h_len, int half, const Positions where, float scale, bool inverse,
                             const InvFreq inv) {
   __shared__ float cos_s[kMaxRopeHalf], sin_s[kMaxRopeHalf];
   for (int64_t pos = blockIdx.x; pos < positions; pos += gridDim.x) {
-    const int64_t s = pos % s_len;
+    const float p = where.at(pos);
     __syncthreads();  // the previous position's tables are no longer read
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-      const float angle = static_cast<float>(position_offset + s) * inv.v[i];
-      sincosf(angle, &sin_s[i], &cos_s[i]);
+      float sn, cs;
+      sincosf(p * inv.v[i], &sn, &cs);
+      sin_s[i] = sn * scale;
+      cos_s[i] = cs * scale;
     }
     __syncthreads();
     const T* xp = x + pos * h_len * 2 * half;
@@ -67,8 +82,8 @@ __global__ void rope_kernel(T* __restrict__ out, const T* __restrict__ x, int64_
 constexpr int kRopeHeads = 4;
 template <class T>
 __global__ void __launch_bounds__(256)
-    rope_vec_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t positions, int s_len,
-                    int h_len, int half, int64_t position_offset, bool inverse, const InvFreq inv) {
+    rope_vec_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t positions, int h_len,
+                    int half, const Positions where, float scale, bool inverse, const InvFreq inv) {
   constexpr int N = vec_n<T>();
   const int chunks = half / N, groups = (h_len + kRopeHeads - 1) / kRopeHeads;
   const int64_t items = positions * chunks * groups, d = 2 * half;
@@ -87,10 +102,14 @@ __global__ void __launch_bounds__(256)
       a[h] = *reinterpret_cast<const uint4*>(x + base + h * d);
       b[h] = *reinterpret_cast<const uint4*>(x + base + h * d + half);
     }
-    const float p = static_cast<float>(position_offset + pos % s_len);
+    const float p = where.at(pos);
     float cs[N], sn[N];
 #pragma unroll
-    for (int k = 0; k < N; ++k) sincosf(p * inv.v[i0 + k], &sn[k], &cs[k]);
+    for (int k = 0; k < N; ++k) {
+      sincosf(p * inv.v[i0 + k], &sn[k], &cs[k]);
+      sn[k] *= scale;
+      cs[k] *= scale;
+    }
 #pragma unroll
     for (int h = 0; h < kRopeHeads; ++h) {
       if (h >= nh) continue;
@@ -107,23 +126,35 @@ __global__ void __launch_bounds__(256)
 
 }  // namespace
 
-void CudaBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t position_offset,
-                       bool inverse) {
+void CudaBackend::rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
+                       int64_t position_offset, const Tensor& position_ids, bool inverse) {
   require_cuda(x, "rope", "x");
-  require(x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
-              out.dtype() == x.dtype() && x.shape()[3] % 2 == 0,
-          "rope", "needs contiguous [B, S, H, D] x and out with D even, got " + x.str());
+  require(
+      x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
+          out.dtype() == x.dtype() && x.shape()[3] % 2 == 0 &&
+          static_cast<int64_t>(freqs.inv_freq.size()) * 2 == x.shape()[3],
+      "rope",
+      "needs contiguous [B, S, H, D] x and out with D even and D/2 frequencies, got " + x.str());
   const int64_t s_len = x.shape()[1], h_len = x.shape()[2], d = x.shape()[3], half = d / 2;
   if (x.numel() == 0) return;
   if (half > kMaxRopeHalf)
     throw std::invalid_argument("[rope] CUDA kernel supports head dims up to " +
                                 std::to_string(2 * kMaxRopeHalf) + ", got " + std::to_string(d));
   InvFreq inv{};
-  // Exactly as Hugging Face (and the CPU backend): float32 1 / theta^(float(2i) / D).
-  for (int64_t i = 0; i < half; ++i) {
-    const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
-    inv.v[i] = 1.0f / std::pow(static_cast<float>(theta), expo);
+  for (int64_t i = 0; i < half; ++i) inv.v[i] = freqs.inv_freq[static_cast<size_t>(i)];
+  Positions where;
+  where.offset = position_offset;
+  where.s_len = static_cast<int>(s_len);
+  if (position_ids.defined()) {
+    require_cuda(position_ids, "rope", "position_ids");
+    require(position_ids.is_contiguous() && position_ids.numel() == x.shape()[0] * s_len, "rope",
+            "position_ids must be contiguous [B, S], got " + position_ids.str());
+    if (position_ids.dtype() == DType::I64)
+      where.ids64 = static_cast<const int64_t*>(position_ids.data_ptr());
+    else
+      where.ids32 = static_cast<const int32_t*>(position_ids.data_ptr());
   }
+  const float scale = static_cast<float>(freqs.attention_scaling);
   OpScope sc(x);
   const int64_t positions = x.shape()[0] * s_len;
   const int64_t n = 16 / static_cast<int64_t>(dtype_size(x.dtype()));
@@ -134,8 +165,7 @@ void CudaBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t
       using T = decltype(t);
       rope_vec_kernel<T><<<grid, 256, 0, sc.stream>>>(
           static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), positions,
-          static_cast<int>(s_len), static_cast<int>(h_len), static_cast<int>(half), position_offset,
-          inverse, inv);
+          static_cast<int>(h_len), static_cast<int>(half), where, scale, inverse, inv);
     });
     ACCEL_CUDA_CHECK_LAUNCH("rope");
     return;
@@ -143,10 +173,9 @@ void CudaBackend::rope(const Tensor& out, const Tensor& x, double theta, int64_t
   dispatch_float(x.dtype(), "rope", [&](auto t) {
     using T = decltype(t);
     rope_kernel<T><<<static_cast<int>(std::min<int64_t>(positions, int64_t(sm_count()) * 16)), 256,
-                     0, sc.stream>>>(static_cast<T*>(out.data_ptr()),
-                                     static_cast<const T*>(x.data_ptr()), positions,
-                                     static_cast<int>(s_len), static_cast<int>(h_len),
-                                     static_cast<int>(half), position_offset, inverse, inv);
+                     0, sc.stream>>>(
+        static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), positions,
+        static_cast<int>(h_len), static_cast<int>(half), where, scale, inverse, inv);
   });
   ACCEL_CUDA_CHECK_LAUNCH("rope");
 }

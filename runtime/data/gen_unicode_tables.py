@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Writes runtime/data/unicode_tables.cpp: the code point ranges of the Unicode general categories
-L (letters) and N (numbers) and the White_Space property, which the byte-level BPE pre-tokenizers
-need for \\p{L}, \\p{N} and \\s. Uses Python's unicodedata (its Unicode version is recorded).
+L (letters) and N (numbers) and the White_Space property (added tokens' single_word and lstrip /
+rstrip), and the data of the normalization forms NFC / NFD / NFKC / NFKD (tokenizer.json
+normalizers): canonical combining classes, full canonical and compatibility decompositions and the
+primary composites. Hangul syllables are left out: they are composed and decomposed by formula.
+Uses Python's unicodedata (its Unicode version is recorded).
 
     python3 runtime/data/gen_unicode_tables.py > runtime/data/unicode_tables.cpp
 """
@@ -43,6 +46,93 @@ def emit(name, rs):
     print()
 
 
+HANGUL_FIRST, HANGUL_LAST = 0xAC00, 0xD7A3
+
+
+def emit_decompositions(name, mapping):
+    """mapping: code point -> its full decomposition (a list of code points), as
+    {cp, offset into NAME_pool, length} entries sorted by cp and one pool of code points."""
+    pool = []
+    print(f"const Decomposition {name}[] = {{")
+    line = " "
+    for cp in sorted(mapping):
+        item = f" {{0x{cp:X}, {len(pool)}, {len(mapping[cp])}}},"
+        pool += mapping[cp]
+        if len(line) + len(item) > 100:
+            print(line)
+            line = " "
+        line += item
+    print(line)
+    print("};")
+    print(f"const size_t {name}_count = sizeof({name}) / sizeof({name}[0]);")
+    print(f"const uint32_t {name}_pool[] = {{")
+    line = " "
+    for cp in pool:
+        item = f" 0x{cp:X},"
+        if len(line) + len(item) > 100:
+            print(line)
+            line = " "
+        line += item
+    print(line)
+    print("};")
+    print()
+
+
+def normalization_tables():
+    chars = [cp for cp in range(0x110000)
+             if not (0xD800 <= cp <= 0xDFFF) and not HANGUL_FIRST <= cp <= HANGUL_LAST]
+    canonical, compat, composites = {}, {}, []
+    for cp in chars:
+        c = chr(cp)
+        nfd = unicodedata.normalize("NFD", c)
+        nfkd = unicodedata.normalize("NFKD", c)
+        if nfd != c:
+            canonical[cp] = [ord(x) for x in nfd]
+        if nfkd != nfd:
+            compat[cp] = [ord(x) for x in nfkd]
+        d = unicodedata.decomposition(c)
+        if d and not d.startswith("<"):
+            parts = [int(x, 16) for x in d.split()]
+            # A primary composite: a pair that NFC puts back together (not excluded).
+            if len(parts) == 2 and unicodedata.normalize("NFC", chr(parts[0]) + chr(parts[1])) == c:
+                composites.append((parts[0], parts[1], cp))
+    combining = []  # (first, last, class) runs of equal nonzero class
+    for cp in chars:
+        cc = unicodedata.combining(chr(cp))
+        if cc:
+            if combining and combining[-1][1] == cp - 1 and combining[-1][2] == cc:
+                combining[-1] = (combining[-1][0], cp, cc)
+            else:
+                combining.append((cp, cp, cc))
+    print("const CombiningClassRange kCombiningClasses[] = {")
+    line = " "
+    for a, b, cc in combining:
+        item = f" {{0x{a:X}, 0x{b:X}, {cc}}},"
+        if len(line) + len(item) > 100:
+            print(line)
+            line = " "
+        line += item
+    print(line)
+    print("};")
+    print("const size_t kCombiningClasses_count = "
+          "sizeof(kCombiningClasses) / sizeof(kCombiningClasses[0]);")
+    print()
+    emit_decompositions("kCanonicalDecompositions", canonical)
+    emit_decompositions("kCompatibilityDecompositions", compat)
+    print("const Composition kCompositions[] = {")
+    line = " "
+    for a, b, c in sorted(composites):
+        item = f" {{0x{a:X}, 0x{b:X}, 0x{c:X}}},"
+        if len(line) + len(item) > 100:
+            print(line)
+            line = " "
+        line += item
+    print(line)
+    print("};")
+    print("const size_t kCompositions_count = sizeof(kCompositions) / sizeof(kCompositions[0]);")
+    print()
+
+
 def main():
     letters = ranges(lambda cp: unicodedata.category(chr(cp)).startswith("L"))
     numbers = ranges(lambda cp: unicodedata.category(chr(cp)).startswith("N"))
@@ -57,6 +147,7 @@ def main():
     emit("kLetters", letters)
     emit("kNumbers", numbers)
     emit("kWhiteSpace", WHITE_SPACE)
+    normalization_tables()
     print("}  // namespace unicode_tables")
     print("}  // namespace accel")
 

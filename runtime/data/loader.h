@@ -1,6 +1,7 @@
 // Batches for training and evaluation: token shards (or text tokenized on first use) cut into
 // samples of seq_len + 1 tokens, shuffled per epoch from a seed, split over ranks; or random
-// tokens.
+// tokens. Documents (JSONL lines, document shards) are packed into rows of seq_len tokens or put
+// one per row and padded; their untrained tokens and the padding get the label -100.
 //
 // Labels follow the Hugging Face convention *after* the shift: `labels[b][t]` is the target of
 // position t, i.e. the token after `input_ids[b][t]`. A sample of seq_len + 1 tokens x gives
@@ -18,9 +19,29 @@
 
 namespace accel {
 
+constexpr int64_t kIgnoreLabel = -100;  // Hugging Face's ignore_index: not trained
+
 struct Batch {
-  Tensor input_ids;  // [micro_batch_size, seq_len] int64, on the CPU
-  Tensor labels;     // [micro_batch_size, seq_len] int64: labels[b][t] = next token after t
+  Tensor input_ids;  // [micro_batch_size, S] int64, on the CPU; S = seq_len, or less when padded
+  Tensor labels;     // [micro_batch_size, S] int64: next token after t, or kIgnoreLabel
+  // Packed documents: [B, S] int64 positions restarting at 0 in each document
+  // (data.reset_position_ids) and [B, S] int32 document numbers (padding has its own); both
+  // undefined for unpacked rows.
+  Tensor position_ids, segment_ids;
+  int64_t trained_tokens = 0;  // labels that are not kIgnoreLabel
+};
+
+// What became of the documents of a source, for the log and metrics.jsonl.
+struct DataStats {
+  int64_t documents = 0;          // read from the files
+  int64_t truncated = 0;          // longer than seq_len, cut (data.overlong truncate)
+  int64_t dropped_overlong = 0;   // longer than seq_len, left out (data.overlong drop)
+  int64_t dropped_untrained = 0;  // no trained token left after truncation, left out
+  int64_t rows = 0;               // samples per epoch (packed rows, or documents)
+  int64_t row_tokens = 0;         // input positions of all rows (seq_len each when packed)
+  int64_t trained_tokens = 0;     // targets that count in the loss
+  nlohmann::json to_json() const;
+  std::string describe() const;  // one line
 };
 
 // Where a stream is: `samples_consumed` entries of epoch `epoch`'s sample order have been taken
@@ -53,6 +74,9 @@ class BatchSource {
   virtual int64_t batches_per_epoch() const = 0;
   virtual int64_t vocab_size() const = 0;    // tokens are < this
   virtual std::string describe() const = 0;  // one line for the log
+  // Documents (some labels are kIgnoreLabel, rows may be padded) rather than a token stream.
+  virtual bool has_documents() const { return false; }
+  virtual DataStats stats() const { return {}; }
 };
 
 // What the trainer fills in from the `data:` config section.
@@ -68,6 +92,17 @@ struct DataOptions {
   std::vector<std::string> text_files;
   std::string tokenizer = "byte";  // "byte" or a tokenizer.json path
   std::string cache_dir;           // e.g. "<output_dir>/data"
+  // jsonl: JSONL files (or glob patterns) tokenized at start, cached under cache_dir, with
+  // format, text_field and chat_template as in the config's data section.
+  std::vector<std::string> jsonl_files;
+  DataFormat format = DataFormat::Auto;
+  std::string text_field = "text";
+  ChatTemplateChoice chat_template = ChatTemplateChoice::Auto;
+  // Documents (jsonl, or shards made from JSONL): packed rows or padded rows.
+  bool packing = true;
+  bool reset_position_ids = true;
+  int64_t pad_to_multiple_of = 0;
+  OverlongPolicy overlong = OverlongPolicy::Truncate;
 
   int64_t seq_len = 0;
   int64_t micro_batch_size = 0;
@@ -84,6 +119,8 @@ struct DataSources {
   std::unique_ptr<BatchSource> train;
   std::unique_ptr<BatchSource> eval;  // null when there is no held-out data (and for synthetic)
   std::vector<std::string> notices;   // files of data.text_files left out (select_text_files)
+  // How the JSONL format was chosen, what became of the documents (DataStats::describe).
+  std::vector<std::string> info;
 };
 
 // Builds the sources; every problem with the options or the files is a std::runtime_error (or

@@ -1,7 +1,11 @@
 #include "runtime/data/pretokenize.h"
 
-#include <cassert>
-#include <cstdint>
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <cctype>
+#include <stdexcept>
 
 #include "runtime/data/unicode.h"
 
@@ -14,137 +18,339 @@ const char* const kLlama3SplitRegex =
 
 namespace {
 
-enum : uint8_t { kLetter = 1, kNumber = 2, kSpace = 4, kNewline = 8 };
+bool is_hex(char c) {
+  return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+}
 
-// The text as code points with their classes and byte offsets.
-struct Decoded {
-  std::vector<uint32_t> cp;
-  std::vector<uint8_t> cls;
-  std::vector<size_t> offset;  // size() + 1 entries; the last is the text length
+// Oniguruma's \w, measured code point by code point against libonig 6.9.8: Alphabetic, marks,
+// decimal digits and connector punctuation, plus (outside a character class only) the Latin-1
+// digits ² ³ ¹ ¼ ½ ¾. PCRE2's own \w is letters, all numbers and '_'.
+const char* const kWordInClass = R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc})";
+const char* const kWordLatin1 = R"(\x{B2}\x{B3}\x{B9}\x{BC}-\x{BE})";
 
-  size_t size() const { return cp.size(); }
-  bool letter(size_t i) const { return cls[i] & kLetter; }
-  bool number(size_t i) const { return cls[i] & kNumber; }
-  bool space(size_t i) const { return cls[i] & kSpace; }
-  bool newline(size_t i) const { return cls[i] & kNewline; }
-  bool other(size_t i) const { return (cls[i] & (kLetter | kNumber | kSpace)) == 0; }
+}  // namespace
+
+std::string oniguruma_to_pcre2(std::string_view p) {
+  const std::string word = std::string(kWordInClass) + kWordLatin1;  // outside a class
+  std::string out;
+  out.reserve(p.size() + 16);
+  bool in_class = false;
+  size_t class_start = 0;  // offset just after '[' or "[^"
+  size_t i = 0;
+  auto fail = [&](const std::string& what) {
+    throw std::invalid_argument(what + " (at offset " + std::to_string(i) +
+                                ") has no PCRE2 equivalent");
+  };
+  // Copies from i through the first `close` (an escape's {...} or <...> argument).
+  auto copy_through = [&](char close) {
+    size_t end = p.find(close, i);
+    if (end == std::string_view::npos) end = p.size() - 1;
+    out.append(p.substr(i, end + 1 - i));
+    i = end + 1;
+  };
+  while (i < p.size()) {
+    const char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      const char e = p[i + 1];
+      switch (e) {
+        case 's':  // White_Space; PCRE2's \s also takes U+180E
+          out += "\\p{White_Space}";
+          i += 2;
+          continue;
+        case 'S':
+          out += "\\P{White_Space}";
+          i += 2;
+          continue;
+        case 'w':
+          out += in_class ? std::string(kWordInClass) : "[" + word + "]";
+          i += 2;
+          continue;
+        case 'W':
+          if (in_class) fail("\\W inside a character class");
+          out += "[^" + word + "]";
+          i += 2;
+          continue;
+        case 'h':  // a hexadecimal digit in Oniguruma, horizontal space in PCRE2
+          out += in_class ? "0-9a-fA-F" : "[0-9a-fA-F]";
+          i += 2;
+          continue;
+        case 'H':
+          if (in_class) fail("\\H inside a character class");
+          out += "[^0-9a-fA-F]";
+          i += 2;
+          continue;
+        case 'b':
+        case 'B':
+          if (in_class) break;  // backspace in both
+          out += e == 'b' ? "(?:(?<=[" + word + "])(?![" + word + "])|(?<![" + word + "])(?=[" +
+                                word + "]))"
+                          : "(?:(?<=[" + word + "])(?=[" + word + "])|(?<![" + word + "])(?![" +
+                                word + "]))";
+          i += 2;
+          continue;
+        case 'u':  // \uHHHH
+          if (i + 6 > p.size() || !is_hex(p[i + 2]) || !is_hex(p[i + 3]) || !is_hex(p[i + 4]) ||
+              !is_hex(p[i + 5])) {
+            fail("\\u without four hexadecimal digits");
+          }
+          out += "\\x{" + std::string(p.substr(i + 2, 4)) + "}";
+          i += 6;
+          continue;
+        case 'p':
+        case 'P':
+        case 'x':
+        case 'o':
+        case 'N':
+          if (i + 2 < p.size() && p[i + 2] == '{') {
+            copy_through('}');
+            continue;
+          }
+          break;
+        case 'k':
+        case 'g':
+          if (i + 2 < p.size() && p[i + 2] == '<') {
+            copy_through('>');
+            continue;
+          }
+          break;
+        default:
+          break;
+      }
+      out.append(p.substr(i, 2));
+      i += 2;
+      continue;
+    }
+    if (in_class) {
+      if (c == '[') {
+        if (p.substr(i, 2) == "[:") {  // a POSIX bracket such as [:alpha:]
+          size_t end = p.find(":]", i + 2);
+          if (end != std::string_view::npos) {
+            out.append(p.substr(i, end + 2 - i));
+            i = end + 2;
+            continue;
+          }
+        }
+        fail("a character class inside a character class");
+      }
+      if (c == '&' && i + 1 < p.size() && p[i + 1] == '&') fail("character class intersection &&");
+      if (c == ']' && i > class_start) in_class = false;
+      out.push_back(c);
+      ++i;
+      continue;
+    }
+    if (c == '[') {
+      in_class = true;
+      out.push_back(c);
+      ++i;
+      if (i < p.size() && p[i] == '^') out.push_back(p[i++]);
+      class_start = i;  // a ']' right here is a literal
+      continue;
+    }
+    if (c == '(' && p.substr(i, 2) == "(?") {
+      // Inline options (?imx-imx) / (?imx-imx:...): Oniguruma's m is PCRE2's s (dot matches
+      // newline); ^ and $ always match at line breaks (PCRE2_MULTILINE).
+      size_t j = i + 2;
+      while (j < p.size() && (std::isalpha(static_cast<unsigned char>(p[j])) || p[j] == '-')) ++j;
+      if (j > i + 2 && j < p.size() && (p[j] == ':' || p[j] == ')')) {
+        out += "(?";
+        for (size_t k = i + 2; k < j; ++k) {
+          const char o = p[k];
+          if (o == 'm') {
+            out.push_back('s');
+          } else if (o == 'i' || o == 'x' || o == '-') {
+            out.push_back(o);
+          } else {
+            i = k;
+            fail(std::string("the inline option '") + o + "'");
+          }
+        }
+        i = j;
+        continue;
+      }
+      out += "(?";
+      i += 2;
+      continue;
+    }
+    if (c == '{' && i + 1 < p.size() && p[i + 1] == ',') {  // {,n} is {0,n} in Oniguruma
+      size_t j = i + 2;
+      while (j < p.size() && std::isdigit(static_cast<unsigned char>(p[j]))) ++j;
+      if (j > i + 2 && j < p.size() && p[j] == '}') {
+        out += "{0";
+        ++i;
+        continue;
+      }
+    }
+    out.push_back(c);
+    ++i;
+  }
+  return out;
+}
+
+TextPattern TextPattern::literal(std::string text) {
+  if (text.empty()) throw std::invalid_argument("the pattern is an empty string");
+  TextPattern t;
+  t.literal_ = std::move(text);
+  return t;
+}
+
+TextPattern TextPattern::regex(const std::string& pattern) {
+  const std::string translated = oniguruma_to_pcre2(pattern);
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  pcre2_compile_context* context = pcre2_compile_context_create(nullptr);
+  pcre2_set_newline(context, PCRE2_NEWLINE_LF);
+  pcre2_code* code = pcre2_compile(
+      reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(),
+      PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE | PCRE2_MATCH_INVALID_UTF, &error, &offset, context);
+  pcre2_compile_context_free(context);
+  if (!code) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof(message));
+    std::string where = translated == pattern ? "at offset " + std::to_string(offset)
+                                              : "at offset " + std::to_string(offset) +
+                                                    " of its PCRE2 form '" + translated + "'";
+    throw std::invalid_argument(std::string(reinterpret_cast<const char*>(message)) + " (" + where +
+                                ")");
+  }
+  pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // without JIT (unsupported CPU) it interprets
+  TextPattern t;
+  t.code_.reset(code, pcre2_code_free);
+  return t;
+}
+
+namespace {
+
+// Per-thread match state: one match_data (only the whole match is read) and a JIT stack.
+struct MatchState {
+  pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
+  pcre2_match_context* context = pcre2_match_context_create(nullptr);
+  pcre2_jit_stack* stack = pcre2_jit_stack_create(32 << 10, 8 << 20, nullptr);
+  MatchState() {
+    pcre2_jit_stack_assign(context, nullptr, stack);
+    pcre2_set_match_limit(context, 10'000'000);
+  }
+  ~MatchState() {
+    pcre2_jit_stack_free(stack);
+    pcre2_match_context_free(context);
+    pcre2_match_data_free(data);
+  }
 };
 
-void decode(std::string_view text, Decoded* d) {
-  d->cp.clear();
-  d->cls.clear();
-  d->offset.clear();
-  size_t pos = 0;
-  while (pos < text.size()) {
-    uint32_t cp;
-    size_t len = utf8_decode(text.data() + pos, text.size() - pos, &cp);
-    uint8_t c = 0;
-    if (cp == '\r' || cp == '\n') {
-      c = kSpace | kNewline;
-    } else if (is_whitespace(cp)) {
-      c = kSpace;
-    } else if (is_letter(cp)) {
-      c = kLetter;
-    } else if (is_number(cp)) {
-      c = kNumber;
-    }
-    d->cp.push_back(cp);
-    d->cls.push_back(c);
-    d->offset.push_back(pos);
-    pos += len;
-  }
-  d->offset.push_back(text.size());
-}
-
-template <class Pred>
-size_t run_end(const Decoded& d, size_t i, Pred pred) {
-  while (i < d.size() && pred(i)) ++i;
-  return i;
-}
-
-uint32_t ascii_lower(uint32_t cp) {
-  if (cp >= 'A' && cp <= 'Z') return cp + 32;
-  if (cp == 0x17F) return 's';  // LATIN SMALL LETTER LONG S case-folds to 's'
-  return cp;
-}
-
-// 's|'t|'re|'ve|'m|'ll|'d at i; returns the end or 0.
-size_t match_contraction(const Decoded& d, size_t i, bool ignore_case) {
-  if (d.cp[i] != '\'' || i + 1 >= d.size()) return 0;
-  auto at = [&](size_t k) { return ignore_case ? ascii_lower(d.cp[k]) : d.cp[k]; };
-  uint32_t a = at(i + 1);
-  if (a == 's' || a == 't' || a == 'm' || a == 'd') return i + 2;
-  if (i + 2 < d.size()) {
-    uint32_t b = at(i + 2);
-    if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 3;
-  }
-  return 0;
-}
-
-// \s+(?!\S) then \s+ : the whitespace run, leaving its last character to the next piece when
-// that piece starts with a non-space.
-size_t match_space_run(const Decoded& d, size_t i) {
-  size_t end = run_end(d, i, [&](size_t k) { return d.space(k); });
-  if (end == i) return 0;
-  if (end == d.size() || end - i == 1) return end;
-  return end - 1;
-}
-
-size_t match_gpt2(const Decoded& d, size_t i) {
-  if (size_t e = match_contraction(d, i, false)) return e;
-  const bool lead_space = d.cp[i] == ' ' && i + 1 < d.size();
-  // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
-  if (d.letter(i)) return run_end(d, i, [&](size_t k) { return d.letter(k); });
-  if (lead_space && d.letter(i + 1))
-    return run_end(d, i + 1, [&](size_t k) { return d.letter(k); });
-  if (d.number(i)) return run_end(d, i, [&](size_t k) { return d.number(k); });
-  if (lead_space && d.number(i + 1))
-    return run_end(d, i + 1, [&](size_t k) { return d.number(k); });
-  if (d.other(i)) return run_end(d, i, [&](size_t k) { return d.other(k); });
-  if (lead_space && d.other(i + 1)) return run_end(d, i + 1, [&](size_t k) { return d.other(k); });
-  return match_space_run(d, i);
-}
-
-size_t match_llama3(const Decoded& d, size_t i) {
-  if (size_t e = match_contraction(d, i, true)) return e;
-  // [^\r\n\p{L}\p{N}]?\p{L}+
-  if (!d.newline(i) && !d.letter(i) && !d.number(i) && i + 1 < d.size() && d.letter(i + 1)) {
-    return run_end(d, i + 1, [&](size_t k) { return d.letter(k); });
-  }
-  if (d.letter(i)) return run_end(d, i, [&](size_t k) { return d.letter(k); });
-  // \p{N}{1,3}
-  if (d.number(i)) {
-    size_t e = i;
-    while (e < d.size() && e < i + 3 && d.number(e)) ++e;
-    return e;
-  }
-  // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
-  size_t j = i;
-  if (d.cp[i] == ' ' && i + 1 < d.size() && d.other(i + 1)) j = i + 1;
-  if (d.other(j)) {
-    size_t e = run_end(d, j, [&](size_t k) { return d.other(k); });
-    return run_end(d, e, [&](size_t k) { return d.cp[k] == '\r' || d.cp[k] == '\n'; });
-  }
-  // \s*[\r\n]+ : up to and including the last newline of the whitespace run.
-  size_t end = run_end(d, i, [&](size_t k) { return d.space(k); });
-  for (size_t k = end; k > i; --k) {
-    if (d.newline(k - 1)) return k;
-  }
-  return match_space_run(d, i);
+size_t utf8_length_at(std::string_view text, size_t pos) {
+  uint32_t cp;
+  return utf8_decode(text.data() + pos, text.size() - pos, &cp);
 }
 
 }  // namespace
 
-void split_pretokens(std::string_view text, SplitPattern pattern,
-                     std::vector<std::string_view>* out) {
-  thread_local Decoded d;
-  decode(text, &d);
-  size_t i = 0;
-  while (i < d.size()) {
-    size_t end = pattern == SplitPattern::Gpt2 ? match_gpt2(d, i) : match_llama3(d, i);
-    assert(end > i && "the split patterns match every character");
-    out->push_back(text.substr(d.offset[i], d.offset[end] - d.offset[i]));
-    i = end;
+void TextPattern::find_matches(std::string_view text, std::vector<MatchSpan>* out) const {
+  if (text.empty()) {
+    out->push_back({0, 0, false});
+    return;
+  }
+  size_t prev = 0;
+  auto add = [&](size_t begin, size_t end) {
+    if (prev != begin) out->push_back({prev, begin, false});
+    out->push_back({begin, end, true});
+    prev = end;
+  };
+  if (!code_) {
+    if (literal_.empty()) {
+      out->push_back({0, text.size(), false});
+      return;
+    }
+    for (size_t at = text.find(literal_); at != std::string_view::npos;
+         at = text.find(literal_, at + literal_.size())) {
+      add(at, at + literal_.size());
+    }
+  } else {
+    thread_local MatchState state;
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
+    // As the onig crate's find_iter: search from the last match's end; an empty match right
+    // where the last match ended is skipped by moving one character on.
+    size_t start = 0;
+    bool have_last = false;
+    size_t last_end = 0;
+    while (start <= text.size()) {
+      const int rc =
+          pcre2_match(code_.get(), subject, text.size(), start, 0, state.data, state.context);
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {
+        PCRE2_UCHAR message[256];
+        pcre2_get_error_message(rc, message, sizeof(message));
+        throw std::runtime_error(std::string("regex matching failed: ") +
+                                 reinterpret_cast<const char*>(message));
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(state.data);
+      const size_t begin = ov[0], end = ov[1];
+      if (begin == end && have_last && last_end == end) {
+        if (start >= text.size()) break;
+        start += utf8_length_at(text, start);
+        continue;
+      }
+      add(begin, end);
+      start = end;
+      have_last = true;
+      last_end = end;
+    }
+  }
+  if (prev != text.size()) out->push_back({prev, text.size(), false});
+}
+
+void split_spans(const std::vector<MatchSpan>& spans, SplitBehavior behavior, bool invert,
+                 std::vector<std::pair<size_t, size_t>>* pieces) {
+  // (begin, end, removed) as tokenizers computes them, then the kept non-empty ones.
+  struct Piece {
+    size_t begin, end;
+    bool removed;
+  };
+  std::vector<Piece> acc;
+  acc.reserve(spans.size());
+  bool previous_match = false;
+  switch (behavior) {
+    case SplitBehavior::Isolated:
+      for (const MatchSpan& s : spans) acc.push_back({s.begin, s.end, false});
+      break;
+    case SplitBehavior::Removed:
+      for (const MatchSpan& s : spans) acc.push_back({s.begin, s.end, s.is_match != invert});
+      break;
+    case SplitBehavior::Contiguous:
+      for (const MatchSpan& s : spans) {
+        const bool m = s.is_match != invert;
+        if (m == previous_match && !acc.empty()) {
+          acc.back().end = s.end;
+        } else {
+          acc.push_back({s.begin, s.end, false});
+        }
+        previous_match = m;
+      }
+      break;
+    case SplitBehavior::MergedWithPrevious:
+      for (const MatchSpan& s : spans) {
+        const bool m = s.is_match != invert;
+        if (m && !previous_match && !acc.empty()) {
+          acc.back().end = s.end;
+        } else {
+          acc.push_back({s.begin, s.end, false});
+        }
+        previous_match = m;
+      }
+      break;
+    case SplitBehavior::MergedWithNext:
+      for (auto it = spans.rbegin(); it != spans.rend(); ++it) {
+        const bool m = it->is_match != invert;
+        if (m && !previous_match && !acc.empty()) {
+          acc.back().begin = it->begin;
+        } else {
+          acc.push_back({it->begin, it->end, false});
+        }
+        previous_match = m;
+      }
+      std::reverse(acc.begin(), acc.end());
+      break;
+  }
+  for (const Piece& p : acc) {
+    if (!p.removed && p.end > p.begin) pieces->emplace_back(p.begin, p.end);
   }
 }
 

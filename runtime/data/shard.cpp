@@ -46,8 +46,11 @@ T max_of(const T* p, int64_t n) {
 
 int shard_token_bytes(int64_t vocab_size) { return vocab_size <= 65536 ? 2 : 4; }
 
-ShardWriter::ShardWriter(std::string path, int64_t vocab_size)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), vocab_size_(vocab_size) {
+ShardWriter::ShardWriter(std::string path, int64_t vocab_size, bool documents)
+    : path_(std::move(path)),
+      tmp_path_(path_ + ".tmp"),
+      vocab_size_(vocab_size),
+      documents_(documents) {
   if (vocab_size <= 0 || vocab_size > (int64_t{1} << 32)) {
     throw std::invalid_argument("ShardWriter '" + path_ + "': vocab_size " +
                                 std::to_string(vocab_size) + " is not in [1, 2^32]");
@@ -70,8 +73,24 @@ ShardWriter::~ShardWriter() {
   }
 }
 
+void ShardWriter::append_document(const uint32_t* ids, const uint8_t* trained, size_t n) {
+  if (!documents_) throw std::logic_error("ShardWriter::append_document on a token-stream shard");
+  if (n == 0) throw std::invalid_argument("ShardWriter '" + path_ + "': an empty document");
+  for (size_t i = 0; i < n; ++i) {
+    if (trained[i] > 1) throw std::invalid_argument("ShardWriter: trained flags are 0 or 1");
+  }
+  write_tokens(ids, n);
+  trained_.insert(trained_.end(), trained, trained + n);
+  starts_.push_back(static_cast<uint64_t>(count_));
+}
+
 void ShardWriter::append(const uint32_t* ids, size_t n) {
-  if (!file_) throw std::logic_error("ShardWriter::append after close()");
+  if (documents_) throw std::logic_error("ShardWriter::append on a document shard");
+  write_tokens(ids, n);
+}
+
+void ShardWriter::write_tokens(const uint32_t* ids, size_t n) {
+  if (!file_) throw std::logic_error("ShardWriter: append after close()");
   constexpr size_t kChunk = 1 << 18;
   for (size_t start = 0; start < n; start += kChunk) {
     const size_t m = std::min(kChunk, n - start);
@@ -104,14 +123,21 @@ void ShardWriter::flush() {
 
 void ShardWriter::close() {
   if (!file_) return;
+  if (documents_) {
+    buffer_.insert(buffer_.end(), trained_.begin(), trained_.end());
+    const size_t old = buffer_.size();
+    buffer_.resize(old + starts_.size() * 8);
+    memcpy(buffer_.data() + old, starts_.data(), starts_.size() * 8);
+  }
   flush();
   FILE* f = static_cast<FILE*>(file_);
   char header[kShardHeaderBytes] = {};
   memcpy(header, kShardMagic, 8);
-  put_u32(header + 8, kShardVersion);
+  put_u32(header + 8, documents_ ? kDocumentShardVersion : kShardVersion);
   put_u32(header + 12, static_cast<uint32_t>(width_));
   put_u64(header + 16, static_cast<uint64_t>(count_));
   put_u64(header + 24, static_cast<uint64_t>(vocab_size_));
+  if (documents_) put_u64(header + 32, starts_.size() - 1);
   bool ok = fseek(f, 0, SEEK_SET) == 0 && fwrite(header, 1, sizeof(header), f) == sizeof(header) &&
             fflush(f) == 0;
   int err = errno;
@@ -172,9 +198,10 @@ std::shared_ptr<const TokenShard> TokenShard::open(const std::string& path, bool
                           "' (make shards with accel-data)");
   }
   const uint32_t version = get_u32(h + 8);
-  if (version != kShardVersion) {
+  if (version != kShardVersion && version != kDocumentShardVersion) {
     shard_error(path, "has format version " + std::to_string(version) +
-                          "; this build reads version " + std::to_string(kShardVersion) +
+                          "; this build reads versions " + std::to_string(kShardVersion) + " and " +
+                          std::to_string(kDocumentShardVersion) +
                           " (re-create it with this accel-data)");
   }
   const uint32_t width = get_u32(h + 12);
@@ -189,13 +216,48 @@ std::shared_ptr<const TokenShard> TokenShard::open(const std::string& path, bool
                           std::to_string(width) + "-byte tokens");
   }
   const uint64_t payload = file_bytes - kShardHeaderBytes;
-  if (count > payload / width || count * width != payload) {
-    shard_error(path, "is truncated or corrupt: the header says " + std::to_string(count) +
-                          " tokens (" + std::to_string(count * width) +
-                          " bytes) but the file holds " + std::to_string(payload) +
-                          " bytes after the header (re-create it with accel-data)");
+  const uint64_t docs = version == kDocumentShardVersion ? get_u64(h + 32) : 0;
+  // Per token: its bytes, plus a trained flag in version 2; then the document starts.
+  const uint64_t per_token = width + (version == kDocumentShardVersion ? 1 : 0);
+  const uint64_t starts_bytes = version == kDocumentShardVersion ? 8 * (docs + 1) : 0;
+  if (docs > payload / 8 || starts_bytes > payload ||
+      count > (payload - starts_bytes) / per_token || count * per_token + starts_bytes != payload) {
+    shard_error(path,
+                "is truncated or corrupt: the header says " + std::to_string(count) + " tokens" +
+                    (version == kDocumentShardVersion ? " in " + std::to_string(docs) + " documents"
+                                                      : std::string()) +
+                    " (" + std::to_string(count * per_token + starts_bytes) +
+                    " bytes) but the file holds " + std::to_string(payload) +
+                    " bytes after the header (re-create it with accel-data)");
   }
+  s->version_ = version;
   s->tokens_ = h + kShardHeaderBytes;
+  if (version == kDocumentShardVersion) {
+    s->documents_ = static_cast<int64_t>(docs);
+    s->trained_ = s->tokens_ + count * width;
+    s->starts_ = s->trained_ + count;
+    uint64_t prev = get_u64(s->starts_);
+    if (prev != 0) shard_error(path, "is corrupt: its first document does not start at token 0");
+    for (uint64_t d = 1; d <= docs; ++d) {
+      const uint64_t start = get_u64(s->starts_ + 8 * d);
+      if (start <= prev || start > count) {
+        shard_error(path, "is corrupt: document " + std::to_string(d - 1) + " ends at token " +
+                              std::to_string(start) + " (after " + std::to_string(prev) +
+                              ", within " + std::to_string(count) + " tokens expected)");
+      }
+      prev = start;
+    }
+    if (prev != count) {
+      shard_error(path, "is corrupt: its documents end at token " + std::to_string(prev) + " of " +
+                            std::to_string(count));
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      if (s->trained_[i] > 1) {
+        shard_error(path, "is corrupt: the trained flag of token " + std::to_string(i) + " is " +
+                              std::to_string(s->trained_[i]) + " (0 or 1 expected)");
+      }
+    }
+  }
   s->count_ = static_cast<int64_t>(count);
   s->vocab_size_ = static_cast<int64_t>(vocab);
   s->width_ = static_cast<int>(width);
@@ -219,6 +281,14 @@ std::shared_ptr<const TokenShard> TokenShard::open(const std::string& path, bool
 
 TokenShard::~TokenShard() {
   if (map_) munmap(map_, map_bytes_);
+}
+
+int64_t TokenShard::document_start(int64_t d) const {
+  if (d < 0 || d > documents_) {
+    throw std::out_of_range("TokenShard::document_start: no document " + std::to_string(d) +
+                            " in '" + path_ + "'");
+  }
+  return static_cast<int64_t>(get_u64(starts_ + 8 * d));
 }
 
 uint32_t TokenShard::at(int64_t i) const {

@@ -122,17 +122,86 @@ class ByteTokenizer final : public Tokenizer {
 
 struct AddedToken {
   std::string content;
+  std::string match;  // what is looked for: content, or content normalized when `normalized`
   uint32_t id = 0;
   bool single_word = false, lstrip = false, rstrip = false, normalized = true, special = false;
 };
 
-// One pre-tokenizer step: optionally prepend a space to each piece, optionally split it by a
-// pattern. ByteLevel(add_prefix_space, use_regex) and Split(pattern) are both of this form.
-struct PreTokStep {
-  bool add_prefix_space = false;
-  bool split = false;
-  SplitPattern pattern = SplitPattern::Gpt2;
+// tokenizer.json's normalizers, in order (a Sequence is flattened).
+struct NormalizerStep {
+  enum class Kind { Form, Prepend, Replace } kind = Kind::Form;
+  NormalForm form = NormalForm::NFC;
+  std::string text;     // Prepend: the prefix; Replace: the replacement
+  TextPattern pattern;  // Replace
 };
+
+// Metaspace's prepend_scheme.
+enum class Prepend { Always, First, Never };
+
+// tokenizer.json's pre-tokenizers, in order (a Sequence is flattened).
+struct PreTokStep {
+  enum class Kind { Split, ByteLevel, Metaspace } kind = Kind::Split;
+  TextPattern pattern;  // Split; ByteLevel with use_regex (the GPT-2 regex)
+  SplitBehavior behavior = SplitBehavior::Isolated;
+  bool invert = false;
+  bool split = false;             // ByteLevel: use_regex; Metaspace: split
+  bool add_prefix_space = false;  // ByteLevel
+  std::string replacement;        // Metaspace: one character
+  Prepend prepend = Prepend::Always;
+};
+
+// tokenizer.json's decoders, in order (a Sequence is flattened).
+struct DecoderStep {
+  enum class Kind {
+    ByteLevel,
+    Replace,
+    ByteFallback,
+    Fuse,
+    Strip,
+    Metaspace
+  } kind = Kind::ByteLevel;
+  TextPattern pattern;  // Replace
+  std::string text;     // Replace: the replacement; Strip: the character; Metaspace: replacement
+  size_t start = 0, stop = 0;  // Strip
+  bool drop_first = false;     // Metaspace: prepend_scheme is not "never"
+};
+
+// A piece of text on its way through the pre-tokenizers. `at_start`: it begins at offset 0 of
+// the encoded text (Metaspace's prepend_scheme "first" prepends only there).
+struct Piece {
+  std::string_view text;
+  bool at_start;
+};
+
+// The UTF-8 characters of `s` (an invalid byte counts as one).
+std::vector<std::string_view> utf8_chars(std::string_view s) {
+  std::vector<std::string_view> out;
+  for (size_t pos = 0; pos < s.size();) {
+    uint32_t cp;
+    const size_t len = utf8_decode(s.data() + pos, s.size() - pos, &cp);
+    out.push_back(s.substr(pos, len));
+    pos += len;
+  }
+  return out;
+}
+
+bool is_one_character(const std::string& s) { return !s.empty() && utf8_chars(s).size() == 1; }
+
+std::string replace_all(std::string_view text, const TextPattern& pattern,
+                        const std::string& content) {
+  std::vector<MatchSpan> spans;
+  pattern.find_matches(text, &spans);
+  std::string out;
+  out.reserve(text.size());
+  for (const MatchSpan& m : spans) {
+    if (m.is_match) {
+      out += content;
+    } else {
+      out.append(text.substr(m.begin, m.end - m.begin));
+    }
+  }
+  return out;
+}
 
 class BpeTokenizer final : public Tokenizer {
  public:
@@ -162,17 +231,25 @@ class BpeTokenizer final : public Tokenizer {
   }
   void parse_model(const nlohmann::json& model);
   void parse_added_tokens(const nlohmann::json& j);
-  void parse_pre_tokenizer(const nlohmann::json& pt);
-  void parse_split(const nlohmann::json& s, const std::string& where);
+  void parse_normalizer(const nlohmann::json& n, const std::string& where);
+  void parse_pre_tokenizer(const nlohmann::json& pt, const std::string& where);
+  void parse_decoder(const nlohmann::json& d, const std::string& where);
+  TextPattern parse_pattern(const nlohmann::json& p, const std::string& where) const;
+  Prepend parse_prepend_scheme(const nlohmann::json& m, const std::string& where) const;
+  std::string one_character(const nlohmann::json& m, const char* key, const std::string& where,
+                            const char* fallback) const;
 
-  // Splits text by the added tokens of `group` (indices into added_); calls plain(view) for the
-  // text between them and token(id) for each match.
+  std::string normalize(std::string_view text) const;
+  // Splits text by the added tokens of `group` (indices into added_); calls plain(view, offset)
+  // for the text between them and token(id) for each match.
   void split_added(std::string_view text, const std::vector<size_t>& group,
-                   const std::function<void(std::string_view)>& plain,
+                   const std::function<void(std::string_view, size_t)>& plain,
                    const std::function<void(uint32_t)>& token) const;
-  void encode_plain(std::string_view text, Cache* cache, std::vector<uint32_t>* out) const;
+  void pre_tokenize(Piece text, std::deque<std::string>* owned, std::vector<Piece>* out) const;
   void encode_word(std::string_view word, Cache* cache, std::vector<uint32_t>* out) const;
   void merge_word(std::string_view word, std::vector<uint32_t>* out) const;
+  void add_symbol(std::string_view unit, int64_t id, std::vector<uint32_t>* ids,
+                  std::optional<uint32_t>* pending_unk) const;
 
   std::string name_;
   uint64_t hash_;
@@ -183,9 +260,14 @@ class BpeTokenizer final : public Tokenizer {
   std::unordered_map<uint64_t, std::pair<uint32_t, uint32_t>> merges_;
   std::array<int64_t, 256> byte_ids_{};  // -1 when the vocab lacks the byte's symbol
   std::array<std::string, 256> byte_symbols_;
+  std::array<int64_t, 256> fallback_ids_{};  // <0xNN> tokens for byte_fallback; -1 if absent
   std::optional<uint32_t> unk_id_;
-  bool ignore_merges_ = false;
-  std::vector<PreTokStep> steps_;
+  bool ignore_merges_ = false, byte_fallback_ = false, fuse_unk_ = false;
+  bool byte_level_ = false;  // a ByteLevel pre-tokenizer: the model sees bytes as symbols
+  std::vector<NormalizerStep> normalizers_;
+  std::vector<PreTokStep> pre_tokenizers_;
+  bool has_decoder_ = false;
+  std::vector<DecoderStep> decoders_;
   std::vector<AddedToken> added_;
   std::vector<size_t> raw_added_, normalized_added_;  // matched on raw text, then in the gaps
   std::optional<uint32_t> eot_;
@@ -196,29 +278,19 @@ BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string name, uint64_t c
   if (!j.is_object()) fail("the top level is not a JSON object");
   if (!j.contains("model") || !j["model"].is_object()) fail("missing 'model' object");
   parse_model(j["model"]);
-
-  if (j.contains("normalizer") && !j["normalizer"].is_null()) {
-    const auto& n = j["normalizer"];
-    bool empty_sequence = n.is_object() && n.value("type", "") == "Sequence" &&
-                          n.contains("normalizers") && n["normalizers"].is_array() &&
-                          n["normalizers"].empty();
-    if (!empty_sequence) {
-      fail("normalizer '" + (n.is_object() ? text_excerpt(n.value("type", "?")) : json_excerpt(n)) +
-           "' is not supported (byte-level BPE tokenizers have normalizer null)");
+  if (j.contains("normalizer")) parse_normalizer(j["normalizer"], "normalizer");
+  if (j.contains("pre_tokenizer")) parse_pre_tokenizer(j["pre_tokenizer"], "pre_tokenizer");
+  for (size_t i = 0; i < pre_tokenizers_.size(); ++i) {
+    if (pre_tokenizers_[i].kind == PreTokStep::Kind::ByteLevel) {
+      if (i + 1 != pre_tokenizers_.size()) {
+        fail("pre_tokenizer: a step after ByteLevel is not supported (ByteLevel must come last)");
+      }
+      byte_level_ = true;
     }
   }
-  if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null()) {
-    fail(
-        "pre_tokenizer is missing or null; only byte-level BPE (a ByteLevel pre-tokenizer) is "
-        "supported");
-  }
-  parse_pre_tokenizer(j["pre_tokenizer"]);
   if (j.contains("decoder") && !j["decoder"].is_null()) {
-    const auto& d = j["decoder"];
-    if (!d.is_object() || d.value("type", "") != "ByteLevel") {
-      fail("decoder '" + (d.is_object() ? text_excerpt(d.value("type", "?")) : json_excerpt(d)) +
-           "' is not supported (expected ByteLevel)");
-    }
+    has_decoder_ = true;
+    parse_decoder(j["decoder"], "decoder");
   }
   if (j.contains("added_tokens")) parse_added_tokens(j["added_tokens"]);
 
@@ -233,18 +305,14 @@ BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string name, uint64_t c
 void BpeTokenizer::parse_model(const nlohmann::json& model) {
   if (model.contains("type") && model["type"] != "BPE") {
     fail("model.type is " + json_excerpt(model["type"]) +
-         "; only byte-level BPE models are supported (GPT-2, Llama 3 style)");
+         "; only BPE models are supported (byte-level as GPT-2 / Llama 3 / Qwen2, or "
+         "SentencePiece-style with byte_fallback as Llama 2 / Mistral)");
   }
   if (!model.contains("vocab") || !model["vocab"].is_object()) {
     fail("missing model.vocab (an object mapping token -> id)");
   }
   if (!model.contains("merges") || !model["merges"].is_array()) {
     fail("missing model.merges (a list of merges)");
-  }
-  if (model.value("byte_fallback", false)) {
-    fail(
-        "model.byte_fallback is true (a SentencePiece-style BPE); only byte-level BPE is "
-        "supported");
   }
   if (model.contains("dropout") && !model["dropout"].is_null() &&
       !(model["dropout"].is_number() && model["dropout"].get<double>() == 0.0)) {
@@ -253,10 +321,18 @@ void BpeTokenizer::parse_model(const nlohmann::json& model) {
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (model.contains(key) && !model[key].is_null() &&
         !(model[key].is_string() && model[key].get<std::string>().empty())) {
-      fail(std::string("model.") + key + " is set; byte-level BPE does not use it");
+      fail(std::string("model.") + key +
+           " is set; not supported (no GPT-2 / Llama style BPE uses it)");
+    }
+  }
+  for (const char* key : {"ignore_merges", "byte_fallback", "fuse_unk"}) {
+    if (model.contains(key) && !model[key].is_boolean() && !model[key].is_null()) {
+      fail(std::string("model.") + key + " is " + json_excerpt(model[key]) + ", not true or false");
     }
   }
   ignore_merges_ = model.value("ignore_merges", false);
+  byte_fallback_ = model.value("byte_fallback", false);
+  fuse_unk_ = model.value("fuse_unk", false);
 
   uint32_t max_id = 0;
   for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
@@ -290,6 +366,10 @@ void BpeTokenizer::parse_model(const nlohmann::json& model) {
     auto it = vocab_.find(sym);
     byte_ids_[b] = it == vocab_.end() ? -1 : static_cast<int64_t>(it->second);
     byte_symbols_[b] = sym;
+    char name[8];
+    snprintf(name, sizeof(name), "<0x%02X>", b);  // as tokenizers spells them
+    auto fb = vocab_.find(name);
+    fallback_ids_[b] = fb == vocab_.end() ? -1 : static_cast<int64_t>(fb->second);
   }
   if (model.contains("unk_token") && !model["unk_token"].is_null()) {
     if (!model["unk_token"].is_string()) fail("model.unk_token is not a string");
@@ -354,6 +434,8 @@ void BpeTokenizer::parse_added_tokens(const nlohmann::json& j) {
     a.special = t.value("special", false);
     a.normalized = t.value("normalized", !a.special);
     if (a.content.empty()) continue;
+    // A normalized token is looked for in normalized text, so in its normalized form.
+    a.match = a.normalized ? normalize(a.content) : a.content;
     if (a.id >= id_to_token_.size()) {
       id_to_token_.resize(a.id + 1);
       id_used_.resize(a.id + 1, false);
@@ -368,69 +450,206 @@ void BpeTokenizer::parse_added_tokens(const nlohmann::json& j) {
     added_.push_back(a);
   }
   for (size_t i = 0; i < added_.size(); ++i) {
+    if (added_[i].match.empty()) continue;  // normalized to nothing: never matches
     (added_[i].normalized ? normalized_added_ : raw_added_).push_back(i);
   }
 }
 
-void BpeTokenizer::parse_split(const nlohmann::json& s, const std::string& where) {
-  PreTokStep step;
-  step.split = true;
-  if (!s.contains("pattern") || !s["pattern"].is_object() || !s["pattern"].contains("Regex")) {
-    fail(where + ".pattern is not a {\"Regex\": ...} object (string patterns are not supported)");
-  }
-  const std::string re = s["pattern"]["Regex"].get<std::string>();
-  if (re == kGpt2SplitRegex) {
-    step.pattern = SplitPattern::Gpt2;
-  } else if (re == kLlama3SplitRegex) {
-    step.pattern = SplitPattern::Llama3;
-  } else {
-    fail(where + ".pattern.Regex " + nlohmann::json(re).dump() +
-         " is not supported (supported: the GPT-2 and the Llama 3 pre-tokenizer regex)");
-  }
-  std::string behavior = s.value("behavior", "Isolated");
-  if (behavior != "Isolated") {
-    fail(where + ".behavior is '" + text_excerpt(behavior) + "'; only Isolated is supported");
-  }
-  if (s.value("invert", false)) fail(where + ".invert is true; not supported");
-  steps_.push_back(step);
+std::string type_of(const nlohmann::json& j) {
+  return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>()
+                                                                      : "";
 }
 
-void BpeTokenizer::parse_pre_tokenizer(const nlohmann::json& pt) {
-  std::vector<std::pair<nlohmann::json, std::string>> parts;
-  if (pt.is_object() && pt.value("type", "") == "Sequence") {
-    if (!pt.contains("pretokenizers") || !pt["pretokenizers"].is_array()) {
-      fail("pre_tokenizer.pretokenizers is missing");
+TextPattern BpeTokenizer::parse_pattern(const nlohmann::json& p, const std::string& where) const {
+  if (!p.is_object() || p.size() != 1 || !(p.contains("String") || p.contains("Regex")) ||
+      !p.begin().value().is_string()) {
+    fail(where + " is " + json_excerpt(p) + ", not {\"String\": ...} or {\"Regex\": ...}");
+  }
+  const std::string text = p.begin().value().get<std::string>();
+  try {
+    if (p.contains("String")) return TextPattern::literal(text);
+    return TextPattern::regex(text);
+  } catch (const std::invalid_argument& e) {
+    fail(where + "." + p.begin().key() + " " + json_excerpt(nlohmann::json(text)) +
+         " is not supported: " + e.what());
+  }
+}
+
+void BpeTokenizer::parse_normalizer(const nlohmann::json& n, const std::string& where) {
+  if (n.is_null()) return;
+  const std::string type = type_of(n);
+  if (type.empty()) fail(where + " has no 'type' (" + json_excerpt(n) + ")");
+  NormalizerStep step;
+  if (type == "Sequence") {
+    if (!n.contains("normalizers") || !n["normalizers"].is_array())
+      fail(where + ".normalizers is missing or not a list");
+    for (size_t i = 0; i < n["normalizers"].size(); ++i) {
+      parse_normalizer(n["normalizers"][i], where + ".normalizers[" + std::to_string(i) + "]");
     }
-    for (size_t i = 0; i < pt["pretokenizers"].size(); ++i) {
-      parts.emplace_back(pt["pretokenizers"][i],
-                         "pre_tokenizer.pretokenizers[" + std::to_string(i) + "]");
-    }
+    return;
+  } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    step.kind = NormalizerStep::Kind::Form;
+    step.form = type == "NFC"    ? NormalForm::NFC
+                : type == "NFD"  ? NormalForm::NFD
+                : type == "NFKC" ? NormalForm::NFKC
+                                 : NormalForm::NFKD;
+  } else if (type == "Prepend") {
+    if (!n.contains("prepend") || !n["prepend"].is_string())
+      fail(where + ".prepend is missing or not a string");
+    step.kind = NormalizerStep::Kind::Prepend;
+    step.text = n["prepend"].get<std::string>();
+  } else if (type == "Replace") {
+    if (!n.contains("content") || !n["content"].is_string())
+      fail(where + ".content is missing or not a string");
+    if (!n.contains("pattern")) fail(where + ".pattern is missing");
+    step.kind = NormalizerStep::Kind::Replace;
+    step.pattern = parse_pattern(n["pattern"], where + ".pattern");
+    step.text = n["content"].get<std::string>();
   } else {
-    parts.emplace_back(pt, "pre_tokenizer");
+    fail(where + ".type '" + text_excerpt(type) +
+         "' is not supported (supported normalizers: NFC, NFD, NFKC, NFKD, Prepend, Replace, "
+         "Sequence)");
   }
-  bool byte_level = false;
-  for (const auto& [p, where] : parts) {
-    if (!p.is_object() || !p.contains("type")) fail(where + " has no 'type'");
-    const std::string type = p["type"].get<std::string>();
-    if (type == "Split") {
-      if (byte_level) fail(where + ": a Split after ByteLevel is not supported");
-      parse_split(p, where);
-    } else if (type == "ByteLevel") {
-      if (byte_level) fail(where + ": more than one ByteLevel step");
-      byte_level = true;
-      PreTokStep step;
-      step.add_prefix_space = p.value("add_prefix_space", true);
-      step.split = p.value("use_regex", true);
-      step.pattern = SplitPattern::Gpt2;
-      steps_.push_back(step);
+  normalizers_.push_back(std::move(step));
+}
+
+Prepend BpeTokenizer::parse_prepend_scheme(const nlohmann::json& m,
+                                           const std::string& where) const {
+  // As tokenizers reads it: prepend_scheme (default "always"); the older add_prefix_space false
+  // means "never".
+  Prepend scheme = Prepend::Always;
+  if (m.contains("prepend_scheme")) {
+    const auto& s = m["prepend_scheme"];
+    if (s == "always") {
+      scheme = Prepend::Always;
+    } else if (s == "first") {
+      scheme = Prepend::First;
+    } else if (s == "never") {
+      scheme = Prepend::Never;
     } else {
-      fail(where + ".type '" + text_excerpt(type) +
-           "' is not supported (supported: ByteLevel, Split with the GPT-2 or Llama 3 regex)");
+      fail(where + ".prepend_scheme is " + json_excerpt(s) +
+           ", not \"always\", \"first\" or \"never\"");
     }
   }
-  if (!byte_level) {
-    fail("pre_tokenizer has no ByteLevel step; only byte-level BPE tokenizers are supported");
+  if (m.contains("add_prefix_space") && m["add_prefix_space"] == false) {
+    if (scheme != Prepend::Never && m.contains("prepend_scheme"))
+      fail(where + ": add_prefix_space false contradicts prepend_scheme " +
+           json_excerpt(m["prepend_scheme"]));
+    scheme = Prepend::Never;
   }
+  return scheme;
+}
+
+std::string BpeTokenizer::one_character(const nlohmann::json& m, const char* key,
+                                        const std::string& where, const char* fallback) const {
+  if (!m.contains(key)) {
+    if (fallback) return fallback;
+    fail(where + "." + key + " is missing");
+  }
+  if (!m[key].is_string() || !is_one_character(m[key].get<std::string>()))
+    fail(where + "." + key + " is " + json_excerpt(m[key]) + ", not one character");
+  return m[key].get<std::string>();
+}
+
+void BpeTokenizer::parse_pre_tokenizer(const nlohmann::json& p, const std::string& where) {
+  if (p.is_null()) return;
+  const std::string type = type_of(p);
+  if (type.empty()) fail(where + " has no 'type' (" + json_excerpt(p) + ")");
+  PreTokStep step;
+  if (type == "Sequence") {
+    if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array())
+      fail(where + ".pretokenizers is missing or not a list");
+    for (size_t i = 0; i < p["pretokenizers"].size(); ++i) {
+      parse_pre_tokenizer(p["pretokenizers"][i],
+                          where + ".pretokenizers[" + std::to_string(i) + "]");
+    }
+    return;
+  } else if (type == "Split") {
+    step.kind = PreTokStep::Kind::Split;
+    if (!p.contains("pattern")) fail(where + ".pattern is missing");
+    step.pattern = parse_pattern(p["pattern"], where + ".pattern");
+    const std::string behavior =
+        p.contains("behavior") && p["behavior"].is_string() ? p["behavior"].get<std::string>() : "";
+    // tokenizers writes these names; its reader also takes the snake_case ones.
+    if (behavior == "Isolated" || behavior == "isolated") {
+      step.behavior = SplitBehavior::Isolated;
+    } else if (behavior == "Removed" || behavior == "removed") {
+      step.behavior = SplitBehavior::Removed;
+    } else if (behavior == "MergedWithPrevious" || behavior == "merged_with_previous") {
+      step.behavior = SplitBehavior::MergedWithPrevious;
+    } else if (behavior == "MergedWithNext" || behavior == "merged_with_next") {
+      step.behavior = SplitBehavior::MergedWithNext;
+    } else if (behavior == "Contiguous" || behavior == "contiguous") {
+      step.behavior = SplitBehavior::Contiguous;
+    } else {
+      fail(where + ".behavior is " +
+           (p.contains("behavior") ? json_excerpt(p["behavior"]) : "missing") +
+           "; expected Isolated, Removed, MergedWithPrevious, MergedWithNext or Contiguous");
+    }
+    if (p.contains("invert") && !p["invert"].is_boolean())
+      fail(where + ".invert is " + json_excerpt(p["invert"]) + ", not true or false");
+    step.invert = p.value("invert", false);
+  } else if (type == "ByteLevel") {
+    step.kind = PreTokStep::Kind::ByteLevel;
+    step.add_prefix_space = p.value("add_prefix_space", true);
+    step.split = p.value("use_regex", true);
+    if (step.split) step.pattern = TextPattern::regex(kGpt2SplitRegex);
+  } else if (type == "Metaspace") {
+    step.kind = PreTokStep::Kind::Metaspace;
+    step.replacement = one_character(p, "replacement", where, nullptr);
+    step.prepend = parse_prepend_scheme(p, where);
+    step.split = p.value("split", true);
+    step.pattern = TextPattern::literal(step.replacement);
+  } else {
+    fail(where + ".type '" + text_excerpt(type) +
+         "' is not supported (supported pre-tokenizers: ByteLevel, Split, Metaspace, Sequence)");
+  }
+  pre_tokenizers_.push_back(std::move(step));
+}
+
+void BpeTokenizer::parse_decoder(const nlohmann::json& d, const std::string& where) {
+  const std::string type = type_of(d);
+  if (type.empty()) fail(where + " has no 'type' (" + json_excerpt(d) + ")");
+  DecoderStep step;
+  if (type == "Sequence") {
+    if (!d.contains("decoders") || !d["decoders"].is_array())
+      fail(where + ".decoders is missing or not a list");
+    for (size_t i = 0; i < d["decoders"].size(); ++i) {
+      parse_decoder(d["decoders"][i], where + ".decoders[" + std::to_string(i) + "]");
+    }
+    return;
+  } else if (type == "ByteLevel") {
+    step.kind = DecoderStep::Kind::ByteLevel;
+  } else if (type == "Replace") {
+    if (!d.contains("content") || !d["content"].is_string())
+      fail(where + ".content is missing or not a string");
+    if (!d.contains("pattern")) fail(where + ".pattern is missing");
+    step.kind = DecoderStep::Kind::Replace;
+    step.pattern = parse_pattern(d["pattern"], where + ".pattern");
+    step.text = d["content"].get<std::string>();
+  } else if (type == "ByteFallback") {
+    step.kind = DecoderStep::Kind::ByteFallback;
+  } else if (type == "Fuse") {
+    step.kind = DecoderStep::Kind::Fuse;
+  } else if (type == "Strip") {
+    step.kind = DecoderStep::Kind::Strip;
+    step.text = one_character(d, "content", where, nullptr);
+    for (const char* key : {"start", "stop"}) {
+      if (!d.contains(key) || !d[key].is_number_unsigned())
+        fail(where + "." + key + " is missing or not a non-negative integer");
+    }
+    step.start = d["start"].get<size_t>();
+    step.stop = d["stop"].get<size_t>();
+  } else if (type == "Metaspace") {
+    step.kind = DecoderStep::Kind::Metaspace;
+    step.text = one_character(d, "replacement", where, nullptr);
+    step.drop_first = parse_prepend_scheme(d, where) != Prepend::Never;
+  } else {
+    fail(where + ".type '" + text_excerpt(type) +
+         "' is not supported (supported decoders: ByteLevel, Replace, ByteFallback, Fuse, Strip, "
+         "Metaspace, Sequence)");
+  }
+  decoders_.push_back(std::move(step));
 }
 
 // The whitespace run that ends at `end` (text[start..end) all whitespace), as a start offset.
@@ -477,14 +696,14 @@ bool starts_with_word(std::string_view text, size_t start) {
 }
 
 void BpeTokenizer::split_added(std::string_view text, const std::vector<size_t>& group,
-                               const std::function<void(std::string_view)>& plain,
+                               const std::function<void(std::string_view, size_t)>& plain,
                                const std::function<void(uint32_t)>& token) const {
   if (group.empty()) {
-    if (!text.empty()) plain(text);
+    if (!text.empty()) plain(text, 0);
     return;
   }
   std::array<bool, 256> first{};
-  for (size_t g : group) first[static_cast<unsigned char>(added_[g].content[0])] = true;
+  for (size_t g : group) first[static_cast<unsigned char>(added_[g].match[0])] = true;
   size_t done = 0;  // text[0..done) has been emitted
   size_t pos = 0;
   while (pos < text.size()) {
@@ -495,9 +714,8 @@ void BpeTokenizer::split_added(std::string_view text, const std::vector<size_t>&
     const AddedToken* best = nullptr;  // longest match starting at pos
     for (size_t g : group) {
       const AddedToken& a = added_[g];
-      if (a.content.size() <= text.size() - pos &&
-          text.compare(pos, a.content.size(), a.content) == 0 &&
-          (!best || a.content.size() > best->content.size())) {
+      if (a.match.size() <= text.size() - pos && text.compare(pos, a.match.size(), a.match) == 0 &&
+          (!best || a.match.size() > best->match.size())) {
         best = &a;
       }
     }
@@ -505,54 +723,122 @@ void BpeTokenizer::split_added(std::string_view text, const std::vector<size_t>&
       ++pos;
       continue;
     }
-    size_t start = pos, stop = pos + best->content.size();
+    size_t start = pos, stop = pos + best->match.size();
     pos = stop;
     if (best->single_word && (ends_with_word(text, start) || starts_with_word(text, stop))) {
       continue;
     }
     if (best->lstrip) start = std::max(whitespace_start_before(text, start), done);
     if (best->rstrip) stop = whitespace_end_after(text, stop);
-    if (done < start) plain(text.substr(done, start - done));
+    if (done < start) plain(text.substr(done, start - done), done);
     token(best->id);
     done = stop;
     pos = std::max(pos, stop);
   }
-  if (done < text.size()) plain(text.substr(done));
+  if (done < text.size()) plain(text.substr(done), done);
+}
+
+std::string BpeTokenizer::normalize(std::string_view text) const {
+  std::string s(text);
+  for (const NormalizerStep& n : normalizers_) {
+    switch (n.kind) {
+      case NormalizerStep::Kind::Form:
+        s = unicode_normalize(s, n.form);
+        break;
+      case NormalizerStep::Kind::Prepend:
+        if (!s.empty()) s = n.text + s;
+        break;
+      case NormalizerStep::Kind::Replace:
+        s = replace_all(s, n.pattern, n.text);
+        break;
+    }
+  }
+  return s;
 }
 
 void BpeTokenizer::encode(std::string_view text, std::vector<uint32_t>* out) const {
   Cache cache;
+  std::deque<std::string> owned;  // normalized and rewritten texts the pieces point into
+  std::vector<Piece> pieces;
   auto emit = [out](uint32_t id) { out->push_back(id); };
   split_added(
       text, raw_added_,
-      [&](std::string_view gap) {
+      [&](std::string_view gap, size_t gap_offset) {
+        std::string_view normalized = gap;
+        if (!normalizers_.empty()) {
+          owned.push_back(normalize(gap));
+          normalized = owned.back();
+        }
         split_added(
-            gap, normalized_added_,
-            [&](std::string_view plain) { encode_plain(plain, &cache, out); }, emit);
+            normalized, normalized_added_,
+            [&](std::string_view plain, size_t offset) {
+              pieces.clear();
+              pre_tokenize({plain, gap_offset == 0 && offset == 0}, &owned, &pieces);
+              for (const Piece& p : pieces) encode_word(p.text, &cache, out);
+            },
+            emit);
       },
       emit);
 }
 
-void BpeTokenizer::encode_plain(std::string_view text, Cache* cache,
-                                std::vector<uint32_t>* out) const {
-  std::vector<std::string_view> pieces{text}, next;
-  std::deque<std::string> owned;  // prefixed copies the views point into
-  for (const PreTokStep& step : steps_) {
+void BpeTokenizer::pre_tokenize(Piece text, std::deque<std::string>* owned,
+                                std::vector<Piece>* out) const {
+  std::vector<Piece> pieces{text}, next;
+  std::vector<MatchSpan> spans;
+  std::vector<std::pair<size_t, size_t>> cuts;
+  // Splits `p` (whose text is `s`) by `pattern` into `next`.
+  auto split = [&](std::string_view s, bool at_start, const TextPattern& pattern,
+                   SplitBehavior behavior, bool invert) {
+    spans.clear();
+    cuts.clear();
+    pattern.find_matches(s, &spans);
+    split_spans(spans, behavior, invert, &cuts);
+    for (const auto& [begin, end] : cuts) {
+      next.push_back({s.substr(begin, end - begin), at_start && begin == 0});
+    }
+  };
+  for (const PreTokStep& step : pre_tokenizers_) {
     next.clear();
-    for (std::string_view p : pieces) {
-      if (step.add_prefix_space && (p.empty() || p[0] != ' ')) {
-        owned.push_back(" " + std::string(p));
-        p = owned.back();
-      }
-      if (step.split) {
-        split_pretokens(p, step.pattern, &next);
-      } else {
-        next.push_back(p);
+    for (Piece p : pieces) {
+      switch (step.kind) {
+        case PreTokStep::Kind::Split:
+          split(p.text, p.at_start, step.pattern, step.behavior, step.invert);
+          break;
+        case PreTokStep::Kind::ByteLevel:
+          if (step.add_prefix_space && (p.text.empty() || p.text[0] != ' ')) {
+            owned->push_back(" " + std::string(p.text));
+            p.text = owned->back();
+          }
+          if (step.split) {
+            split(p.text, p.at_start, step.pattern, SplitBehavior::Isolated, false);
+          } else {
+            next.push_back(p);
+          }
+          break;
+        case PreTokStep::Kind::Metaspace: {
+          std::string s = p.text.find(' ') == std::string_view::npos
+                              ? std::string(p.text)
+                              : replace_all(p.text, TextPattern::literal(" "), step.replacement);
+          const bool starts = s.compare(0, step.replacement.size(), step.replacement) == 0;
+          if (!starts &&
+              (step.prepend == Prepend::Always || (step.prepend == Prepend::First && p.at_start))) {
+            s = step.replacement + s;
+          }
+          owned->push_back(std::move(s));
+          if (step.split) {
+            split(owned->back(), p.at_start, step.pattern, SplitBehavior::MergedWithNext, false);
+          } else {
+            next.push_back({owned->back(), p.at_start});
+          }
+          break;
+        }
       }
     }
     pieces.swap(next);
   }
-  for (std::string_view w : pieces) encode_word(w, cache, out);
+  for (const Piece& p : pieces) {
+    if (!p.text.empty()) out->push_back(p);
+  }
 }
 
 void BpeTokenizer::encode_word(std::string_view word, Cache* cache,
@@ -560,7 +846,11 @@ void BpeTokenizer::encode_word(std::string_view word, Cache* cache,
   if (word.empty()) return;
   if (ignore_merges_) {
     std::string sym;
-    for (unsigned char c : word) sym += byte_symbols_[c];
+    if (byte_level_) {
+      for (unsigned char c : word) sym += byte_symbols_[c];
+    } else {
+      sym = word;
+    }
     auto it = vocab_.find(sym);
     if (it != vocab_.end()) {
       out->push_back(it->second);
@@ -583,24 +873,60 @@ void BpeTokenizer::encode_word(std::string_view word, Cache* cache,
   out->insert(out->end(), it->second.begin(), it->second.end());
 }
 
+// One initial symbol of a word, as tokenizers' BPE builds them: the vocab id of `unit` (one byte
+// symbol or one character), else its <0xNN> byte tokens (byte_fallback), else unk_token (one unk
+// for a run of unknown units with fuse_unk).
+void BpeTokenizer::add_symbol(std::string_view unit, int64_t id, std::vector<uint32_t>* ids,
+                              std::optional<uint32_t>* pending_unk) const {
+  if (id >= 0) {
+    if (*pending_unk) ids->push_back(**pending_unk);
+    pending_unk->reset();
+    ids->push_back(static_cast<uint32_t>(id));
+    return;
+  }
+  if (byte_fallback_) {
+    bool all = true;
+    for (unsigned char b : unit) all = all && fallback_ids_[b] >= 0;
+    if (all) {
+      // tokenizers adds the byte tokens without flushing a pending unk first.
+      for (unsigned char b : unit) ids->push_back(static_cast<uint32_t>(fallback_ids_[b]));
+      return;
+    }
+  }
+  if (!unk_id_) {
+    std::string shown;
+    for (unsigned char b : unit) {
+      char buf[8];
+      snprintf(buf, sizeof(buf), "%s0x%02x", shown.empty() ? "" : " ", b);
+      shown += buf;
+    }
+    fail("model.vocab has no token for '" + text_excerpt(std::string(unit)) + "' (bytes " + shown +
+         ")" + (byte_fallback_ ? ", nor all of its <0xNN> byte tokens," : "") +
+         " and model.unk_token is not set");
+  }
+  if (*pending_unk && !fuse_unk_) ids->push_back(**pending_unk);
+  *pending_unk = *unk_id_;
+}
+
 void BpeTokenizer::merge_word(std::string_view word, std::vector<uint32_t>* out) const {
-  const int n = static_cast<int>(word.size());
-  std::vector<uint32_t> ids(n);
+  std::vector<uint32_t> ids;
+  ids.reserve(word.size());
+  std::optional<uint32_t> pending_unk;
+  if (byte_level_) {
+    for (unsigned char c : word) add_symbol(byte_symbols_[c], byte_ids_[c], &ids, &pending_unk);
+  } else {
+    for (std::string_view ch : utf8_chars(word)) {
+      auto it = vocab_.find(std::string(ch));
+      add_symbol(ch, it == vocab_.end() ? -1 : static_cast<int64_t>(it->second), &ids,
+                 &pending_unk);
+    }
+  }
+  if (pending_unk) ids.push_back(*pending_unk);
+  const int n = static_cast<int>(ids.size());
+  if (n == 0) return;
   std::vector<int> prev(n), next(n);
   std::vector<bool> alive(n, true);
   for (int i = 0; i < n; ++i) {
-    const unsigned char c = static_cast<unsigned char>(word[i]);
-    if (byte_ids_[c] < 0) {
-      if (!unk_id_) {
-        char buf[8];
-        snprintf(buf, sizeof(buf), "0x%02x", c);
-        fail(std::string("model.vocab has no symbol for byte ") + buf + " ('" + byte_symbols_[c] +
-             "') and model.unk_token is not set");
-      }
-      ids[i] = *unk_id_;
-    } else {
-      ids[i] = static_cast<uint32_t>(byte_ids_[c]);
-    }
     prev[i] = i - 1;
     next[i] = i + 1 < n ? i + 1 : -1;
   }
@@ -629,7 +955,9 @@ void BpeTokenizer::merge_word(std::string_view word, std::vector<uint32_t>* out)
   for (int i = 0; i >= 0; i = next[i]) out->push_back(ids[i]);
 }
 
-std::string BpeTokenizer::decode(const std::vector<uint32_t>& ids) const {
+// ByteLevel decoder: each token's symbols back to bytes (a token with a symbol outside the map,
+// such as an added "<|x y|>", is taken as it is), all joined, invalid UTF-8 replaced.
+std::vector<std::string> decode_byte_level(const std::vector<std::string>& tokens) {
   static const std::array<int16_t, 324> unicode_to_byte = [] {
     std::array<int16_t, 324> t;
     t.fill(-1);
@@ -637,17 +965,9 @@ std::string BpeTokenizer::decode(const std::vector<uint32_t>& ids) const {
       t[byte_to_unicode(static_cast<uint8_t>(b))] = static_cast<int16_t>(b);
     return t;
   }();
-  std::string bytes;
-  for (uint32_t id : ids) {
-    if (id >= id_to_token_.size() || !id_used_[id]) {
-      throw std::out_of_range("tokenizer '" + name_ + "': token id " + std::to_string(id) +
-                              " is not in the vocabulary (vocab_size " +
-                              std::to_string(vocab_size()) + ")");
-    }
-    const std::string& tok = id_to_token_[id];
-    // Each symbol maps back to one byte; a token with a symbol outside the map (an added token
-    // such as "<|x y|>") is taken as UTF-8 text, as the ByteLevel decoder does.
-    std::string raw;
+  std::string bytes, raw;
+  for (const std::string& tok : tokens) {
+    raw.clear();
     bool mapped = true;
     for (size_t pos = 0; pos < tok.size();) {
       uint32_t cp;
@@ -660,7 +980,111 @@ std::string BpeTokenizer::decode(const std::vector<uint32_t>& ids) const {
     }
     bytes += mapped ? raw : tok;
   }
-  return utf8_lossy(bytes);
+  return {utf8_lossy(bytes)};
+}
+
+// ByteFallback decoder: runs of <0xNN> tokens become their bytes when those are valid UTF-8, else
+// one U+FFFD per byte token.
+std::vector<std::string> decode_byte_fallback(const std::vector<std::string>& tokens) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  // Rust's u8::from_str_radix(token[3..5], 16), which also takes "+F".
+  auto byte_of = [&](const std::string& t) -> int {
+    if (t.size() != 6 || t.compare(0, 3, "<0x") != 0 || t[5] != '>') return -1;
+    if (t[3] == '+') return hex(t[4]);
+    const int hi = hex(t[3]), lo = hex(t[4]);
+    return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
+  };
+  std::vector<std::string> out;
+  std::string bytes;
+  size_t count = 0;
+  auto flush = [&] {
+    if (count == 0) return;
+    if (utf8_lossy(bytes) == bytes) {
+      out.push_back(bytes);
+    } else {
+      for (size_t k = 0; k < count; ++k) out.push_back("\xEF\xBF\xBD");
+    }
+    bytes.clear();
+    count = 0;
+  };
+  for (const std::string& t : tokens) {
+    const int b = byte_of(t);
+    if (b >= 0) {
+      bytes.push_back(static_cast<char>(b));
+      ++count;
+    } else {
+      flush();
+      out.push_back(t);
+    }
+  }
+  flush();
+  return out;
+}
+
+// Strip decoder: up to `start` leading and `stop` trailing copies of the character, per token.
+std::string strip_token(const std::string& token, const std::string& c, size_t start, size_t stop) {
+  const std::vector<std::string_view> chars = utf8_chars(token);
+  size_t begin = 0, end = chars.size();
+  while (begin < start && begin < chars.size() && chars[begin] == c) ++begin;
+  for (size_t k = 0; k < stop && end > begin && chars[end - 1] == c; ++k) --end;
+  std::string out;
+  for (size_t k = begin; k < end; ++k) out.append(chars[k]);
+  return out;
+}
+
+std::string BpeTokenizer::decode(const std::vector<uint32_t>& ids) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (uint32_t id : ids) {
+    if (id >= id_to_token_.size() || !id_used_[id]) {
+      throw std::out_of_range("tokenizer '" + name_ + "': token id " + std::to_string(id) +
+                              " is not in the vocabulary (vocab_size " +
+                              std::to_string(vocab_size()) + ")");
+    }
+    tokens.push_back(id_to_token_[id]);
+  }
+  std::string text;
+  if (!has_decoder_) {  // tokenizers joins the tokens with spaces
+    for (size_t i = 0; i < tokens.size(); ++i) text += (i ? " " : "") + tokens[i];
+    return text;
+  }
+  for (const DecoderStep& d : decoders_) {
+    switch (d.kind) {
+      case DecoderStep::Kind::ByteLevel:
+        tokens = decode_byte_level(tokens);
+        break;
+      case DecoderStep::Kind::Replace:
+        for (std::string& t : tokens) t = replace_all(t, d.pattern, d.text);
+        break;
+      case DecoderStep::Kind::ByteFallback:
+        tokens = decode_byte_fallback(tokens);
+        break;
+      case DecoderStep::Kind::Fuse: {
+        std::string all;
+        for (const std::string& t : tokens) all += t;
+        tokens.assign(1, all);
+        break;
+      }
+      case DecoderStep::Kind::Strip:
+        for (std::string& t : tokens) t = strip_token(t, d.text, d.start, d.stop);
+        break;
+      case DecoderStep::Kind::Metaspace:
+        // The replacement becomes a space; in the first token it is dropped (all of them, as
+        // tokenizers does) unless prepend_scheme is "never".
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          tokens[i] = replace_all(tokens[i], TextPattern::literal(d.text),
+                                  i == 0 && d.drop_first ? "" : " ");
+        }
+        break;
+    }
+  }
+  for (const std::string& t : tokens) text += t;
+  return text;
 }
 
 std::string read_file(const std::string& path, const std::string& what) {

@@ -1,15 +1,20 @@
 // Tokenizers that turn text into token ids for the shards: a byte-level one (vocab 256, id = byte)
-// and Hugging Face `tokenizer.json` byte-level BPE as GPT-2 and Llama 3 use it.
+// and Hugging Face `tokenizer.json` BPE: byte-level as GPT-2, Llama 3 and Qwen2/Qwen3 use it, and
+// SentencePiece-style (byte_fallback) as Llama 2 and Mistral use it.
 //
 // The BPE encoder reproduces `tokenizers`' `Tokenizer.encode(text, add_special_tokens=False)`:
-// added tokens (special or not) are split out first (leftmost-longest, with lstrip / rstrip /
-// single_word), the rest is pre-tokenized by the GPT-2 or Llama 3 regex, mapped byte -> unicode
-// symbol, and merged by merge rank (with `ignore_merges` when the model sets it). The
-// post-processor (templates that add <|begin_of_text|> etc.) is not applied: the corpus builder
-// puts an end-of-text token between documents itself. Supported: model.type BPE without
-// byte_fallback / dropout / subword prefixes; normalizer null; pre_tokenizer ByteLevel, or a
-// Sequence of Split (the GPT-2 or Llama 3 regex, behavior Isolated) and ByteLevel; decoder
-// ByteLevel. Anything else is rejected with an error naming the file and the field.
+// added tokens that are not `normalized` are split out first (leftmost-longest, with lstrip /
+// rstrip / single_word), the rest is normalized, the normalized added tokens are split out of it,
+// then the pre-tokenizers split it into words and BPE merges each word by merge rank. decode()
+// runs the decoders as `decode(ids, skip_special_tokens=False)` does. The post-processor
+// (templates that add <|begin_of_text|> etc.) is not applied: the corpus builder puts an
+// end-of-text token between documents itself. Supported (docs/data.md has the list):
+//   normalizer     null, NFC, NFD, NFKC, NFKD, Prepend, Replace, Sequence
+//   pre_tokenizer  null, ByteLevel, Split (any Oniguruma regex or string, every behavior, invert),
+//                  Metaspace, Sequence (ByteLevel last)
+//   model          BPE with ignore_merges, byte_fallback, fuse_unk, unk_token
+//   decoder        null, ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence
+// Anything else is rejected with an error naming the file and the JSON path.
 #pragma once
 
 #include <cstdint>

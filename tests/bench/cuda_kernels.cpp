@@ -3,6 +3,7 @@
 // Shapes are Llama-3.2-1B's at 8192 tokens per step (hidden 2048, MLP 8192, 32 q / 8 kv heads of
 // 64, vocab 128256), plus llama-125m's rms_norm and rope (16384 tokens, hidden 768, 12 heads of
 // 64). Plain main: `bench_cuda_kernels [--bw TBps] [--iters N]`.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -121,12 +122,14 @@ int main(int argc, char** argv) {
     ms = time_ms([&] { be.embedding_backward(gtable, g, ids); });
     row_mem("embedding bwd (sorted)", ms, 3.0 * g.nbytes() + 4.0 * ids.nbytes());
   }
+  const RopeFrequencies f500k = default_rope_frequencies(500000.0, D),
+                        f10k = default_rope_frequencies(10000.0, D);
   {
     Tensor q = randn({B, S, HQ, D}, bf), o = Tensor::empty({B, S, HQ, D}, bf, Device::cuda(0));
-    double ms = time_ms([&] { be.rope(o, q, 500000.0, 0, false); });
+    double ms = time_ms([&] { be.rope(o, q, f500k, 0, Tensor(), false); });
     row_mem("rope fwd (q)", ms, 2.0 * q.nbytes());
     Tensor k = randn({B, S, HKV, D}, bf), ok = Tensor::empty(k.shape(), bf, Device::cuda(0));
-    ms = time_ms([&] { be.rope(ok, k, 500000.0, 0, false); });
+    ms = time_ms([&] { be.rope(ok, k, f500k, 0, Tensor(), false); });
     row_mem("rope fwd (k)", ms, 2.0 * k.nbytes());
   }
   {  // llama-125m at 16384 tokens per step: hidden 768, 12 heads of 64.
@@ -146,9 +149,9 @@ int main(int argc, char** argv) {
     ms = time_ms([&] { be.rms_norm_backward(gx, gw, g, x, w, rstd, res); });
     row_mem("rms_norm bwd + add (125m, d=768)", ms, 4.0 * x.nbytes() + rstd.nbytes());
     Tensor q = randn({16, 1024, 12, D}, bf), o = Tensor::empty(q.shape(), bf, Device::cuda(0));
-    ms = time_ms([&] { be.rope(o, q, 10000.0, 0, false); });
+    ms = time_ms([&] { be.rope(o, q, f10k, 0, Tensor(), false); });
     row_mem("rope fwd (125m q)", ms, 2.0 * q.nbytes());
-    ms = time_ms([&] { be.rope(o, q, 10000.0, 0, true); });
+    ms = time_ms([&] { be.rope(o, q, f10k, 0, Tensor(), true); });
     row_mem("rope inverse (125m q)", ms, 2.0 * q.nbytes());
   }
   {
@@ -207,22 +210,25 @@ int main(int argc, char** argv) {
     const double fwd_flops = 4.0 * B * HQ * S * S * D / 2;  // causal: half the score matrix
     // cuDNN's fused kernels (what "auto" runs for these problems), then ours.
     cuda::set_attention_impl("cudnn");
-    double ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    double ms = time_ms([&] { be.attention(o, lse, q, k, v, AttentionMask{}, 0.125); });
     row_flops("attention fwd (cuDNN)", ms, fwd_flops);
     Tensor dq = Tensor::empty(q.shape(), bf, Device::cuda(0)),
            dk = Tensor::empty(k.shape(), bf, Device::cuda(0));
     Tensor dv = Tensor::empty(v.shape(), bf, Device::cuda(0)), dout = randn(q.shape(), bf);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    ms = time_ms(
+        [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125); });
     row_flops("attention bwd (cuDNN)", ms, 2.5 * fwd_flops);
     cuda::set_attention_impl("flash");
-    ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    ms = time_ms([&] { be.attention(o, lse, q, k, v, AttentionMask{}, 0.125); });
     row_flops("attention fwd", ms, fwd_flops);
     // Both tensor-core backward paths (ACCEL_ATTN_BWD is read per call), then the caller's setting.
     const char* bwd_env = std::getenv("ACCEL_ATTN_BWD");
     const std::string bwd_saved = bwd_env ? bwd_env : "";
     for (const char* impl : {"fa2", "split"}) {
       setenv("ACCEL_ATTN_BWD", impl, 1);
-      ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+      ms = time_ms([&] {
+        be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125);
+      });
       row_flops((std::string("attention bwd (") + impl + ")").c_str(), ms, 2.5 * fwd_flops);
     }
     // fa2 with one q head per block (fp32 dK/dV partial sums) instead of the whole group.
@@ -230,7 +236,8 @@ int main(int argc, char** argv) {
     const std::string heads_saved = heads_env ? heads_env : "";
     setenv("ACCEL_ATTN_BWD", "fa2", 1);
     setenv("ACCEL_ATTN_FA2_HEADS", "1", 1);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    ms = time_ms(
+        [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125); });
     row_flops("attention bwd (fa2, 1 head/block)", ms, 2.5 * fwd_flops);
     if (heads_env)
       setenv("ACCEL_ATTN_FA2_HEADS", heads_saved.c_str(), 1);
@@ -247,12 +254,13 @@ int main(int argc, char** argv) {
              dk2 = Tensor::empty(k2.shape(), bf, Device::cuda(0)),
              dv2 = Tensor::empty(v2.shape(), bf, Device::cuda(0));
       const double flops2 = 4.0 * B * hq2 * S * S * d2 / 2;
-      ms = time_ms([&] { be.attention(o2, lse2, q2, k2, v2, true, sc2); });
+      ms = time_ms([&] { be.attention(o2, lse2, q2, k2, v2, AttentionMask{}, sc2); });
       row_flops("attention fwd (d128)", ms, flops2);
       for (const char* impl : {"fa2", "split"}) {
         setenv("ACCEL_ATTN_BWD", impl, 1);
-        ms = time_ms(
-            [&] { be.attention_backward(dq2, dk2, dv2, dout2, q2, k2, v2, o2, lse2, true, sc2); });
+        ms = time_ms([&] {
+          be.attention_backward(dq2, dk2, dv2, dout2, q2, k2, v2, o2, lse2, AttentionMask{}, sc2);
+        });
         row_flops((std::string("attention bwd (d128, ") + impl + ")").c_str(), ms, 2.5 * flops2);
       }
     }
@@ -273,19 +281,59 @@ int main(int argc, char** argv) {
       for (const char* impl : {"cudnn", "flash"}) {
         cuda::set_attention_impl(impl);
         const std::string tag = std::string(" (125m: B=16 S=1024 H=12, ") + impl + ")";
-        ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, true, 0.125); });
+        ms = time_ms([&] { be.attention(o5, lse5, q5, k5, v5, AttentionMask{}, 0.125); });
         row_flops(("attention fwd" + tag).c_str(), ms, flops5);
-        ms = time_ms(
-            [&] { be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, true, 0.125); });
+        ms = time_ms([&] {
+          be.attention_backward(dq5, dk5, dv5, do5, q5, k5, v5, o5, lse5, AttentionMask{}, 0.125);
+        });
         row_flops(("attention bwd" + tag).c_str(), ms, 2.5 * flops5);
       }
+    }
+    {  // Masks at the shape above: a sliding window of S/4 (Mistral-style), and packed documents
+       // of S/16, S/8 and 3S/16 positions in turn; FLOPs count only the visible (query, key) pairs.
+      const int64_t w = S / 4;
+      std::vector<int64_t> ids;
+      for (int64_t d = 0; static_cast<int64_t>(ids.size()) < S; ++d)
+        ids.insert(ids.end(),
+                   std::min<int64_t>(S / 16 * (1 + d % 3), S - static_cast<int64_t>(ids.size())),
+                   d);
+      std::vector<int64_t> all_ids;
+      for (int64_t b = 0; b < B; ++b) all_ids.insert(all_ids.end(), ids.begin(), ids.end());
+      const Tensor seg = Tensor::from_vector(all_ids, {B, S}, DType::I32).to(Device::cuda(0));
+      double window_pairs = 0, doc_pairs = 0;
+      for (int64_t i = 0; i < S; ++i) {
+        window_pairs += static_cast<double>(std::min<int64_t>(i + 1, w));
+        int64_t start = i;
+        while (start > 0 && ids[start - 1] == ids[i]) --start;
+        doc_pairs += static_cast<double>(i - start + 1);
+      }
+      struct M {
+        const char* name;
+        AttentionMask mask;
+        double pairs;
+        bool cudnn;
+      } masks[] = {{"window S/4", AttentionMask{true, w, {}}, window_pairs, true},
+                   {"documents", AttentionMask{true, 0, seg}, doc_pairs, false}};
+      for (const M& mk : masks)
+        for (const char* impl : {"cudnn", "flash"}) {
+          if (!mk.cudnn && std::string(impl) == "cudnn") continue;
+          cuda::set_attention_impl(impl);
+          const double flops = 4.0 * B * HQ * mk.pairs * D;
+          const std::string tag = std::string(" (") + mk.name + ", " + impl + ")";
+          ms = time_ms([&] { be.attention(o, lse, q, k, v, mk.mask, 0.125); });
+          row_flops(("attention fwd" + tag).c_str(), ms, flops);
+          ms = time_ms(
+              [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, mk.mask, 0.125); });
+          row_flops(("attention bwd" + tag).c_str(), ms, 2.5 * flops);
+        }
     }
     cuda::set_attention_impl("auto");
     if (attn_only) return 0;
     cuda::set_attention_impl("generic");
-    ms = time_ms([&] { be.attention(o, lse, q, k, v, true, 0.125); });
+    ms = time_ms([&] { be.attention(o, lse, q, k, v, AttentionMask{}, 0.125); });
     row_flops("attention fwd (generic kernel)", ms, fwd_flops);
-    ms = time_ms([&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, true, 0.125); });
+    ms = time_ms(
+        [&] { be.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, AttentionMask{}, 0.125); });
     row_flops("attention bwd (generic kernel)", ms, 2.5 * fwd_flops);
     cuda::set_attention_impl("auto");
   }

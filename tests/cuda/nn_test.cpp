@@ -147,31 +147,53 @@ TEST_P(CudaNn, RopeForwardAndInverse) {
   struct Case {
     Shape shape;
     int64_t offset;
+    bool positions = false;  // per-token position_ids (packed documents) instead of the offset
+    double theta = 10000.0, scaling = 1.0;
   };
   const Case cases[] = {
-      {{2, 40, 3, 64}, 7},      // odd head count: one group of 3 heads
-      {{2, 40, 3, 128}, 7},     //
-      {{2, 48, 12, 64}, 0},     // llama-125m's heads (12 of 64)
-      {{1, 64, 32, 64}, 1000},  // llama-1b's q heads, a late position offset
-      {{1, 64, 8, 64}, 1000},   // llama-1b's k heads
-      {{1, 16, 5, 64}, 3},      // 5 heads: groups of 4 and 1
-      {{1, 4, 3, 1024}, 5},     // the largest head dim
-      {{2, 10, 3, 36}, 7},      // D / 2 = 18, not a multiple of the vector: element by element
+      {{2, 40, 3, 64}, 7},        // odd head count: one group of 3 heads
+      {{2, 40, 3, 128}, 7},       //
+      {{2, 48, 12, 64}, 0},       // llama-125m's heads (12 of 64)
+      {{1, 64, 32, 64}, 1000},    // llama-1b's q heads, a late position offset
+      {{1, 64, 8, 64}, 1000},     // llama-1b's k heads
+      {{1, 16, 5, 64}, 3},        // 5 heads: groups of 4 and 1
+      {{1, 4, 3, 1024}, 5},       // the largest head dim
+      {{2, 10, 3, 36}, 7},        // D / 2 = 18, not a multiple of the vector: element by element
+      {{2, 40, 3, 64}, 0, true},  // position_ids, vector kernel
+      {{2, 10, 3, 36}, 0, true},  // position_ids, element by element
+      {{1, 64, 8, 128}, 0, true, 1e6, 1.1386},      // Qwen3's head dim, YaRN-scaled cos/sin
+      {{1, 16, 5, 64}, 100, false, 500000.0, 0.7},  // scaled, with an offset
   };
   for (const Case& c : cases) {
     const Shape& s = c.shape;
     Tensor x = random_tensor(s, t, rng, -2, 2);
+    RopeFrequencies f = default_rope_frequencies(c.theta, s[3]);
+    f.attention_scaling = c.scaling;
+    Tensor ids_cpu, ids_gpu;
+    if (c.positions) {
+      // Documents of random lengths, each restarting at position 0; I32 for odd shapes.
+      std::vector<int64_t> ids;
+      for (int64_t b = 0; b < s[0]; ++b)
+        for (int64_t i = 0, p = 0; i < s[1]; ++i, ++p) {
+          if (rng() % 7 == 0) p = 0;
+          ids.push_back(p);
+        }
+      ids_cpu = Tensor::from_vector(ids, {s[0], s[1]}, s[3] % 16 ? DType::I32 : DType::I64);
+      ids_gpu = ids_cpu.to(gpu());
+    }
     for (bool inverse : {false, true}) {
       const std::string what = std::string("rope") + (inverse ? " inverse " : " ") + shape_str(s) +
-                               " offset " + std::to_string(c.offset);
+                               " offset " + std::to_string(c.offset) +
+                               (c.positions ? " position_ids" : "") + " scaling " +
+                               std::to_string(c.scaling);
       Tensor want = cpu_out(s, t);
-      cpu_backend().rope(want, x, 10000.0, c.offset, inverse);
+      cpu_backend().rope(want, x, f, c.offset, ids_cpu, inverse);
       Tensor got = poisoned(s, t);
-      cuda_backend().rope(got, x.to(gpu()), 10000.0, c.offset, inverse);
+      cuda_backend().rope(got, x.to(gpu()), f, c.offset, ids_gpu, inverse);
       // Device sin/cos are within 2 ulp of libm's.
       expect_close(got, want, t == DType::F32 ? 2e-5 : 1e-2, t == DType::F32 ? 1e-5 : 1e-2, what);
       Tensor scalar = poisoned(s, t);
-      cuda_backend().rope(scalar, misaligned_gpu_copy(x), 10000.0, c.offset, inverse);
+      cuda_backend().rope(scalar, misaligned_gpu_copy(x), f, c.offset, ids_gpu, inverse);
       expect_close(got, scalar, 0, 0, what + ": vector vs element-by-element kernel");
     }
   }

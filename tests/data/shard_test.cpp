@@ -215,3 +215,63 @@ TEST_F(BadShard, Folder) {
 
 }  // namespace
 }  // namespace accel
+
+namespace accel {
+namespace {
+
+// Version 2: documents with trained flags; checked on open like the header.
+std::string document_shard(const testing::TempDir& dir) {
+  const std::string path = dir.file("d.tok");
+  ShardWriter w(path, 300, true);
+  const uint32_t a[] = {5, 6, 7}, b[] = {299, 1};
+  const uint8_t fa[] = {0, 1, 1}, fb[] = {1, 0};
+  w.append_document(a, fa, 3);
+  w.append_document(b, fb, 2);
+  EXPECT_THROW(w.append(a, 3), std::logic_error);  // documents only
+  w.close();
+  return path;
+}
+
+TEST(DocumentShard, RoundTripAndLayout) {
+  testing::TempDir dir;
+  const std::string path = document_shard(dir);
+  EXPECT_EQ(std::filesystem::file_size(path), 64u + 5 * 2 + 5 + 3 * 8);
+  auto s = TokenShard::open(path);
+  ASSERT_TRUE(s->has_documents());
+  EXPECT_EQ(s->size(), 5);
+  EXPECT_EQ(s->documents(), 2);
+  EXPECT_EQ(s->document_start(0), 0);
+  EXPECT_EQ(s->document_start(1), 3);
+  EXPECT_EQ(s->document_start(2), 5);
+  EXPECT_EQ(s->at(3), 299u);
+  std::vector<bool> trained;
+  for (int64_t i = 0; i < 5; ++i) trained.push_back(s->trained(i));
+  EXPECT_EQ(trained, (std::vector<bool>{false, true, true, true, false}));
+  // Version 1 shards still read: no documents, every token trained.
+  write_token_shard(dir.file("v1.tok"), {1, 2, 3}, 10);
+  auto v1 = TokenShard::open(dir.file("v1.tok"));
+  EXPECT_FALSE(v1->has_documents());
+  EXPECT_TRUE(v1->trained(2));
+}
+
+TEST(DocumentShard, CorruptionIsRefusedOnOpen) {
+  testing::TempDir dir;
+  const std::string good = testing::read_bytes(document_shard(dir));
+  auto open_error = [&](const std::string& bytes) {
+    testing::write_bytes(dir.file("bad.tok"), bytes);
+    return testing::error_of([&] { TokenShard::open(dir.file("bad.tok")); });
+  };
+  std::string b = good;
+  b[64 + 10 + 1] = 2;  // a trained flag of 2
+  EXPECT_NE(open_error(b).find("trained flag of token 1 is 2"), std::string::npos);
+  b = good;
+  b[64 + 10 + 5 + 8] = 6;  // document 0 ends past the tokens
+  EXPECT_NE(open_error(b).find("document 0 ends at token 6"), std::string::npos);
+  b = good;
+  b[32] = 3;  // three documents: the file is too short for their starts
+  EXPECT_NE(open_error(b).find("in 3 documents"), std::string::npos);
+  EXPECT_NE(open_error(good.substr(0, good.size() - 1)).find("truncated"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace accel

@@ -42,13 +42,68 @@ TEST(OpErrors, ShapeMismatches) {
   expect_error<IA>([&] { swiglu(a, Tensor::zeros({3, 2})); }, "[swiglu]", {"[2, 3]", "[3, 2]"});
   expect_error<IA>([&] { cat({a, Tensor::zeros({2, 4})}, 0); }, "[cat]", {"[2, 3]", "[2, 4]"});
   expect_error<IA>([&] { reshape(a, {5}); }, "[reshape]", {"[5]"});
-  expect_error<IA>([&] { rope(Tensor::zeros({1, 2, 3, 5}), 1e4); }, "[rope]", {"[1, 2, 3, 5]"});
+  expect_error<IA>(
+      [&] {
+        rope(Tensor::zeros({1, 2, 3, 5}), default_rope_frequencies(1e4, 4));
+      },
+      "[rope]", {"[1, 2, 3, 5]"});
+  expect_error<IA>(
+      [&] {
+        rope(Tensor::zeros({1, 2, 3, 8}), default_rope_frequencies(1e4, 4));
+      },
+      "[rope]", {"D/2 = 4", "got 2"});
+  expect_error<IA>(
+      [&] {
+        rope(Tensor::zeros({1, 2, 3, 4}), default_rope_frequencies(1e4, 4), 0,
+             Tensor::zeros({1, 3}, DType::I64));
+      },
+      "[rope]", {"position_ids", "[1, 2]"});
+  expect_error<IA>(
+      [&] {
+        rope(Tensor::zeros({1, 2, 3, 4}), default_rope_frequencies(1e4, 4), 0,
+             Tensor::zeros({1, 2}, DType::F32));
+      },
+      "[rope]", {"I64 or I32"});
   expect_error<IA>(
       [&] {
         attention(Tensor::zeros({1, 4, 3, 8}), Tensor::zeros({1, 4, 2, 8}),
                   Tensor::zeros({1, 4, 2, 8}));
       },
       "[attention]", {"[1, 4, 3, 8]", "[1, 4, 2, 8]"});
+  {
+    const Tensor q = Tensor::zeros({2, 4, 2, 8}), kv = Tensor::zeros({2, 4, 1, 8});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{false, 3, {}});
+        },
+        "[attention]", {"causal"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, -1, {}});
+        },
+        "[attention]", {"window", "-1"});
+    const Tensor seg = Tensor::zeros({2, 4}, DType::I32);
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{false, 0, seg});
+        },
+        "[attention]", {"causal"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, 0, Tensor::zeros({2, 5}, DType::I32)});
+        },
+        "[attention]", {"segment_ids", "[2, 4]", "[2, 5]"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, 0, Tensor::zeros({2, 4}, DType::I64)});
+        },
+        "[attention]", {"segment_ids", "int32", "i64"});
+    expect_error<IA>(
+        [&] {
+          attention(q, kv, kv, AttentionMask{true, 0, Tensor::zeros({8}, DType::I32)});
+        },
+        "[attention]", {"segment_ids", "[8]"});
+  }
   expect_error<IA>(
       [&] {
         cross_entropy(Tensor::zeros({3, 5}), Tensor::zeros({2}, DType::I64));

@@ -26,11 +26,27 @@ std::vector<double> naive_softmax_rows(const std::vector<double>& x, int64_t row
   return out;
 }
 
+// Which keys query i sees, written straight from ops.h's definition of AttentionMask (segment ids
+// as a std::vector [B, S], empty for none).
+bool naive_sees(const AttentionMask& mask, const std::vector<int32_t>& seg, int64_t S, int64_t b,
+                int64_t i, int64_t j) {
+  if (!mask.causal) return true;
+  if (j > i) return false;
+  if (mask.window > 0 && j <= i - mask.window) return false;
+  if (!seg.empty())  // one document: the same id at every position from j to i
+    for (int64_t t = j; t < i; ++t)
+      if (seg[b * S + t] != seg[b * S + t + 1]) return false;
+  return true;
+}
+
 // Naive attention with the full S x S score matrix; also returns lse [B, Hq, S].
 void naive_attention(const std::vector<double>& q, const std::vector<double>& k,
                      const std::vector<double>& v, int64_t B, int64_t S, int64_t Hq, int64_t Hkv,
-                     int64_t D, bool causal, double scale, std::vector<double>& out,
+                     int64_t D, const AttentionMask& mask, double scale, std::vector<double>& out,
                      std::vector<double>& lse) {
+  std::vector<int32_t> seg;
+  if (mask.segment_ids.defined())
+    for (double x : mask.segment_ids.to_vector()) seg.push_back(static_cast<int32_t>(x));
   out.assign(B * S * Hq * D, 0.0);
   lse.assign(B * Hq * S, 0.0);
   for (int64_t b = 0; b < B; ++b)
@@ -39,7 +55,7 @@ void naive_attention(const std::vector<double>& q, const std::vector<double>& k,
       std::vector<double> scores(S * S, -INFINITY);
       for (int64_t i = 0; i < S; ++i)
         for (int64_t j = 0; j < S; ++j) {
-          if (causal && j > i) continue;
+          if (!naive_sees(mask, seg, S, b, i, j)) continue;
           double s = 0;
           for (int64_t c = 0; c < D; ++c)
             s += q[((b * S + i) * Hq + h) * D + c] * k[((b * S + j) * Hkv + hk) * D + c];
@@ -59,48 +75,117 @@ void naive_attention(const std::vector<double>& q, const std::vector<double>& k,
     }
 }
 
+Tensor segments(const std::vector<int64_t>& ids, const Shape& shape) {
+  return test::ids_tensor(ids, shape, DType::I32);
+}
+
+// The masks the attention tests run, for B = 2, S = 7: causal, full, windows shorter than S, of
+// 1 and longer than S, documents of ragged lengths (1 included; row 1 reuses id 5 in two runs),
+// and a window inside documents.
+std::vector<std::pair<std::string, AttentionMask>> test_masks() {
+  const Tensor seg = segments({0, 0, 0, 1, 2, 2, 2, 5, 5, 3, 3, 3, 3, 5}, {2, 7});
+  return {{"causal", {true, 0, {}}},
+          {"full", {false, 0, {}}},
+          {"window 3", {true, 3, {}}},
+          {"window 1", {true, 1, {}}},
+          {"window 9 > S", {true, 9, {}}},
+          {"segments", {true, 0, seg}},
+          {"window 2 + segments", {true, 2, seg}}};
+}
+
 TEST(Forward, AttentionMatchesNaiveF64AndF32) {
   const int64_t B = 2, S = 7, Hq = 6, Hkv = 2, D = 5;
   Tensor q = randn({B, S, Hq, D}, 1), k = randn({B, S, Hkv, D}, 2), v = randn({B, S, Hkv, D}, 3);
-  for (bool causal : {true, false}) {
-    SCOPED_TRACE(causal ? "causal" : "full");
+  for (const auto& [name, mask] : test_masks()) {
+    SCOPED_TRACE(name);
     const double scale = 1.0 / std::sqrt(double(D));
     std::vector<double> ref_out, ref_lse;
-    naive_attention(q.to_vector(), k.to_vector(), v.to_vector(), B, S, Hq, Hkv, D, causal, scale,
+    naive_attention(q.to_vector(), k.to_vector(), v.to_vector(), B, S, Hq, Hkv, D, mask, scale,
                     ref_out, ref_lse);
-    expect_close(attention(q, k, v, causal), ref_out, 1e-12, 1e-12, "f64 out");
+    expect_close(attention(q, k, v, mask), ref_out, 1e-12, 1e-12, "f64 out");
     // The backend's saved lse, at f64 precision when asked for.
     Tensor out = Tensor::empty(q.shape(), DType::F64), lse = Tensor::empty({B, Hq, S}, DType::F64);
-    cpu_backend().attention(out, lse, q, k, v, causal, scale);
+    cpu_backend().attention(out, lse, q, k, v, mask, scale);
     expect_close(lse, ref_lse, 1e-12, 1e-12, "f64 lse");
     Tensor lse32 = Tensor::empty({B, Hq, S}, DType::F32);
     Tensor out32 = Tensor::empty(q.shape(), DType::F32);
     cpu_backend().attention(out32, lse32, cast(q, DType::F32), cast(k, DType::F32),
-                            cast(v, DType::F32), causal, scale);
+                            cast(v, DType::F32), mask, scale);
     expect_close(out32, ref_out, 1e-5, 1e-5, "f32 out");
     expect_close(lse32, ref_lse, 1e-5, 1e-5, "f32 lse");
     Tensor outbf =
-        attention(cast(q, DType::BF16), cast(k, DType::BF16), cast(v, DType::BF16), causal);
+        attention(cast(q, DType::BF16), cast(k, DType::BF16), cast(v, DType::BF16), mask);
     EXPECT_EQ(outbf.dtype(), DType::BF16);
     expect_close(outbf, ref_out, 3e-2, 3e-2, "bf16 out");
   }
 }
 
+TEST(Forward, AttentionMasksChangeTheResult) {
+  // Guards the test above against masks that are silently ignored: each mask's output differs
+  // from plain causal attention's.
+  Tensor q = randn({2, 7, 2, 4}, 11), k = randn({2, 7, 1, 4}, 12), v = randn({2, 7, 1, 4}, 13);
+  const std::vector<double> causal = attention(q, k, v).to_vector();
+  for (const auto& [name, mask] : test_masks()) {
+    if (name == "causal" || name == "window 9 > S") continue;
+    const std::vector<double> got = attention(q, k, v, mask).to_vector();
+    double diff = 0;
+    for (size_t i = 0; i < got.size(); ++i) diff = std::max(diff, std::abs(got[i] - causal[i]));
+    EXPECT_GT(diff, 1e-3) << name;
+  }
+}
+
+// Packed documents: attention over the packed row (segment ids) gives, for every document, the
+// output and the gradients that attention over that document alone gives.
+TEST(Forward, AttentionDocumentsEqualEachAlone) {
+  const std::vector<int64_t> lengths{3, 1, 5, 2};
+  const int64_t S = 11, Hq = 4, Hkv = 2, D = 6;
+  std::vector<int64_t> ids;
+  for (size_t d = 0; d < lengths.size(); ++d) ids.insert(ids.end(), lengths[d], int64_t(d) + 7);
+  const Tensor seg = segments(ids, {1, S});
+  for (int64_t window : {0, 2}) {
+    SCOPED_TRACE("window " + std::to_string(window));
+    Tensor q = randn({1, S, Hq, D}, 21), k = randn({1, S, Hkv, D}, 22),
+           v = randn({1, S, Hkv, D}, 23);
+    Tensor go = randn({1, S, Hq, D}, 24);
+    for (Tensor* t : {&q, &k, &v}) t->set_requires_grad(true);
+    Tensor packed = attention(q, k, v, AttentionMask{true, window, seg});
+    packed.backward(go);
+    int64_t start = 0;
+    for (int64_t len : lengths) {
+      SCOPED_TRACE("document at " + std::to_string(start));
+      auto part = [&](const Tensor& t) { return contiguous(narrow(t.detach(), 1, start, len)); };
+      std::vector<Tensor> doc{part(q), part(k), part(v)};
+      for (Tensor& t : doc) t.set_requires_grad(true);
+      Tensor alone = attention(doc[0], doc[1], doc[2], AttentionMask{true, window, {}});
+      alone.backward(part(go));
+      expect_close(part(packed), alone, 1e-13, 1e-13, "out");
+      expect_close(part(q.grad()), doc[0].grad(), 1e-12, 1e-13, "dq");
+      expect_close(part(k.grad()), doc[1].grad(), 1e-12, 1e-13, "dk");
+      expect_close(part(v.grad()), doc[2].grad(), 1e-12, 1e-13, "dv");
+      start += len;
+    }
+  }
+}
+
 TEST(Forward, AttentionBackwardF32MatchesF64) {
-  const int64_t B = 1, S = 6, Hq = 4, Hkv = 1, D = 8;
+  const int64_t B = 2, S = 7, Hq = 4, Hkv = 1, D = 8;
   Tensor q = randn({B, S, Hq, D}, 4), k = randn({B, S, Hkv, D}, 5), v = randn({B, S, Hkv, D}, 6);
   Tensor go = randn({B, S, Hq, D}, 7);
-  std::vector<Tensor> g64, g32;
-  for (DType dt : {DType::F64, DType::F32}) {
-    Tensor qq = cast(q, dt).detach(), kk = cast(k, dt).detach(), vv = cast(v, dt).detach();
-    qq.set_requires_grad(true);
-    kk.set_requires_grad(true);
-    vv.set_requires_grad(true);
-    attention(qq, kk, vv).backward(cast(go, dt));
-    auto& dst = dt == DType::F64 ? g64 : g32;
-    dst = {qq.grad(), kk.grad(), vv.grad()};
+  for (const auto& [name, mask] : test_masks()) {
+    SCOPED_TRACE(name);
+    std::vector<Tensor> g64, g32;
+    for (DType dt : {DType::F64, DType::F32}) {
+      Tensor qq = cast(q, dt).detach(), kk = cast(k, dt).detach(), vv = cast(v, dt).detach();
+      qq.set_requires_grad(true);
+      kk.set_requires_grad(true);
+      vv.set_requires_grad(true);
+      attention(qq, kk, vv, mask).backward(cast(go, dt));
+      auto& dst = dt == DType::F64 ? g64 : g32;
+      dst = {qq.grad(), kk.grad(), vv.grad()};
+    }
+    for (int i = 0; i < 3; ++i)
+      expect_close(g32[i], g64[i], 1e-4, 1e-5, "grad " + std::to_string(i));
   }
-  for (int i = 0; i < 3; ++i) expect_close(g32[i], g64[i], 1e-4, 1e-5, "grad " + std::to_string(i));
 }
 
 TEST(Forward, SoftmaxAndLogSoftmax) {
@@ -191,28 +276,80 @@ TEST(Forward, RmsNormBf16RoundsLikeHuggingFace) {
   }
 }
 
-TEST(Forward, RopeRotateHalfConvention) {
-  const int64_t B = 1, S = 5, H = 2, D = 6;
-  const double theta = 10000.0;
-  const int64_t offset = 3;
-  Tensor x = randn({B, S, H, D}, 14);
+// The reference rotation of x [B, S, H, D] (f64) by inv_freq at positions pos[b][s], cos and sin
+// times `scale`, all in double.
+std::vector<double> rope_reference(const Tensor& x, const std::vector<float>& inv_freq,
+                                   const std::vector<std::vector<int64_t>>& pos, double scale) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
   auto xv = x.to_vector();
   std::vector<double> ref(xv.size());
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < D / 2; ++i) {
-        const double ang = double(s + offset) * std::pow(theta, -2.0 * i / D);
-        const int64_t base = (s * H + h) * D;
-        const double x1 = xv[base + i], x2 = xv[base + i + D / 2];
-        ref[base + i] = x1 * std::cos(ang) - x2 * std::sin(ang);
-        ref[base + i + D / 2] = x2 * std::cos(ang) + x1 * std::sin(ang);
-      }
-  expect_close(rope(x, theta, offset), ref, 1e-13, 1e-13, "f64");
-  expect_close(rope(cast(x, DType::F32), theta, offset), ref, 1e-5, 1e-5, "f32");
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const double ang = double(pos[b][s]) * double(inv_freq[i]);
+          const int64_t base = ((b * S + s) * H + h) * D;
+          const double x1 = xv[base + i], x2 = xv[base + i + D / 2];
+          const double c = std::cos(ang) * scale, sn = std::sin(ang) * scale;
+          ref[base + i] = x1 * c - x2 * sn;
+          ref[base + i + D / 2] = x2 * c + x1 * sn;
+        }
+  return ref;
+}
+
+TEST(Forward, RopeRotateHalfConvention) {
+  const int64_t B = 2, S = 5, H = 2, D = 6;
+  const int64_t offset = 3;
+  const RopeFrequencies f = default_rope_frequencies(10000.0, D);
+  ASSERT_EQ(f.inv_freq.size(), 3u);
+  EXPECT_EQ(f.inv_freq[0], 1.0f);
+  EXPECT_EQ(f.inv_freq[1], 1.0f / std::pow(10000.0f, 2.0f / 6.0f));
+  Tensor x = randn({B, S, H, D}, 14);
+  std::vector<std::vector<int64_t>> pos(B);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) pos[b].push_back(s + offset);
+  const std::vector<double> ref = rope_reference(x, f.inv_freq, pos, 1.0);
+  expect_close(rope(x, f, offset), ref, 1e-13, 1e-13, "f64");
+  expect_close(rope(cast(x, DType::F32), f, offset), ref, 1e-5, 1e-5, "f32");
   // inverse=true undoes the rotation.
-  Tensor y = rope(x, theta, offset), back = Tensor::empty(x.shape(), DType::F64);
-  cpu_backend().rope(back, y, theta, offset, true);
+  Tensor y = rope(x, f, offset), back = Tensor::empty(x.shape(), DType::F64);
+  cpu_backend().rope(back, y, f, offset, Tensor(), true);
   expect_close(back, x, 1e-13, 1e-13, "inverse");
+}
+
+TEST(Forward, RopePerTokenPositionsAndAttentionScaling) {
+  // Packed rows: each document's positions restart at 0 (row 0: 0 1 2 0 1, row 1: 4 5 6 7 0),
+  // with YaRN-style scaled cos/sin and non-default frequencies.
+  const int64_t B = 2, S = 5, H = 3, D = 8;
+  RopeFrequencies f;
+  f.inv_freq = {1.0f, 0.3f, 0.05f, 0.001f};
+  f.attention_scaling = 1.1386;
+  const std::vector<std::vector<int64_t>> pos = {{0, 1, 2, 0, 1}, {4, 5, 6, 7, 0}};
+  std::vector<int64_t> flat;
+  for (const auto& row : pos) flat.insert(flat.end(), row.begin(), row.end());
+  Tensor x = randn({B, S, H, D}, 16);
+  const std::vector<double> ref = rope_reference(x, f.inv_freq, pos, f.attention_scaling);
+  for (DType idt : {DType::I64, DType::I32}) {
+    Tensor ids = Tensor::from_vector(flat, {B, S}, idt);
+    expect_close(rope(x, f, 0, ids), ref, 1e-13, 1e-13, "f64 position_ids");
+    expect_close(rope(cast(x, DType::F32), f, 0, ids), ref, 1e-5, 1e-5, "f32 position_ids");
+  }
+  // position_ids equal to offset + s give the offset's result bit for bit.
+  std::vector<int64_t> seq;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) seq.push_back(s + 9);
+  Tensor xf = cast(x, DType::F32);
+  EXPECT_EQ(rope(xf, f, 0, Tensor::from_vector(seq, {B, S}, DType::I64)).to_vector(),
+            rope(xf, f, 9).to_vector());
+  // The backward is the transposed (scaled) rotation: <rope(x), g> == <x, rope^T(g)>.
+  Tensor g = randn({B, S, H, D}, 17), gt = Tensor::empty(g.shape(), DType::F64);
+  Tensor ids = Tensor::from_vector(flat, {B, S}, DType::I64);
+  cpu_backend().rope(gt, g, f, 0, ids, true);
+  auto yv = rope(x, f, 0, ids).to_vector(), gv = g.to_vector(), xv = x.to_vector(),
+       gtv = gt.to_vector();
+  double lhs = 0, rhs = 0;
+  for (size_t i = 0; i < yv.size(); ++i) lhs += yv[i] * gv[i], rhs += xv[i] * gtv[i];
+  EXPECT_NEAR(lhs, rhs, 1e-12 * std::abs(lhs));
 }
 
 TEST(Forward, RopeF32MatchesHuggingFaceFloat32AtLargePositions) {
@@ -222,7 +359,7 @@ TEST(Forward, RopeF32MatchesHuggingFaceFloat32AtLargePositions) {
   const double theta = 500000.0;
   Tensor x = randn({1, 2, 1, D}, 15, DType::F32);
   auto xv = x.to_vector();
-  auto out = rope(x, theta, 4000).to_vector();
+  auto out = rope(x, default_rope_frequencies(theta, D), 4000).to_vector();
   for (int64_t s = 0; s < 2; ++s)
     for (int64_t i = 0; i < D / 2; ++i) {
       float inv = 1.0f / std::pow(float(theta), float(2 * i) / float(D));

@@ -163,9 +163,18 @@ TEST(GradCheck, RmsNorm) {
 }
 
 TEST(GradCheck, Rope) {
-  grad_check("rope", [](const V& x) { return rope(x[0], 10000.0, 0); }, {randn({2, 3, 2, 8}, 42)});
-  grad_check("rope offset", [](const V& x) { return rope(x[0], 500.0, 17); },
+  grad_check("rope", [](const V& x) { return rope(x[0], default_rope_frequencies(10000.0, 8)); },
+             {randn({2, 3, 2, 8}, 42)});
+  grad_check("rope offset",
+             [](const V& x) { return rope(x[0], default_rope_frequencies(500.0, 4), 17); },
              {randn({1, 4, 3, 4}, 43)});
+  // Scaled cos/sin and per-token positions (packed documents).
+  RopeFrequencies f = default_rope_frequencies(500.0, 4);
+  f.attention_scaling = 1.25;
+  Tensor ids =
+      Tensor::from_vector(std::vector<int64_t>{0, 1, 0, 1, 2, 3, 9, 4}, {2, 4}, DType::I64);
+  grad_check("rope position_ids", [&](const V& x) { return rope(x[0], f, 0, ids); },
+             {randn({2, 4, 3, 4}, 44)});
 }
 
 TEST(GradCheck, Swiglu) {
@@ -181,7 +190,32 @@ TEST(GradCheck, Attention) {
   grad_check("attention causal gqa", [](const V& x) { return attention(x[0], x[1], x[2]); },
              {q, k, v});
   grad_check("attention non-causal, scale",
-             [](const V& x) { return attention(x[0], x[1], x[2], false, 0.7); }, {q, k, v});
+             [](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{false, 0, {}}, 0.7);
+             },
+             {q, k, v});
+  grad_check("attention window 2",
+             [](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 2, {}});
+             },
+             {q, k, v});
+  grad_check("attention window 1",
+             [](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 1, {}});
+             },
+             {q, k, v});
+  // Documents of 2, 1 and 2 positions in row 0; row 1 is one document with a window.
+  const Tensor seg = test::ids_tensor({4, 4, 0, 1, 1, 3, 3, 3, 3, 3}, {2, 5}, DType::I32);
+  grad_check("attention segments",
+             [seg](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 0, seg});
+             },
+             {q, k, v});
+  grad_check("attention segments + window 2",
+             [seg](const V& x) {
+               return attention(x[0], x[1], x[2], AttentionMask{true, 2, seg});
+             },
+             {q, k, v});
   grad_check("attention from transposed q",
              [](const V& x) { return attention(transpose(x[0], 1, 2), x[1], x[2]); },
              {randn({1, 2, 4, 3}, 51), randn({1, 4, 1, 3}, 52), randn({1, 4, 1, 3}, 53)});
@@ -200,7 +234,8 @@ TEST(GradCheck, EmptyDimensions) {
   grad_check("softmax empty rows", [](const V& x) { return softmax(x[0], -1); }, {e});
   grad_check("rms_norm no rows", [](const V& x) { return rms_norm(x[0], x[1], 1e-5); },
              {e, randn({4}, 59)});
-  grad_check("rope empty seq", [](const V& x) { return rope(x[0], 10000.0); },
+  grad_check("rope empty seq",
+             [](const V& x) { return rope(x[0], default_rope_frequencies(10000.0, 4)); },
              {randn({1, 0, 2, 4}, 60)});
   grad_check("swiglu empty", [](const V& x) { return swiglu(x[0], x[1]); },
              {randn({2, 0}, 61), randn({2, 0}, 62)});

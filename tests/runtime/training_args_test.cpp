@@ -362,8 +362,7 @@ TEST_F(TrainingArgsTest, SuggestionsKnowTrainerAndAccelerateNames) {
   };
   unknown("training.learning_rate=1", {"unknown key 'training.learning_rate'; did you mean "
                                        "'optimizer.lr'?"});
-  unknown("num_train_epochs=3",
-          {"unknown key 'num_train_epochs'", "epochs are not supported yet", "training.max_steps"});
+  unknown("num_train_epochs=3", {"unknown key 'num_train_epochs'", "training.num_epochs"});
   unknown("report_to=wandb", {"unknown key 'report_to'", "metrics.jsonl"});
   unknown("training.per_device_train_batch_size=8", {"did you mean 'training.micro_batch_size'?"});
   unknown("optimizer.adam_beta2=0.9", {"did you mean 'optimizer.beta2'?"});

@@ -1,7 +1,9 @@
 """The benchmark shapes shared by the PyTorch reference scripts (torch_reference.py,
 torch_fsdp2.py) and configs/llama-*.yaml, and the model they build: a Hugging Face
-LlamaForCausalLM with untied embeddings. Imported by the scripts beside it; needs transformers
-only when a model is built.
+LlamaForCausalLM with untied embeddings. FAMILY_SIZES holds the real shapes of the other
+families' checkpoints (configs/llama-3.2-1b.yaml, qwen3-*.yaml, qwen2.5-1.5b.yaml,
+mistral-7b.yaml) as config.json fields. Imported by the scripts beside it; needs transformers only
+when a model is built.
 """
 from collections import namedtuple
 
@@ -38,3 +40,67 @@ def flops_per_token(num_params, shape):
     gather; norms are counted too, a negligible excess), plus 12 * layers * seq * hidden for the
     attention scores and their use (forward and backward, the causal half counted in full)."""
     return 6 * (num_params - shape.vocab * shape.hidden) + 12 * shape.layers * shape.seq * shape.hidden
+
+
+# Hugging Face config.json fields of real checkpoints (random init here), with the benchmark's
+# seq and micro-batch: the same shapes as configs/<name>.yaml.
+FAMILY_SIZES = {
+    "llama-3.2-1b": (dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                          intermediate_size=8192, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0,
+                          rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192),
+                          rms_norm_eps=1e-5, tie_word_embeddings=True), 2048, 4),
+    "qwen3-0.6b": (dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
+                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+                   2048, 4),
+    "qwen3-1.7b": (dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+                   2048, 4),
+    "qwen2.5-1.5b": (dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28,
+                          num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                          vocab_size=151936, max_position_embeddings=131072,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                          use_sliding_window=False, max_window_layers=28), 2048, 4),
+    "mistral-7b": (dict(model_type="mistral", hidden_size=4096, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                        vocab_size=32000, max_position_embeddings=32768, rope_theta=10000.0,
+                        rms_norm_eps=1e-5, sliding_window=4096, tie_word_embeddings=False),
+                   4096, 1),
+}
+
+
+def hf_family_config(fields, attn_implementation="sdpa"):
+    """A transformers config of fields["model_type"] from config.json-style fields (rope_theta +
+    rope_scaling; transformers 5 takes them as rope_parameters)."""
+    import transformers
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = dict(fields.pop("rope_scaling", None) or {"rope_type": "default"})
+        params["rope_theta"] = fields.pop("rope_theta")
+        fields["rope_parameters"] = params
+    cfg = transformers.AutoConfig.for_model(model_type, **fields)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def family_shape(fields, seq, micro_batch):
+    """The Shape of config.json-style fields (for flops_per_token and the batch)."""
+    return Shape(fields["hidden_size"], fields["num_hidden_layers"],
+                 fields["num_attention_heads"], fields.get("num_key_value_heads"),
+                 fields["intermediate_size"], fields["vocab_size"], seq, micro_batch,
+                 fields.get("rope_theta", 10000.0))
+
+
+def flops_per_token_tied(num_params, shape, tied):
+    """flops_per_token for a model whose lm_head may share the embedding: a tied head is still a
+    matmul (counted once more), as accel-train's DecoderConfig::flops_per_token counts it."""
+    return flops_per_token(num_params + (shape.vocab * shape.hidden if tied else 0), shape)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the Hugging Face reference fixtures that tests/models/llama_fixture_test.cpp checks the
+"""Writes the Hugging Face reference fixtures that tests/models/decoder_fixture_test.cpp checks the
 C++ model against: a small randomly initialised transformers model, one batch of tokens, the
 model's logits, loss and the gradient of every parameter, and the losses of a few AdamW steps on
 that batch. Everything runs in float32 on the CPU, so the numbers do not depend on a GPU.

@@ -7,7 +7,11 @@ and accelerate (docs/performance.md has the measurements, tools/reference/README
 
     python3 tools/reference/torch_reference.py SIZE VARIANT [STEPS]
 
-SIZE: llama-125m, llama-1b, llama-8b (llama_shapes.py; configs/llama-*.yaml are the same shapes).
+SIZE: llama-125m, llama-1b, llama-8b (llama_shapes.py; configs/llama-*.yaml are the same shapes),
+  or a family size of llama_shapes.FAMILY_SIZES: llama-3.2-1b, qwen3-0.6b, qwen3-1.7b,
+  qwen2.5-1.5b, mistral-7b (the Hugging Face class of its model_type: Qwen3ForCausalLM, ...;
+  configs/<size>.yaml), or --config-json FILE: a config.json (its model_type's class) with
+  --seq and --micro-batch (default 2048 and 4).
 VARIANT:
   bf16           Accelerate mixed_precision "bf16" (autocast over fp32 weights), eager
   bf16-compile   the same under torch.compile
@@ -30,7 +34,8 @@ import time
 import torch
 import torch.nn as nn
 
-from llama_shapes import flops_per_token, hf_llama_config, shape_named
+from llama_shapes import (FAMILY_SIZES, family_shape, flops_per_token_tied, hf_family_config,
+                          hf_llama_config, shape_named)
 
 WARMUP_STEPS = 5
 PEAK_TFLOPS = 989.0
@@ -97,7 +102,9 @@ class Fp8Matmul(torch.autograd.Function):
 class Fp8Linear(nn.Linear):
     def forward(self, x):
         # The input in the dtype autocast would give a bf16 Linear; the weight from its fp32.
-        return Fp8Matmul.apply(x.to(torch.bfloat16), self.weight)
+        y = Fp8Matmul.apply(x.to(torch.bfloat16), self.weight)
+        # A bias (Qwen2's q/k/v) is added in bf16, outside the fp8 GEMM.
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def convert_to_fp8(model):
@@ -106,8 +113,6 @@ def convert_to_fp8(model):
     converted = 0
     for name, module in model.named_modules():
         if type(module) is nn.Linear and not name.endswith("lm_head"):
-            if module.bias is not None:
-                raise SystemExit(f"{name}: the fp8 layer here has no bias support")
             module.__class__ = Fp8Linear
             converted += 1
     return converted
@@ -115,22 +120,57 @@ def convert_to_fp8(model):
 
 # ---- the benchmark ------------------------------------------------------------------------------
 
-def main():
-    if len(sys.argv) not in (3, 4):
+def parse_args(argv):
+    """-> (size name, variant, steps, config-json fields or None, seq, micro_batch)"""
+    args = list(argv)
+    fields, seq, micro_batch = None, 2048, 4
+    for flag in ("--config-json", "--seq", "--micro-batch"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                raise SystemExit(f"{flag} needs a value")
+            value = args[i + 1]
+            del args[i:i + 2]
+            if flag == "--config-json":
+                with open(value) as f:
+                    fields = json.load(f)
+            elif flag == "--seq":
+                seq = int(value)
+            else:
+                micro_batch = int(value)
+    if fields is not None:
+        if len(args) not in (1, 2):
+            raise SystemExit(__doc__)
+        path = argv[argv.index("--config-json") + 1]
+        steps = int(args[1]) if len(args) == 2 else 20
+        return path, args[0], steps, fields, seq, micro_batch
+    if len(args) not in (2, 3):
         raise SystemExit(__doc__)
-    size, variant = sys.argv[1], sys.argv[2]
-    steps = int(sys.argv[3]) if len(sys.argv) == 4 else 20
+    return args[0], args[1], int(args[2]) if len(args) == 3 else 20, None, seq, micro_batch
+
+
+def main():
+    size, variant, steps, fields, seq, micro_batch = parse_args(sys.argv[1:])
     if steps < 1:
         raise SystemExit(f"STEPS must be at least 1, got {steps}")
-    shape = shape_named(size)
+    if fields is None and size in FAMILY_SIZES:
+        fields, seq, micro_batch = FAMILY_SIZES[size]
     fp8, compile_model, ckpt = parse_variant(variant)
     from accelerate import Accelerator
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(0)
     accelerator = Accelerator(mixed_precision="bf16")
-    model = LlamaForCausalLM(hf_llama_config(shape))  # fp32 weights, initialised on the CPU
+    if fields is None:
+        shape = shape_named(size)
+        tied = False
+        model = LlamaForCausalLM(hf_llama_config(shape))  # fp32 weights, initialised on the CPU
+    else:
+        shape = family_shape(fields, seq, micro_batch)
+        tied = bool(fields.get("tie_word_embeddings", False))
+        model = AutoModelForCausalLM.from_config(hf_family_config(fields))
     num_params = sum(p.numel() for p in model.parameters())
+    model_class = type(model).__name__
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = model.to(accelerator.device)
@@ -160,9 +200,9 @@ def main():
     torch.cuda.synchronize()
     step_s = (time.time() - t_timed) / steps
     tokens_per_s = shape.micro_batch * shape.seq / step_s
-    flops = flops_per_token(num_params, shape) * tokens_per_s
+    flops = flops_per_token_tied(num_params, shape, tied) * tokens_per_s
     print(json.dumps({
-        "size": size, "variant": variant, "params": num_params,
+        "size": size, "model": model_class, "variant": variant, "params": num_params,
         "tokens_per_s": round(tokens_per_s), "step_ms": round(step_s * 1e3, 1),
         "model_tflops": round(flops / 1e12, 1),
         "mfu_vs_989": round(flops / (PEAK_TFLOPS * 1e12), 3),

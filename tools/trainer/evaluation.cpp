@@ -9,21 +9,33 @@
 
 namespace accel {
 
+Tensor batch_loss(Run& run, const Batch& b) {
+  TokenLayout layout;
+  if (b.position_ids.defined()) layout.position_ids = b.position_ids.to(run.device);
+  if (b.segment_ids.defined()) layout.segment_ids = b.segment_ids.to(run.device);
+  return run.model->forward_loss(b.input_ids.to(run.device), b.labels.to(run.device), layout);
+}
+
 double evaluate(Run& run) {
   BatchSource* eval = run.data.eval.get();
   if (!eval) return NAN;
   NoGradGuard no_grad;
   Precision::EvalScope scope(*run.precision);
   const DataPosition start = eval->position();
-  double total = 0;
+  double loss_sum = 0, trained = 0;  // the loss summed over trained tokens, and their count
   const int64_t n = std::min(run.cfg.training.eval_batches, eval->batches_per_epoch());
   for (int64_t i = 0; i < n; ++i) {
     Batch b = eval->next();
-    Tensor logits = run.model->forward(b.input_ids.to(run.device));
-    total += CausalLM::loss(logits, b.labels.to(run.device)).item();
+    const double tokens = static_cast<double>(b.trained_tokens);
+    loss_sum += batch_loss(run, b).item() * tokens;
+    trained += tokens;
   }
   eval->restore(start);
-  return run.dist.mean_across_ranks(n ? total / static_cast<double>(n) : NAN, run.device);
+  if (n == 0) return NAN;
+  const std::vector<double> all = run.dist.all_gather({loss_sum, trained}, run.device);
+  double total_loss = 0, total_trained = 0;
+  for (size_t r = 0; r < all.size(); r += 2) total_loss += all[r], total_trained += all[r + 1];
+  return total_loss / total_trained;
 }
 
 std::string final_sample(Run& run) {

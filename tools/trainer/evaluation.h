@@ -6,8 +6,14 @@
 namespace accel {
 
 struct Run;
+struct Batch;
+class Tensor;
 
-// The mean loss over training.eval_batches of the evaluation data, averaged over the ranks
+// The model's mean loss over the trained tokens of a batch, on the run's device, with the
+// batch's layout (packed documents: position and segment ids) when it has one.
+Tensor batch_loss(Run& run, const Batch& b);
+
+// The mean loss per trained token over training.eval_batches of the evaluation data on all ranks
 // (every rank calls it); NaN without evaluation data. The evaluation source is rewound, so every
 // evaluation sees the same batches.
 double evaluate(Run& run);

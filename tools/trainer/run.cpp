@@ -1,9 +1,11 @@
 #include "tools/trainer/run.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "parallel/fsdp.h"  // reads_init_weights
 #include "parallel/process_group.h"
@@ -103,22 +105,7 @@ DecoderConfig model_config(const Config& cfg) {
                        " has no config.json (expected a Hugging Face model folder)");
     return read_hf_model_config(p.string());
   }
-  const ModelConfig& m = cfg.model;
-  DecoderConfig c;
-  c.hidden_size = m.hidden_size;
-  c.intermediate_size = m.intermediate_size;
-  c.num_hidden_layers = m.num_hidden_layers;
-  c.num_attention_heads = m.num_attention_heads;
-  c.num_key_value_heads = m.num_key_value_heads ? m.num_key_value_heads : m.num_attention_heads;
-  c.head_dim = m.head_dim ? m.head_dim : m.hidden_size / m.num_attention_heads;
-  c.vocab_size = m.vocab_size;
-  c.max_position_embeddings = m.max_position_embeddings;
-  c.rope_theta = m.rope_theta;
-  c.rms_norm_eps = m.rms_norm_eps;
-  c.initializer_range = m.initializer_range;
-  c.tie_word_embeddings = m.tie_word_embeddings;
-  c.validate();
-  return c;
+  return decoder_config(cfg.model);
 }
 
 // model.init_from gives the shape: the effective config shows the loaded model's, each key's
@@ -126,23 +113,35 @@ DecoderConfig model_config(const Config& cfg) {
 void adopt_loaded_shape(Config& cfg, const DecoderConfig& mc) {
   ModelConfig& m = cfg.model;
   const std::string where = (fs::path(m.init_from) / "config.json").string();
-  auto take = [&](const char* key, auto& field, auto value) {
+  const ModelConfig loaded = model_section(mc);
+  auto take = [&](const char* key, auto& field, const auto& value) {
     if (field == value) return;
     field = value;
     cfg.origins[std::string("model.") + key] = where;
   };
-  take("hidden_size", m.hidden_size, mc.hidden_size);
-  take("intermediate_size", m.intermediate_size, mc.intermediate_size);
-  take("num_hidden_layers", m.num_hidden_layers, mc.num_hidden_layers);
-  take("num_attention_heads", m.num_attention_heads, mc.num_attention_heads);
-  take("num_key_value_heads", m.num_key_value_heads, mc.num_key_value_heads);
-  take("head_dim", m.head_dim, mc.head_dim);
-  take("vocab_size", m.vocab_size, mc.vocab_size);
-  take("max_position_embeddings", m.max_position_embeddings, mc.max_position_embeddings);
-  take("rope_theta", m.rope_theta, mc.rope_theta);
-  take("rms_norm_eps", m.rms_norm_eps, mc.rms_norm_eps);
-  take("initializer_range", m.initializer_range, mc.initializer_range);
-  take("tie_word_embeddings", m.tie_word_embeddings, mc.tie_word_embeddings);
+  // The decoder layer FSDP wraps is the loaded family's (the YAML's model.name named another).
+  std::string& wrap = cfg.fsdp.fsdp_transformer_layer_cls_to_wrap;
+  if (wrap == hf_class_prefix(m.name) + "DecoderLayer")
+    wrap = hf_class_prefix(loaded.name) + "DecoderLayer";
+  take("name", m.name, loaded.name);
+  take("hidden_size", m.hidden_size, loaded.hidden_size);
+  take("intermediate_size", m.intermediate_size, loaded.intermediate_size);
+  take("num_hidden_layers", m.num_hidden_layers, loaded.num_hidden_layers);
+  take("num_attention_heads", m.num_attention_heads, loaded.num_attention_heads);
+  take("num_key_value_heads", m.num_key_value_heads, loaded.num_key_value_heads);
+  take("head_dim", m.head_dim, loaded.head_dim);
+  take("vocab_size", m.vocab_size, loaded.vocab_size);
+  take("max_position_embeddings", m.max_position_embeddings, loaded.max_position_embeddings);
+  take("rope_theta", m.rope_theta, loaded.rope_theta);
+  take("rope_scaling", m.rope_scaling, loaded.rope_scaling);
+  take("rms_norm_eps", m.rms_norm_eps, loaded.rms_norm_eps);
+  take("initializer_range", m.initializer_range, loaded.initializer_range);
+  take("tie_word_embeddings", m.tie_word_embeddings, loaded.tie_word_embeddings);
+  take("attention_bias", m.attention_bias, loaded.attention_bias);
+  take("sliding_window", m.sliding_window, loaded.sliding_window);
+  take("use_sliding_window", m.use_sliding_window, loaded.use_sliding_window);
+  take("max_window_layers", m.max_window_layers, loaded.max_window_layers);
+  take("layer_types", m.layer_types, loaded.layer_types);
 }
 
 // The previous run's files in an output folder we are about to write into.
@@ -182,7 +181,40 @@ DataOptions data_options(const Config& cfg, const DecoderConfig& mc, int rank, i
   o.world_size = world;
   o.seed = cfg.training.seed;
   o.shuffle = cfg.data.shuffle;
+  o.jsonl_files = cfg.data.jsonl_files;
+  o.format = cfg.data.format;
+  o.text_field = cfg.data.text_field;
+  o.chat_template = cfg.data.chat_template;
+  o.packing = cfg.data.packing;
+  o.reset_position_ids = cfg.data.reset_position_ids;
+  o.pad_to_multiple_of = cfg.data.pad_to_multiple_of;
+  o.overlong = cfg.data.overlong;
   return o;
+}
+
+// training.num_epochs -> training.max_steps, once the data says how many batches an epoch holds;
+// the effective config.yaml is written again with the steps (and says where they came from).
+void steps_from_epochs(Run& run) {
+  TrainingConfig& t = run.cfg.training;
+  const int64_t per_epoch = run.data.train->batches_per_epoch();
+  if (per_epoch < 0)
+    throw UsageError("training.num_epochs needs data that has epochs, but data.source " +
+                     std::string(name_of(run.cfg.data.source)) +
+                     " is endless; set training.max_steps");
+  const double micro_batches = t.num_epochs * static_cast<double>(per_epoch);
+  const int64_t accum = run.cfg.gradient_accumulation_steps;
+  t.max_steps = std::max<int64_t>(
+      1, static_cast<int64_t>(std::ceil(micro_batches / static_cast<double>(accum) - 1e-9)));
+  std::ostringstream why;
+  why << "training.num_epochs " << t.num_epochs << " x " << per_epoch
+      << " batches per epoch per rank / gradient_accumulation_steps " << accum;
+  run.cfg.origins["training.max_steps"] = why.str();
+  run.config_yaml = config_to_yaml(run.cfg);
+  if (run.main_rank()) {
+    write_config_yaml(run.output_dir(), run.config_yaml);
+    std::fprintf(stderr, "training.max_steps %lld from %s\n", static_cast<long long>(t.max_steps),
+                 why.str().c_str());
+  }
 }
 
 OptimizerOptions optimizer_options(const OptimizerConfig& c) {
@@ -261,8 +293,11 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.data =
       make_data_sources(data_options(c, run.model_config, run.dist.rank(), run.dist.world()));
   if (c.data.source != DataSource::Synthetic) run.tokenizer = make_tokenizer(c.data.tokenizer);
-  if (run.main_rank())
+  if (run.main_rank()) {
     for (const std::string& n : run.data.notices) std::fprintf(stderr, "warning: %s\n", n.c_str());
+    for (const std::string& n : run.data.info) std::fprintf(stderr, "data: %s\n", n.c_str());
+  }
+  if (c.training.num_epochs > 0 && !c.origins.count("training.max_steps")) steps_from_epochs(run);
   return run;
 }
 

@@ -181,8 +181,12 @@ void RunLog::write_chart() {
 }
 
 void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
-                  std::optional<double> eval_loss) {
+                  std::optional<double> eval_loss, const StepTokens& tokens) {
   last_loss_ = loss;
+  since_log_.positions += tokens.positions;
+  since_log_.trained += tokens.trained;
+  total_.positions += tokens.positions;
+  total_.trained += tokens.trained;
   if (eval_loss) {
     println("step " + std::to_string(step) + " eval_loss " + std::to_string(*eval_loss));
     loss_history_.add_eval(step, *eval_loss);
@@ -198,7 +202,12 @@ void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
   const auto now = std::chrono::steady_clock::now();
   const double dt = std::chrono::duration<double>(now - last_log_).count();
   const int64_t steps_logged = step - last_log_step_;
-  const double tps = dt > 0 ? static_cast<double>(steps_logged * run_.tokens_per_step()) / dt : 0;
+  const double tps = dt > 0 ? static_cast<double>(since_log_.trained) / dt : 0;
+  const double trained_fraction =
+      since_log_.positions > 0
+          ? static_cast<double>(since_log_.trained) / static_cast<double>(since_log_.positions)
+          : 0;
+  since_log_ = {};
   last_log_ = now;
   last_log_step_ = step;
   StepReport rep;
@@ -220,6 +229,12 @@ void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
                       {"peak_mem_bytes", rep.peak_mem_bytes},
                       {"elapsed_s", rep.elapsed_s},
                       {"skipped_steps", run_.precision->skipped_steps()}};
+  if (run_.data.train->batches_per_epoch() > 0) {  // epochs done, from the data position
+    const DataPosition p = run_.data.train->position();
+    j["epoch"] = static_cast<double>(p.epoch) +
+                 static_cast<double>(p.samples_consumed) / static_cast<double>(p.num_samples);
+  }
+  if (run_.data.train->has_documents()) j["trained_fraction"] = trained_fraction;
   const nlohmann::json precision_entries = run_.precision->metrics();
   if (precision_entries.is_object()) j.update(precision_entries);
   if (run_.dist.pg)
@@ -262,6 +277,13 @@ void RunLog::finish(int64_t step, double final_eval,
                             {"world_size", run_.dist.world()},
                             {"strategy", strategy.name()}};
   if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
+  if (run_.data.train->has_documents()) {
+    summary["data"] = run_.data.train->stats().to_json();
+    summary["trained_tokens"] = total_.trained;
+    summary["trained_fraction"] = total_.positions > 0 ? static_cast<double>(total_.trained) /
+                                                             static_cast<double>(total_.positions)
+                                                       : 0.0;
+  }
   const nlohmann::json report = strategy.run_report();
   if (report.is_object()) summary.update(report);
   metrics_.write(summary);

@@ -28,6 +28,13 @@ namespace accel {
 
 struct Run;
 
+// The input positions and the trained targets (labels that count in the loss) of one optimizer
+// step on all ranks; the same for token streams, fewer trained for documents (masked prompts,
+// padding).
+struct StepTokens {
+  int64_t positions = 0, trained = 0;
+};
+
 // Host time per phase of a step less the time blocked on the GPU inside it, summed until the
 // next log line: a phase that takes about as long as the GPU's share of the step means the host
 // (op dispatch, launches), not the GPU, sets the pace.
@@ -83,8 +90,9 @@ class RunLog {
 
   // After each optimizer step (every rank: the evaluation result, when there is one, is the
   // same everywhere): the metrics line of a logged step, the evaluation's line, the chart.
+  // tokens/s in the log counts trained tokens; trained_fraction = trained / positions.
   void step(int64_t step, double loss, double lr, const StepResult& r,
-            std::optional<double> eval_loss);
+            std::optional<double> eval_loss, const StepTokens& tokens);
   // After the last step, before the final checkpoint: the progress bar is done.
   void end_of_steps() { progress_.finish(); }
   // At the end: every rank's peak memory (all-gathered: every rank calls this), then `sample`
@@ -107,6 +115,7 @@ class RunLog {
   double flops_per_token_ = 0, peak_flops_ = -1;
   std::chrono::steady_clock::time_point train_start_, last_log_;
   int64_t last_log_step_ = 0;
+  StepTokens since_log_, total_;  // since the last logged step; since the start of this process
   double last_loss_ = NAN;
   CommStats last_comm_;
   double last_host_wait_ = 0;

@@ -41,8 +41,7 @@ enum class Poison { None, Loss, Gradients };
 Tensor forward_backward(Run& run, const Batch& b, double scale, Poison poison, HostTimes& t) {
   Tensor loss, scaled;
   t.time(HostTimes::kForward, [&] {
-    Tensor logits = run.model->forward(b.input_ids.to(run.device));
-    loss = CausalLM::loss(logits, b.labels.to(run.device));
+    loss = batch_loss(run, b);
     if (poison == Poison::Loss) loss = mul(loss, NAN);
     scaled = mul(loss, scale);
     if (poison == Poison::Gradients) scaled = mul(scaled, NAN);
@@ -52,9 +51,10 @@ Tensor forward_backward(Run& run, const Batch& b, double scale, Poison poison, H
 }
 
 struct StepOutput {
-  double loss = 0;  // mean over micro-batches and ranks
+  double loss = 0;  // mean per trained token over micro-batches and ranks
   double lr = 0;
   StepResult result;
+  StepTokens tokens;  // all ranks
 };
 
 // Optimizer step `step` (0-based): the micro-batches' gradients, then the update.
@@ -63,17 +63,43 @@ StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
   const int64_t accum = run.cfg.gradient_accumulation_steps;
   StepOutput out;
   out.lr = schedule.at(step);
-  double loss_sum = 0;
+  // The step's loss is the mean over every trained token of its micro-batches on all ranks, as
+  // if they were one batch: micro-batch m (mean loss over its n_m trained tokens) is weighted
+  // n_m * world / N, N counting the step's trained tokens on all ranks (the strategies average
+  // gradients over ranks). Token streams train every position: n_m is the same everywhere and
+  // the weight is 1 / accum without counting across ranks.
+  std::vector<Batch> batches;
+  double local_trained = 0, positions = 0;
+  for (int64_t micro = 0; micro < accum; ++micro) {
+    batches.push_back(run.data.train->next());
+    local_trained += static_cast<double>(batches.back().trained_tokens);
+    positions += static_cast<double>(batches.back().input_ids.numel());
+  }
+  const double world = run.dist.world();
+  const bool by_tokens = run.data.train->has_documents();
+  double trained = local_trained * world;
+  if (by_tokens) {
+    const std::vector<double> all = run.dist.all_gather({local_trained, positions}, run.device);
+    trained = positions = 0;
+    for (size_t r = 0; r < all.size(); r += 2) trained += all[r], positions += all[r + 1];
+  } else {
+    positions *= world;
+  }
+  out.tokens = {static_cast<int64_t>(positions), static_cast<int64_t>(trained)};
+  double loss_sum = 0;  // by_tokens: the sum over this rank's trained tokens
   for (int64_t micro = 0; micro < accum; ++micro) {
     const bool last = micro == accum - 1;
     run.strategy->begin_micro_batch(last);
-    Batch b = run.data.train->next();
+    const Batch& b = batches[static_cast<size_t>(micro)];
     const Poison poison = inject.step == step + 1 && last
                               ? (inject.grad_only ? Poison::Gradients : Poison::Loss)
                               : Poison::None;
-    const double scale = run.precision->loss_scale() / static_cast<double>(accum);
+    const double n = static_cast<double>(b.trained_tokens);
+    const double ls = run.precision->loss_scale();
+    const double scale = by_tokens ? ls * n * world / trained : ls / static_cast<double>(accum);
     Tensor loss = forward_backward(run, b, scale, poison, t);
-    loss_sum += loss.item();  // after backward is queued: reading it earlier drains the GPU
+    // After backward is queued: reading the loss earlier drains the GPU.
+    loss_sum += by_tokens ? loss.item() * n : loss.item();
     run.strategy->end_micro_batch();
   }
   t.time(HostTimes::kOptimizer, [&] {
@@ -81,7 +107,9 @@ StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
         run.strategy->step(out.lr, run.cfg.optimizer.grad_clip, 1.0 / run.precision->loss_scale());
     run.precision->after_optimizer_step(run.dist.pg.get());
   });
-  out.loss = run.dist.mean_across_ranks(loss_sum / static_cast<double>(accum), run.device);
+  out.loss = by_tokens
+                 ? run.dist.mean_across_ranks(loss_sum, run.device) * world / trained
+                 : run.dist.mean_across_ranks(loss_sum / static_cast<double>(accum), run.device);
   return out;
 }
 
@@ -90,12 +118,13 @@ void print_run_line(const Run& run) {
   const DecoderConfig& mc = run.model_config;
   std::fprintf(
       stderr,
-      "model: llama %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
+      "model: %s %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
       "strategy %s x %d | data %s | %lld tokens/step | startup %.1fs\n",
-      static_cast<double>(mc.num_parameters()) / 1e6, static_cast<long long>(mc.num_hidden_layers),
-      static_cast<long long>(mc.hidden_size), run.device.str().c_str(),
-      run.precision->mixed_precision(), run.strategy->name().c_str(), run.dist.world(),
-      run.data.train->describe().c_str(), static_cast<long long>(run.tokens_per_step()),
+      mc.model_type.c_str(), static_cast<double>(mc.num_parameters()) / 1e6,
+      static_cast<long long>(mc.num_hidden_layers), static_cast<long long>(mc.hidden_size),
+      run.device.str().c_str(), run.precision->mixed_precision(), run.strategy->name().c_str(),
+      run.dist.world(), run.data.train->describe().c_str(),
+      static_cast<long long>(run.tokens_per_step()),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - run.start_time).count());
   const std::string precision = run.precision->describe();
   if (!precision.empty()) std::fprintf(stderr, "%s\n", precision.c_str());
@@ -135,7 +164,7 @@ int train(Run& run, const ResumeRequest& resume) {
     if (!warning.empty()) log.println(warning);
     std::optional<double> eval_loss;
     if (tc.eval_every > 0 && step % tc.eval_every == 0) eval_loss = evaluate(run);
-    log.step(step, out.loss, out.lr, out.result, eval_loss);
+    log.step(step, out.loss, out.lr, out.result, eval_loss, out.tokens);
     if (checkpoints.after_step(step, tc.max_steps, log)) return kExitPreempted;  // SIGTERM
   }
   log.end_of_steps();

@@ -1,6 +1,6 @@
-// Llama against fixtures made by Hugging Face transformers (tools/reference/make_hf_fixture.py;
-// tests/data/hf/README.md): logits, loss, every parameter gradient, and the losses of five AdamW
-// steps, all in fp32.
+// The decoder against fixtures made by Hugging Face transformers for each family and option
+// (tools/reference/make_hf_fixture.py; tests/data/hf/README.md): logits, loss, every parameter
+// gradient, and the losses of five AdamW steps, all in fp32.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -33,12 +33,15 @@ double rel_error(const Tensor& a, const Tensor& b) {
 }
 
 // (fixture, device): the same fixture on the CPU and, where one is present, on the GPU.
-class LlamaFixture : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
+class DecoderFixture : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
 
-TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
+TEST_P(DecoderFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   const std::string dir = fixture_dir(std::get<0>(GetParam()));
   const bool on_gpu = std::get<1>(GetParam());
   if (on_gpu && !cuda::available()) GTEST_SKIP() << "no CUDA device: GPU fixture test skipped";
+  ASSERT_TRUE(std::filesystem::exists(dir + "/config.json"))
+      << dir << " is missing: generate it with tools/reference/make_hf_fixture.py (tests/data/hf/"
+      << "README.md)";
   const Device device = on_gpu ? Device::cuda(0) : Device::cpu();
   DecoderConfig cfg = read_hf_model_config(dir + "/config.json");
   CausalLM model(cfg, DType::F32, device, /*seed=*/123);
@@ -95,10 +98,17 @@ TEST_P(LlamaFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(HuggingFace, LlamaFixture,
-                         ::testing::Combine(::testing::Values("llama_default", "llama_tied_mha",
-                                                              "llama_gqa4_theta"),
-                                            ::testing::Values(false, true)));
+// Every fixture make_hf_fixture.py --all writes (its FIXTURES table).
+INSTANTIATE_TEST_SUITE_P(
+    HuggingFace, DecoderFixture,
+    ::testing::Combine(::testing::Values("llama_default", "llama_tied_mha", "llama_gqa4_theta",
+                                         "llama31_rope", "llama_rope_linear", "llama_rope_dynamic",
+                                         "llama_rope_yarn", "qwen2_bias_tied", "qwen2_sliding",
+                                         "qwen3_qknorm_head_dim", "mistral_window"),
+                       ::testing::Values(false, true)),
+    [](const ::testing::TestParamInfo<DecoderFixture::ParamType>& info) {
+      return std::string(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_cuda" : "_cpu");
+    });
 
 TEST(LlamaConfigFile, RopeThetaFromEitherSpelling) {
   DecoderConfig c = read_hf_model_config(fixture_dir("llama_gqa4_theta") + "/config.json");
