@@ -44,9 +44,8 @@ struct ParamStateSlice {
 
 // Fills `dst` (fp32, contiguous, on the CPU) with elements [begin, begin + dst.numel()) of state
 // `kind` of parameter `name`; throws when the checkpoint cannot.
-using ParamStateReader =
-    std::function<void(const std::string& name, const std::string& kind, int64_t begin,
-                       const Tensor& dst)>;
+using ParamStateReader = std::function<void(const std::string& name, const std::string& kind,
+                                            int64_t begin, const Tensor& dst)>;
 
 class Strategy {
  public:

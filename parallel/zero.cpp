@@ -621,7 +621,6 @@ nlohmann::json FlatDataParallel::checkpoint_manifest() const {
           {"groups", groups}};
 }
 
-
 FlatDataParallel::HeldRange FlatDataParallel::held_range(size_t index) const {
   const SlotRef& r = model_slots_.at(index);
   const Group& g = groups_[r.group];
@@ -671,8 +670,7 @@ std::vector<ParamStateSlice> FlatDataParallel::param_state_slices() {
     p.tensors.push_back({"master", flat_view(*h.master, h.at, {h.size})});
     const int64_t at = options_.zero_stage == 0 ? 0 : h.at;  // stage 0: the parameter's own
     for (size_t k = 1; k < kinds.size(); ++k)
-      p.tensors.push_back(
-          {kinds[k], flat_view(state.at(h.state_prefix + kinds[k]), at, {h.size})});
+      p.tensors.push_back({kinds[k], flat_view(state.at(h.state_prefix + kinds[k]), at, {h.size})});
     out.push_back(std::move(p));
   }
   return out;

@@ -515,7 +515,8 @@ std::vector<Arg> build_table() {
                  v.is_null() ? json(0) : v);
          });
   no_effect("enable_jit_checkpoint", false,
-            "SIGTERM always finishes the step, writes its checkpoint and exits 3; --resume auto continues");
+            "SIGTERM always finishes the step, writes its checkpoint and exits 3; --resume auto "
+            "continues");
 
   // ---- Hub ----
   refused("push_to_hub", false, kHub + "; upload output_dir/checkpoints/step_N yourself");

@@ -127,9 +127,10 @@ int consolidate(const std::string& ckpt, const std::string& out_dir, const std::
   const fs::path dir(ckpt);
   nlohmann::json state = read_json(dir / "trainer_state.json");
   nlohmann::json manifest = state.value("extra", nlohmann::json());
-  const bool v1_sharded = !state.contains("format_version") && manifest.is_object() &&
-                          manifest.value("sharded", false);
-  const bool sharded = v1_sharded || (has_state_index(state) && !fs::exists(dir / "model.safetensors"));
+  const bool v1_sharded =
+      !state.contains("format_version") && manifest.is_object() && manifest.value("sharded", false);
+  const bool sharded =
+      v1_sharded || (has_state_index(state) && !fs::exists(dir / "model.safetensors"));
   Named weights;
   if (has_state_index(state)) {
     weights = masters_from_state(ckpt);
@@ -202,15 +203,19 @@ int inspect(const std::string& ckpt) {
               static_cast<long long>(st.value("step", int64_t{0})),
               static_cast<long long>(st.value("optimizer_steps", int64_t{0})),
               st.value("strategy", std::string("?")).c_str(), st.value("world_size", 0));
-  std::printf("  mixed_precision %s, compute dtype %s, state dtype %s, activation_checkpointing %s\n",
-              st.value("mixed_precision", std::string("?")).c_str(),
-              st.value("compute_dtype", std::string("?")).c_str(),
-              st.value("state_dtype", std::string("?")).c_str(),
-              st.value("activation_checkpointing", false) ? "true" : "false");
-  if (st.contains("global_batch")) std::printf("  global batch %s\n", st["global_batch"].dump().c_str());
+  std::printf(
+      "  mixed_precision %s, compute dtype %s, state dtype %s, activation_checkpointing %s\n",
+      st.value("mixed_precision", std::string("?")).c_str(),
+      st.value("compute_dtype", std::string("?")).c_str(),
+      st.value("state_dtype", std::string("?")).c_str(),
+      st.value("activation_checkpointing", false) ? "true" : "false");
+  if (st.contains("global_batch"))
+    std::printf("  global batch %s\n", st["global_batch"].dump().c_str());
   std::printf("  data position %s, loss scaler %s, rng %s\n",
               st.value("data_position", nlohmann::json()).dump().c_str(),
-              st.value("loss_scaler", nlohmann::json{{"scale", st.value("loss_scale", 1.0)}}).dump().c_str(),
+              st.value("loss_scaler", nlohmann::json{{"scale", st.value("loss_scale", 1.0)}})
+                  .dump()
+                  .c_str(),
               st.value("rng", nlohmann::json()).dump().c_str());
   if (st.contains("files")) {
     std::printf("  files:\n");
@@ -220,15 +225,16 @@ int inspect(const std::string& ckpt) {
                   e.value("checksum", std::string("?")).c_str());
   }
   if (!has_state_index(st)) {
-    std::printf("  no layout-independent state (%s)\n",
-                st.value("optimizer_saved", true) ? "format version 1" : "saved without optimizer state");
+    std::printf("  no layout-independent state (%s)\n", st.value("optimizer_saved", true)
+                                                            ? "format version 1"
+                                                            : "saved without optimizer state");
     return 0;
   }
   LoadedCheckpoint ck = load_checkpoint(ckpt);
   std::string kinds;
   for (const std::string& k : ck.kinds) kinds += (kinds.empty() ? "" : ", ") + k;
-  std::printf("  state (F32): %s\n  tensors (%zu): name [shape]: file[begin:end) kinds\n", kinds.c_str(),
-              ck.params.size());
+  std::printf("  state (F32): %s\n  tensors (%zu): name [shape]: file[begin:end) kinds\n",
+              kinds.c_str(), ck.params.size());
   for (const auto& [name, p] : ck.params) {
     std::printf("    %s %s:", name.c_str(), shape_text(p.shape).c_str());
     for (const CheckpointSlice& s : p.slices) {
@@ -244,7 +250,8 @@ int inspect(const std::string& ckpt) {
 
 int verify(const std::string& ckpt) {
   const std::vector<std::string> problems = verify_checkpoint(ckpt);
-  for (const std::string& p : problems) std::fprintf(stderr, "accel-checkpoint verify: %s\n", p.c_str());
+  for (const std::string& p : problems)
+    std::fprintf(stderr, "accel-checkpoint verify: %s\n", p.c_str());
   if (!problems.empty()) {
     std::fprintf(stderr, "accel-checkpoint verify: %s is damaged (%zu problem%s)\n", ckpt.c_str(),
                  problems.size(), problems.size() == 1 ? "" : "s");
@@ -290,7 +297,8 @@ int reshard(const std::string& ckpt, const std::string& out_dir, int world,
     throw std::runtime_error("--strategy single holds one process; pass --world-size 1");
   LoadedCheckpoint ck = load_checkpoint(ckpt);
   if (fs::exists(out_dir))
-    throw std::runtime_error(out_dir + ": exists; reshard writes a new folder (remove it or pick another)");
+    throw std::runtime_error(out_dir +
+                             ": exists; reshard writes a new folder (remove it or pick another)");
   CheckpointStateReader reader(ck);
   std::vector<std::string> names;
   std::vector<Shape> shapes;
@@ -340,8 +348,9 @@ int reshard(const std::string& ckpt, const std::string& out_dir, int world,
     }
   }
   const nlohmann::json& src = ck.trainer_state;
-  for (const char* key : {"mixed_precision", "compute_dtype", "state_dtype", "activation_checkpointing",
-                          "bucket_cap_mb", "global_batch", "rng", "loss_scaler", "fp8_state_file"})
+  for (const char* key :
+       {"mixed_precision", "compute_dtype", "state_dtype", "activation_checkpointing",
+        "bucket_cap_mb", "global_batch", "rng", "loss_scaler", "fp8_state_file"})
     if (src.contains(key)) first.info[key] = src[key];
   first.info["strategy"] = strategy;
   first.info["resharded_from"] = {{"strategy", src.value("strategy", std::string("?"))},
@@ -372,8 +381,8 @@ int main(int argc, char** argv) {
   CLI::App* insp = app.add_subcommand(
       "inspect", "print step, world size, strategy, dtypes and every tensor's slices");
   insp->add_option("CKPT_DIR", ckpt, "checkpoint folder")->required();
-  CLI::App* ver = app.add_subcommand(
-      "verify", "check every file against the checksum recorded at save");
+  CLI::App* ver =
+      app.add_subcommand("verify", "check every file against the checksum recorded at save");
   ver->add_option("CKPT_DIR", ckpt, "checkpoint folder")->required();
   CLI::App* resh = app.add_subcommand(
       "reshard", "rewrite the state for another world size and strategy (offline)");

@@ -112,7 +112,8 @@ class ReferenceStrategy : public Strategy {
     std::vector<std::string> kinds = {"master"};
     const auto st = optimizer_->state_tensors();
     const size_t per = st.size() / params_.size();
-    for (size_t k = 0; k < per; ++k) kinds.push_back(st[k].first.substr(params_[0]->name.size() + 1));
+    for (size_t k = 0; k < per; ++k)
+      kinds.push_back(st[k].first.substr(params_[0]->name.size() + 1));
     return kinds;
   }
   std::vector<ParamStateSlice> param_state_slices() override {
@@ -144,7 +145,8 @@ class ReferenceStrategy : public Strategy {
       flat_view(master_[i], 0, {n}).copy_(buf);
       if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
       for (size_t k = 1; k < kinds.size(); ++k)
-        read(params_[i]->name, kinds[k], 0, flat_view(by_key.at(params_[i]->name + "." + kinds[k]), 0, {n}));
+        read(params_[i]->name, kinds[k], 0,
+             flat_view(by_key.at(params_[i]->name + "." + kinds[k]), 0, {n}));
     }
     optimizer_->load_state(state, optimizer_steps);
   }

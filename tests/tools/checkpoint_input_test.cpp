@@ -191,7 +191,10 @@ TEST_F(CheckpointInput, ResumeRefusesAnIntegerWeightOrMomentAndNonFiniteState) {
       {"model.safetensors", kUpProj, i32, {kUpProj, "I32"}},
       {"optimizer.rank0.safetensors", moment, i32, {moment, "dtype I32", "F32"}},
       {"model.safetensors", kUpProj, with_nan, {kUpProj, "NaN or Inf"}, true},
-      {"optimizer.rank0.safetensors", moment2, with_nan, {kUpProj, "exp_avg_sq", "NaN or Inf"},
+      {"optimizer.rank0.safetensors",
+       moment2,
+       with_nan,
+       {kUpProj, "exp_avg_sq", "NaN or Inf"},
        true},
       // Damaged bytes with the checksums as saved: the checksum names the file and tensor.
       {"optimizer.rank0.safetensors", moment2, with_nan, {moment2, "does not match the checksum"}},
@@ -326,8 +329,7 @@ TEST_F(CheckpointInput, KeepLastNeverDeletesTheCheckpointJustSaved) {
   accel::SingleProcessStrategy single(DType::F32);
   accel::Linear model(2, 1, DType::F32, accel::Device::cpu());
   single.setup(model, accel::OptimizerOptions{});
-  std::string saved =
-      accel::save_checkpoint((dir_ / "out").string(), st, single, lc, "", w, 2);
+  std::string saved = accel::save_checkpoint((dir_ / "out").string(), st, single, lc, "", w, 2);
   EXPECT_TRUE(fs::exists(fs::path(saved) / "trainer_state.json"));
   EXPECT_FALSE(fs::exists(root / "step_6"));  // the oldest beyond keep_last 2
   EXPECT_TRUE(fs::exists(root / "step_8"));

@@ -49,13 +49,16 @@ struct Target {
   std::string name, args;
 };
 const std::vector<Target> kTargets = {
-    {"fsdp_x2", "--set distributed_type=FSDP --set num_processes=2 --set "
-                "training.micro_batch_size=6"},
-    {"zero3_x4", "--set distributed_type=DEEPSPEED --set deepspeed_config.zero_stage=3 --set "
-                 "num_processes=4 --set training.micro_batch_size=3"},
+    {"fsdp_x2",
+     "--set distributed_type=FSDP --set num_processes=2 --set "
+     "training.micro_batch_size=6"},
+    {"zero3_x4",
+     "--set distributed_type=DEEPSPEED --set deepspeed_config.zero_stage=3 --set "
+     "num_processes=4 --set training.micro_batch_size=3"},
     {"single", "--set training.micro_batch_size=12"},
-    {"ddp_x5", "--set distributed_type=MULTI_CPU --set num_processes=5 --set "
-               "gradient_accumulation_steps=3"},
+    {"ddp_x5",
+     "--set distributed_type=MULTI_CPU --set num_processes=5 --set "
+     "gradient_accumulation_steps=3"},
 };
 
 class ReshardResume : public ::testing::Test {
@@ -89,8 +92,8 @@ class ReshardResume : public ::testing::Test {
   }
   // Resumes `from`'s step 3 into each target; step 4 matches the reference within `tol`, steps
   // 5-6 within `later_tol`.
-  void expect_every_target_continues(const std::string& from, const std::string& extra,
-                                     double tol, double later_tol) {
+  void expect_every_target_continues(const std::string& from, const std::string& extra, double tol,
+                                     double later_tol) {
     const std::map<int, double> ref = losses(from);
     for (const Target& t : kTargets) {
       const std::string out = from + "_" + t.name;
@@ -137,6 +140,31 @@ TEST_F(ReshardResume, Fp8DelayedScalingStateResumesAtEveryWorldSizeAndStrategy) 
   ASSERT_EQ(same.code, 0) << same.output;
   const std::map<int, double> ref = losses("fp8"), got = losses("fp8_same");
   for (int s = 4; s <= 6; ++s) EXPECT_EQ(got.at(s), ref.at(s)) << "step " << s;
+}
+
+// fp16's dynamic loss scaler resumes whole: with a growth window of 2 the scale grows at the
+// same steps as in the uninterrupted run only if the clean steps counted so far came back too.
+TEST_F(ReshardResume, Fp16LossScalerResumesWithItsCleanStepCount) {
+  const std::string fp16 =
+      "--set mixed_precision=fp16 --set training.loss_scale_window=2 --set "
+      "training.micro_batch_size=12 --set checkpoint.async=true";
+  Result full = train("fp16", fp16);
+  ASSERT_EQ(full.code, 0) << full.output;
+  Result resumed = train("fp16_resumed", fp16 + " --resume " + step("fp16", 3).string());
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  auto scales = [this](const std::string& out) {
+    std::map<int, double> m;
+    for (const auto& j : accel::tool_test::read_metrics(dir_ / out / "metrics.jsonl"))
+      if (j.contains("loss_scale")) m[j["step"].get<int>()] = j["loss_scale"];
+    return m;
+  };
+  const std::map<int, double> a = scales("fp16"), b = scales("fp16_resumed");
+  ASSERT_EQ(a.size(), 6u) << full.output;
+  EXPECT_NE(a.at(3), a.at(6));  // it grew after the checkpoint
+  for (int s = 4; s <= 6; ++s) {
+    EXPECT_EQ(b.at(s), a.at(s)) << "loss scale at step " << s;
+    EXPECT_EQ(losses("fp16_resumed").at(s), losses("fp16").at(s)) << "step " << s;
+  }
 }
 
 TEST_F(ReshardResume, CorruptedSliceIsCaughtByVerifyAndByResumeNamingTheFile) {
@@ -192,8 +220,10 @@ TEST_F(ReshardResume, OfflineReshardThenResume) {
   EXPECT_NE(insp.output.find("optimizer.rank3.safetensors[1536:2048)"), std::string::npos)
       << insp.output;
   EXPECT_EQ(tool("verify " + out.string()).code, 0);
-  Result r = train("after_reshard", "--set distributed_type=FSDP --set num_processes=4 --set "
-                                    "training.micro_batch_size=3 --resume " + out.string());
+  Result r = train("after_reshard",
+                   "--set distributed_type=FSDP --set num_processes=4 --set "
+                   "training.micro_batch_size=3 --resume " +
+                       out.string());
   ASSERT_EQ(r.code, 0) << r.output;
   const std::map<int, double> ref = losses("ref"), got = losses("after_reshard");
   for (int s = 4; s <= 6; ++s) EXPECT_NEAR(got.at(s), ref.at(s), 1e-5) << "step " << s;
@@ -213,11 +243,12 @@ TEST_F(ReshardResume, AnotherGlobalBatchIsRefusedUnlessAllowed) {
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("--resume-allow-batch-change"), std::string::npos) << r.output;
-  Result ok = train("half_ok", "--set distributed_type=MULTI_CPU --set num_processes=2 "
-                               "--resume-allow-batch-change" + from);
+  Result ok = train("half_ok",
+                    "--set distributed_type=MULTI_CPU --set num_processes=2 "
+                    "--resume-allow-batch-change" +
+                        from);
   EXPECT_EQ(ok.code, 0) << ok.output;
-  EXPECT_NE(ok.output.find("global batch changed from 60 samples"), std::string::npos)
-      << ok.output;
+  EXPECT_NE(ok.output.find("global batch changed from 60 samples"), std::string::npos) << ok.output;
 }
 
 // checkpoint.async with a slow writer: steps go on while step 2's checkpoint is written, and the
@@ -268,8 +299,8 @@ void ReshardResume::sigterm_then_resume(const std::string& extra) {
   ASSERT_EQ(full.code, 0) << full.output;
   const fs::path out = dir_ / "term";
   const std::string cmd = std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
-                          (dir_ / "config.yaml").string() + " --output-dir " + out.string() +
-                          " " + longer + " >" + (dir_ / "term.log").string() + " 2>&1";
+                          (dir_ / "config.yaml").string() + " --output-dir " + out.string() + " " +
+                          longer + " >" + (dir_ / "term.log").string() + " 2>&1";
   const pid_t pid = fork();
   if (pid == 0) {
     execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));

@@ -218,8 +218,8 @@ std::string checkpoint_final_dir(const std::string& output_dir, int64_t step) {
   return (fs::path(output_dir) / "checkpoints" / ("step_" + std::to_string(step))).string();
 }
 
-CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size,
-                                 bool save_optimizer, CheckpointSnapshot* reuse) {
+CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, bool save_optimizer,
+                                 CheckpointSnapshot* reuse) {
   CheckpointSnapshot s;
   s.rank = rank;
   s.world_size = world_size;
@@ -278,8 +278,8 @@ void write_checkpoint_part(const std::string& tmp_dir, const CheckpointSnapshot&
           keys[kind] = {key, checksum_bytes(t.data_ptr(), t.nbytes())};
           tensors.push_back({key, t});
         }
-        add_slice(p.name, p.shape, {{"file", file}, {"begin", p.begin}, {"end", p.end},
-                                    {"keys", keys}});
+        add_slice(p.name, p.shape,
+                  {{"file", file}, {"begin", p.begin}, {"end", p.end}, {"keys", keys}});
       }
       save_safetensors((tmp / file).string(), tensors,
                        {{"format", "accel-train-state"}, {"rank", std::to_string(s.rank)}});
@@ -300,9 +300,9 @@ void write_checkpoint_part(const std::string& tmp_dir, const CheckpointSnapshot&
       write_hf_model_config(s.model_config, (tmp / "config.json").string());
       write_synced(tmp / "config.yaml", s.config_yaml);
     }
-    write_synced_atomic(tmp / part_file_of(s.rank),
-                        nlohmann::json{{"rank", s.rank}, {"params", params}, {"files", files}}
-                            .dump());
+    write_synced_atomic(
+        tmp / part_file_of(s.rank),
+        nlohmann::json{{"rank", s.rank}, {"params", params}, {"files", files}}.dump());
   } catch (const std::exception& e) {
     std::ofstream(tmp / failed_file_of(s.rank)) << e.what();
     throw;
@@ -321,8 +321,8 @@ std::string finish_checkpoint(const std::string& tmp_dir, const std::string& fin
       if (fs::exists(tmp / failed_file_of(r))) {
         std::ifstream in(tmp / failed_file_of(r));
         const std::string why((std::istreambuf_iterator<char>(in)), {});
-        throw std::runtime_error("rank " + std::to_string(r) + "'s checkpoint writer failed: " +
-                                 why);
+        throw std::runtime_error("rank " + std::to_string(r) +
+                                 "'s checkpoint writer failed: " + why);
       }
       if (std::chrono::steady_clock::now() > deadline)
         throw std::runtime_error(tmp.string() + ": rank " + std::to_string(r) +
@@ -387,8 +387,8 @@ struct CheckpointSaver::Job {
   std::thread thread;
   std::mutex mu;
   bool done = false;
-  std::string dir;    // the final folder
-  std::string error;  // the writer's failure
+  std::string dir;     // the final folder
+  std::string error;   // the writer's failure
   double seconds = 0;  // the writer's time
   std::unique_ptr<CheckpointSnapshot> snapshot;
 };
@@ -404,8 +404,10 @@ CheckpointSaver::~CheckpointSaver() {
 }
 
 void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) {
-  if (busy()) wait();  // at most one in flight
-  else poll();
+  if (busy())
+    wait();  // at most one in flight
+  else
+    poll();
   auto job = std::make_unique<Job>();
   job->snapshot = std::make_unique<CheckpointSnapshot>(std::move(s));
   const int64_t step = job->snapshot->state.step;
@@ -535,8 +537,9 @@ LoadedCheckpoint load_checkpoint(const std::string& dir) {
     j = read_json_file(state_file);
     if (!j.contains("format_version"))
       throw std::runtime_error(
-          dir + ": checkpoint format version 1 (an accel-train from before checkpoints were "
-                "stored per parameter range); this accel-train reads format version " +
+          dir +
+          ": checkpoint format version 1 (an accel-train from before checkpoints were "
+          "stored per parameter range); this accel-train reads format version " +
           std::to_string(kCheckpointFormatVersion) +
           ". Resume it with the accel-train that wrote it, or run `accel-checkpoint consolidate` "
           "on it and start a new run with model.init_from pointing at the result (weights only)");

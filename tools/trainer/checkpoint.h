@@ -74,7 +74,7 @@ struct CheckpointSnapshot {
   // other parts of the run wrote into the folder).
   nlohmann::json info = nlohmann::json::object();
   std::vector<std::pair<std::string, Tensor>> full_weights;  // rank 0; may be empty
-  bool masters_in_model = false;  // full_weights are the fp32 masters: no "master" slices
+  bool masters_in_model = false;        // full_weights are the fp32 masters: no "master" slices
   std::vector<ParamStateSlice> slices;  // this rank's, in host memory
   std::vector<std::string> kinds;       // Strategy::state_kinds()
   bool save_optimizer = true;
@@ -88,8 +88,8 @@ struct CheckpointSnapshot {
 // Copies `strategy`'s state into a snapshot (every rank; full_state_dict is collective).
 // `reuse`: an earlier snapshot whose host buffers are taken over when the shapes match (saves
 // the allocation of many GB at every save); may be null.
-CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size,
-                                 bool save_optimizer, CheckpointSnapshot* reuse);
+CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, bool save_optimizer,
+                                 CheckpointSnapshot* reuse);
 
 // Every file's and slice's checksum: 64 bits over the bytes (not cryptographic), as 16 hex
 // digits.

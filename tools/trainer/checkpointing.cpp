@@ -21,11 +21,12 @@ namespace {
 // The global batch: what must stay the same for a resumed run to continue the same trajectory.
 nlohmann::json global_batch(const Run& run) {
   const Config& c = run.cfg;
-  return {{"samples", c.training.micro_batch_size * c.gradient_accumulation_steps * run.dist.world()},
-          {"seq_len", c.training.seq_len},
-          {"micro_batch_size", c.training.micro_batch_size},
-          {"gradient_accumulation_steps", c.gradient_accumulation_steps},
-          {"world_size", run.dist.world()}};
+  return {
+      {"samples", c.training.micro_batch_size * c.gradient_accumulation_steps * run.dist.world()},
+      {"seq_len", c.training.seq_len},
+      {"micro_batch_size", c.training.micro_batch_size},
+      {"gradient_accumulation_steps", c.gradient_accumulation_steps},
+      {"world_size", run.dist.world()}};
 }
 
 std::string describe_batch(const nlohmann::json& b) {
@@ -39,16 +40,17 @@ std::string describe_batch(const nlohmann::json& b) {
 
 // trainer_state.json's description of the run that saved (for inspect and for the messages).
 nlohmann::json run_info(const Run& run) {
-  return {{"strategy", run.strategy->name()},
-          {"mixed_precision", run.precision->name()},
-          {"compute_dtype", dtype_name(run.precision->compute_dtype())},
-          {"state_dtype", "F32"},
-          {"activation_checkpointing", run.cfg.training.activation_checkpointing},
-          {"bucket_cap_mb", run.cfg.distributed.ddp_bucket_cap_mb},
-          {"global_batch", global_batch(run)},
-          // Training draws no random numbers after initialization except the data order, a
-          // function of (seed, epoch) and the data position: these are the whole RNG state.
-          {"rng", {{"generator", "philox4x32-10 (counter-based)"}, {"seed", run.cfg.training.seed}}}};
+  return {
+      {"strategy", run.strategy->name()},
+      {"mixed_precision", run.precision->name()},
+      {"compute_dtype", dtype_name(run.precision->compute_dtype())},
+      {"state_dtype", "F32"},
+      {"activation_checkpointing", run.cfg.training.activation_checkpointing},
+      {"bucket_cap_mb", run.cfg.distributed.ddp_bucket_cap_mb},
+      {"global_batch", global_batch(run)},
+      // Training draws no random numbers after initialization except the data order, a
+      // function of (seed, epoch) and the data position: these are the whole RNG state.
+      {"rng", {{"generator", "philox4x32-10 (counter-based)"}, {"seed", run.cfg.training.seed}}}};
 }
 
 // Test hooks of the background writer (docs/fault_tolerance.md):
@@ -109,9 +111,9 @@ void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step,
   }
   if (run_.cfg.checkpoint.async && step > in_flight_step_)
     line += " (in the background during step" +
-            (step == in_flight_step_ + 1 ? " " + std::to_string(step)
-                                         : "s " + std::to_string(in_flight_step_ + 1) + "-" +
-                                               std::to_string(step)) +
+            (step == in_flight_step_ + 1
+                 ? " " + std::to_string(step)
+                 : "s " + std::to_string(in_flight_step_ + 1) + "-" + std::to_string(step)) +
             ")";
   log.println(line);
 }
@@ -213,7 +215,8 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
   from_json(ck.state.data_position, pos);
   run.data.train->restore(pos);
   run.dist.barrier();  // every rank has its state
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (run.main_rank()) {
     const std::string from = ck.trainer_state.value("strategy", std::string("?")) + " x " +
                              std::to_string(ck.state.world_size);

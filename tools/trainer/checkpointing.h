@@ -43,8 +43,8 @@ class RunCheckpoints {
 
 // What the command line asked of a resume.
 struct ResumeRequest {
-  std::string spec;               // --resume: auto or a folder; "" for a fresh run
-  bool move_newer_aside = false;  // --move-newer-checkpoints-aside
+  std::string spec;                 // --resume: auto or a folder; "" for a fresh run
+  bool move_newer_aside = false;    // --move-newer-checkpoints-aside
   bool allow_batch_change = false;  // --resume-allow-batch-change
 };
 

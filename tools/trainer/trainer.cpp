@@ -35,7 +35,7 @@ int run(const TrainOptions& options, int argc, char** argv) {
                              cfg.origins.count("main_process_port") ? cfg.main_process_port : 0));
   Run r = assemble_run(std::move(cfg), env, !options.resume.empty(), options.verbose);
   return train(r, ResumeRequest{options.resume, options.move_newer_checkpoints_aside,
-                                   options.resume_allow_batch_change});
+                                options.resume_allow_batch_change});
 }
 }  // namespace
 
