@@ -48,6 +48,8 @@ std::unique_ptr<Strategy> make_strategy(const Config& cfg, std::shared_ptr<Proce
     o.offload_optimizer = cfg.deepspeed.offload_optimizer_device == OffloadDevice::Cpu;
     o.offload_params = cfg.deepspeed.offload_param_device == OffloadDevice::Cpu;
     o.save_16bit_model = cfg.deepspeed.zero3_save_16bit_model;
+    // Stage 3 gathers one decoder layer at a time: the model family's layer class.
+    o.unit_types = {hf_class_prefix(cfg.model.name) + "DecoderLayer"};
     return std::make_unique<ZeroStrategy>(pg, o);
   }
   return std::make_unique<FsdpStrategy>(pg, FsdpOptions::from_config(cfg, compute_dtype));

@@ -122,6 +122,32 @@ TEST(StrategyZero, Stage2ReduceScattersDuringBackwardAndNeverAllReducesGradients
   expect_all_ok(exits);
 }
 
+// The trainer's make_strategy gives ZeRO-3 one gather unit per decoder layer in every family (the
+// unit type follows model.name), not one unit holding the whole model.
+TEST(StrategyZero, Stage3UnitsAreTheFamilysDecoderLayers) {
+  for (const std::string family : {"llama", "qwen2", "qwen3", "mistral"}) {
+    SCOPED_TRACE(family);
+    const int port = pick_free_port();
+    auto exits = run_ranks(1, [&](int rank) -> int {
+      World w = make_world(rank, 1, port);
+      Config cfg;
+      cfg.distributed_type = DistributedType::DeepSpeed;
+      cfg.deepspeed.zero_stage = 3;
+      cfg.model.name = family;
+      DecoderConfig c = tiny_llama(3);
+      c.model_type = family;
+      CausalLM model(c, DType::F32, Device::cpu(), 7);
+      std::unique_ptr<Strategy> st = make_strategy(cfg, w.pg, DType::F32);
+      st->setup(model, test_optimizer(OptimizerName::AdamW));
+      auto& z = dynamic_cast<FlatDataParallel&>(*st);
+      RANK_CHECK(z.num_groups() == 4, "%s: %d groups, want 3 layer units + root", family.c_str(),
+                 z.num_groups());
+      return 0;
+    });
+    expect_all_ok(exits);
+  }
+}
+
 TEST(StrategyZero, Stage3GathersOneLayerAheadAndReleasesAfterUse) {
   const int port = pick_free_port();
   auto exits = run_ranks(2, [&](int rank) -> int {
