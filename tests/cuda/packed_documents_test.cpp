@@ -43,8 +43,8 @@ TEST(CudaPackedDocuments, PackedForwardEqualsEachDocumentAlone) {
     o.reset_position_ids = reset;
     DataSources src = make_data_sources(o);
     const Batch b = src.train->next();
-    CausalLM model(c, DType::F32, gpu(), 3);
-    EXPECT_LT(testing::packed_vs_alone_max_diff(model, b, gpu()), 2e-3)
+    CausalLM model(c, DType::F32, cuda_test::gpu(), 3);
+    EXPECT_LT(testing::packed_vs_alone_max_diff(model, b, cuda_test::gpu()), 2e-3)
         << "reset_position_ids " << reset;
   }
 }
