@@ -4,7 +4,7 @@
 #   OUT/fortunes_pc.jsonl    {"prompt": "Tell me a fortune about love.\n", "completion": "..."}
 #   OUT/fortunes_chat.jsonl  {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
 # configs/sft-tiny.yaml trains on the first. Usage: tools/make_sft_example.sh [OUT] (default
-# build/sft). Only fortunes of at most 224 bytes are used, so that a sample fits the config's
+# build/sft). Only fortunes of at most 216 bytes are used, so that a sample fits the config's
 # seq_len of 256 byte tokens (the count left out is printed). Control characters other than
 # newline and tab (overstrike backspaces in a few fortunes) are removed; the rest is kept as is.
 set -euo pipefail
@@ -28,7 +28,7 @@ to_jsonl() {  # $1 = pc | chat; reads topic files, writes JSONL
       {
         sub(/\n%?\n*$/, "")
         if ($0 !~ /[^ \t\n]/) next
-        if (length($0) > 224) { long++; next }
+        if (length($0) > 216) { long++; next }
         q = "Tell me a fortune about " topic "."
         if (kind == "pc")
           printf "{\"prompt\": \"%s\\n\", \"completion\": \"%s\\n\"}\n", esc(q), esc($0)
@@ -45,4 +45,4 @@ rm -f "$out/.long"
 to_jsonl chat > "$out/fortunes_chat.jsonl"
 rm -f "$out/.long"
 echo "make_sft_example: $(wc -l < "$out/fortunes_pc.jsonl") samples in $out/fortunes_pc.jsonl and" \
-  "$out/fortunes_chat.jsonl ($long fortunes longer than 224 bytes left out)"
+  "$out/fortunes_chat.jsonl ($long fortunes longer than 216 bytes left out)"

@@ -143,6 +143,42 @@ TEST(SftTrain, LossIsPerTrainedTokenAcrossRanks) {
   }
 }
 
+// Packed rows (segment ids, positions restarting per sample) and chat samples rendered by a
+// template train end to end; packing trains more of each row than padding does.
+TEST(SftTrain, PackedAndChatRunsTrain) {
+  const fs::path d = temp_dir("packed");
+  const fs::path jsonl = write_sft(d, 24);
+  const fs::path cfg = write_config(d, config(jsonl, "", "max_steps: 3"));
+  Result padded =
+      run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "padded").string());
+  ASSERT_EQ(padded.code, 0) << padded.output;
+  Result packed = run_accel_train("--config " + cfg.string() + " --output-dir " +
+                                  (d / "packed").string() + " --set data.packing=true");
+  ASSERT_EQ(packed.code, 0) << packed.output;
+  EXPECT_NE(packed.output.find("packed rows of 64 tokens (positions restart per document)"),
+            std::string::npos)
+      << packed.output;
+  const auto a = read_metrics(d / "padded" / "metrics.jsonl").back();
+  const auto b = read_metrics(d / "packed" / "metrics.jsonl").back();
+  EXPECT_GT(b["trained_tokens"].get<int64_t>(), a["trained_tokens"].get<int64_t>());
+
+  const fs::path chat = d / "chat.jsonl";
+  std::ofstream(chat)
+      << R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]})"
+      << "\n"
+      << R"({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "colors?"}, {"role": "assistant", "content": "red"}]})"
+      << "\n";
+  const fs::path cfg2 = write_config(d, config(chat, "chat_template: chatml", "max_steps: 2"));
+  Result r =
+      run_accel_train("--config " + cfg2.string() + " --output-dir " + (d / "chat").string() +
+                      " --set training.micro_batch_size=1 --set data.packing=true"
+                      // chatml's default system prompt is long for byte tokens
+                      " --set training.seq_len=256 --set model.max_position_embeddings=256");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("data.format auto: messages"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("chat template chatml"), std::string::npos) << r.output;
+}
+
 TEST(SftTrain, BadInputNamesFileAndLine) {
   const fs::path d = temp_dir("bad");
   const fs::path jsonl = write_sft(d, 4);
@@ -153,8 +189,7 @@ TEST(SftTrain, BadInputNamesFileAndLine) {
   EXPECT_NE(r.output.find(jsonl.string() + ":5: missing field 'completion'"), std::string::npos)
       << r.output;
   // A sample longer than seq_len with data.overlong error.
-  const fs::path cfg2 =
-      write_config(d, config(write_sft(d, 4), "overlong: error", "max_steps: 1"));
+  const fs::path cfg2 = write_config(d, config(write_sft(d, 4), "overlong: error", "max_steps: 1"));
   r = run_accel_train("--config " + cfg2.string() + " --output-dir " + (d / "out2").string() +
                       " --set training.seq_len=16");
   EXPECT_NE(r.code, 0);
