@@ -47,7 +47,7 @@ PY
 
 run_accel accel_packed --set data.packing=true --set training.micro_batch_size="$packed_mbs" | tee "$out/results.jsonl"
 run_accel accel_padded --set data.packing=false --set training.micro_batch_size="$padded_mbs" | tee -a "$out/results.jsonl"
-(cd tools/reference && python3 torch_sft_reference.py "../../$data" "$size" "$padded_mbs" "$steps") \
+(cd tools/reference && python3 torch_sft_reference.py "$(realpath "$data")" "$size" "$padded_mbs" "$steps") \
   | tee -a "$out/results.jsonl"
 python3 - "$out/results.jsonl" <<'PY'
 import json, sys
