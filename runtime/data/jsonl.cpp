@@ -123,7 +123,10 @@ bool LineReader::next(std::string* line) {
   size_t scanned = d.pos;
   for (;;) {
     const char* start = d.buf.data() + d.pos;
-    const void* nl = memchr(d.buf.data() + scanned, '\n', d.buf.size() - scanned);
+    // memchr must not see the null data() of an empty buffer (undefined even for length 0).
+    const void* nl = scanned < d.buf.size()
+                         ? memchr(d.buf.data() + scanned, '\n', d.buf.size() - scanned)
+                         : nullptr;
     if (nl) {
       const size_t end = static_cast<size_t>(static_cast<const char*>(nl) - d.buf.data());
       line->assign(start, end - d.pos);

@@ -367,7 +367,8 @@ TEST(PreTokenize, SameMatchesAsOniguruma) {
     std::ifstream in(std::string(ACCEL_TEST_DATA_DIR) + "/fixtures/bpe/" + variant +
                      "/expected.json");
     if (!in) continue;
-    for (const auto& c : nlohmann::json::parse(in)["cases"]) texts.push_back(c["text"]);
+    const nlohmann::json fixture = nlohmann::json::parse(in);  // outlives the loop below
+    for (const auto& c : fixture["cases"]) texts.push_back(c["text"]);
   }
   size_t compared = 0;
   for (const std::string& pattern : patterns) {
