@@ -342,18 +342,8 @@ TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_
   const std::vector<std::string>& files = selected.files;
   const auto tokenizer = make_tokenizer(tokenizer_spec);
 
-  std::string key_text = "accel-text-shards-v1\n" + tokenizer->fingerprint() + "\n";
-  for (const std::string& f : files) {
-    std::error_code ec;
-    const auto size = fs::file_size(f, ec);
-    if (ec) throw std::runtime_error("data.text_files: cannot read '" + f + "': " + ec.message());
-    const auto mtime = fs::last_write_time(f, ec).time_since_epoch().count();
-    key_text += fs::absolute(f).string() + "\t" + std::to_string(size) + "\t" +
-                std::to_string(static_cast<long long>(mtime)) + "\n";
-  }
-  char key[17];
-  snprintf(key, sizeof(key), "%016llx", static_cast<unsigned long long>(fnv1a64(key_text)));
-  const fs::path dir = fs::path(cache_dir) / (std::string("text-") + key);
+  const std::string key_text = "accel-text-shards-v1\n" + tokenizer->fingerprint() + "\n";
+  const fs::path dir = shard_cache_dir(cache_dir, "text", key_text, files, "data.text_files");
 
   auto load = [&](bool built) {
     const fs::path manifest = dir / "manifest.json";
@@ -383,8 +373,7 @@ TextCorpusShards ensure_text_corpus_shards(const std::vector<std::string>& text_
   if (ec)
     throw std::runtime_error("cannot create the data cache folder '" + cache_dir +
                              "': " + ec.message());
-  const fs::path tmp =
-      fs::path(cache_dir) / (std::string("text-") + key + ".tmp-" + std::to_string(getpid()));
+  const fs::path tmp = dir.string() + ".tmp-" + std::to_string(getpid());
   fs::remove_all(tmp, ec);
   try {
     TextShardOptions o;

@@ -492,20 +492,10 @@ JsonlShardSet ensure_jsonl_corpus_shards(const std::vector<std::string>& pattern
   const std::vector<std::string> files = expand_data_paths(patterns, "data.jsonl_files", nullptr);
   for (const std::string& f : files) refuse_unreadable_dataset(f, "data.jsonl_files");
   const auto tokenizer = make_tokenizer(options.tokenizer_spec);
-  std::string key_text = "accel-jsonl-shards-v1\n" + tokenizer->fingerprint() + "\n" +
-                         name_of(options.format) + "\n" + options.text_field + "\n" +
-                         name_of(options.chat_template) + "\n";
-  for (const std::string& f : files) {
-    std::error_code ec;
-    const auto size = fs::file_size(f, ec);
-    if (ec) throw std::runtime_error("data.jsonl_files: cannot read '" + f + "': " + ec.message());
-    const auto mtime = fs::last_write_time(f, ec).time_since_epoch().count();
-    key_text += fs::absolute(f).string() + "\t" + std::to_string(size) + "\t" +
-                std::to_string(static_cast<long long>(mtime)) + "\n";
-  }
-  char key[17];
-  snprintf(key, sizeof(key), "%016llx", static_cast<unsigned long long>(fnv1a64(key_text)));
-  const fs::path dir = fs::path(cache_dir) / (std::string("jsonl-") + key);
+  const std::string key_text = "accel-jsonl-shards-v1\n" + tokenizer->fingerprint() + "\n" +
+                               name_of(options.format) + "\n" + options.text_field + "\n" +
+                               name_of(options.chat_template) + "\n";
+  const fs::path dir = shard_cache_dir(cache_dir, "jsonl", key_text, files, "data.jsonl_files");
 
   auto load = [&]() {
     const fs::path manifest = dir / "manifest.json";
@@ -532,8 +522,7 @@ JsonlShardSet ensure_jsonl_corpus_shards(const std::vector<std::string>& pattern
   if (ec)
     throw std::runtime_error("cannot create the data cache folder '" + cache_dir +
                              "': " + ec.message());
-  const fs::path tmp =
-      fs::path(cache_dir) / (std::string("jsonl-") + key + ".tmp-" + std::to_string(getpid()));
+  const fs::path tmp = dir.string() + ".tmp-" + std::to_string(getpid());
   fs::remove_all(tmp, ec);
   try {
     tokenize_jsonl_files(files, *tokenizer, options, tmp.string());

@@ -548,6 +548,22 @@ void check_options(const DataOptions& o) {
 
 }  // namespace
 
+std::string shard_cache_dir(const std::string& cache_dir, const std::string& prefix,
+                            std::string key_head, const std::vector<std::string>& files,
+                            const std::string& what) {
+  for (const std::string& f : files) {
+    std::error_code ec;
+    const auto size = fs::file_size(f, ec);
+    if (ec) throw std::runtime_error(what + ": cannot read '" + f + "': " + ec.message());
+    const auto mtime = fs::last_write_time(f, ec).time_since_epoch().count();
+    key_head += fs::absolute(f).string() + "\t" + std::to_string(size) + "\t" +
+                std::to_string(static_cast<long long>(mtime)) + "\n";
+  }
+  char key[17];
+  snprintf(key, sizeof(key), "%016llx", static_cast<unsigned long long>(fnv1a64(key_head)));
+  return (fs::path(cache_dir) / (prefix + "-" + key)).string();
+}
+
 std::vector<std::string> expand_data_paths(const std::vector<std::string>& paths,
                                            const std::string& what, const char* folder_extension) {
   std::vector<std::string> out;

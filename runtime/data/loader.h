@@ -136,4 +136,11 @@ DataSources make_data_sources(const DataOptions& options);
 std::vector<std::string> expand_data_paths(const std::vector<std::string>& paths,
                                            const std::string& what, const char* folder_extension);
 
+// The cache folder cache_dir/<prefix>-<hash> of shards made from `files`: the hash covers
+// `key_head` (format and tokenizer) and each file's absolute path, size and modification time, so
+// a changed input gets a new folder. `what` names the option in errors.
+std::string shard_cache_dir(const std::string& cache_dir, const std::string& prefix,
+                            std::string key_head, const std::vector<std::string>& files,
+                            const std::string& what);
+
 }  // namespace accel
