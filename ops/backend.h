@@ -153,6 +153,32 @@ class Backend {
   virtual void fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
                                         const Fp8CastTarget& to_gate, const Fp8CastTarget& to_up);
 
+  // Mixture of experts (ops/moe.cpp). The defaults throw: a backend without the kernels says so.
+  // topk: values [R, k] and indices [R, k] (I64) of x [R, C] (contiguous); topk_backward:
+  // grad_x [R, C] (zeroed by the front end) gets grad_values at the indices.
+  virtual void topk(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t k);
+  virtual void topk_backward(const Tensor& grad_x, const Tensor& grad_values,
+                             const Tensor& indices);
+  // out [N * k, H] row i = x [N, H] row order[i] / k; backward: grad_x row t = sum over j < k of
+  // grad_out row inverse[t * k + j] (fp32 accumulation, one rounding).
+  virtual void moe_permute(const Tensor& out, const Tensor& x, const Tensor& order, int64_t top_k);
+  virtual void moe_permute_backward(const Tensor& grad_x, const Tensor& grad_out,
+                                    const Tensor& inverse, int64_t top_k);
+  // out [N, H] row t = sum_j weights[t, j] * y row inverse[t * k + j] (fp32 accumulation);
+  // backward: grad_y row i = weights[slot] * grad_out row slot / k, where slot = order[i]
+  // and weights[slot] is weights[slot / k, slot % k]; and
+  // grad_weights[t, j] = <grad_out row t, y row inverse[t * k + j]> (fp32 dot products).
+  virtual void moe_unpermute(const Tensor& out, const Tensor& y, const Tensor& weights,
+                             const Tensor& inverse);
+  virtual void moe_unpermute_backward(const Tensor& grad_y, const Tensor& grad_weights,
+                                      const Tensor& grad_out, const Tensor& y,
+                                      const Tensor& weights, const Tensor& order);
+  // For every g: outs[g] = op(as[g]) @ op(bs[g]) (op transposes when trans_a / trans_b), 2-D
+  // row-major tensors of one dtype; a group with inner dimension 0 gets zeros. One grouped call
+  // where the backend has one.
+  virtual void grouped_matmul(const std::vector<Tensor>& outs, const std::vector<Tensor>& as,
+                              const std::vector<Tensor>& bs, bool trans_a, bool trans_b);
+
   // Lets fp32 GEMMs run on TF32 tensor cores (training.allow_tf32); backends without such a mode
   // ignore it.
   virtual void set_allow_tf32(bool allow) { (void)allow; }

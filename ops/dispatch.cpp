@@ -18,6 +18,37 @@ void Backend::fp8_swiglu_backward_cast(const Tensor&, const Tensor&, const Tenso
                          " backend has no fused fp8 kernels (check fp8_fused_cast_layout first)");
 }
 
+namespace {
+[[noreturn]] void no_moe_kernel(const Backend& b, const char* op) {
+  throw std::logic_error(std::string("[") + op + "] the " + b.name() +
+                         " backend has no mixture-of-experts kernels");
+}
+}  // namespace
+
+void Backend::topk(const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  no_moe_kernel(*this, "topk");
+}
+void Backend::topk_backward(const Tensor&, const Tensor&, const Tensor&) {
+  no_moe_kernel(*this, "topk");
+}
+void Backend::moe_permute(const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  no_moe_kernel(*this, "moe_permute");
+}
+void Backend::moe_permute_backward(const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  no_moe_kernel(*this, "moe_permute");
+}
+void Backend::moe_unpermute(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_moe_kernel(*this, "moe_unpermute");
+}
+void Backend::moe_unpermute_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&) {
+  no_moe_kernel(*this, "moe_unpermute");
+}
+void Backend::grouped_matmul(const std::vector<Tensor>&, const std::vector<Tensor>&,
+                             const std::vector<Tensor>&, bool, bool) {
+  no_moe_kernel(*this, "grouped_linear");
+}
+
 namespace detail {
 
 int64_t normalize_dim(const char* op, int64_t dim, int64_t ndim) {

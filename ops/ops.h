@@ -133,6 +133,36 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v,
                  const AttentionMask& mask = AttentionMask{},
                  std::optional<double> scale = std::nullopt);
 
+// ---- mixture of experts ------------------------------------------------------------------------
+// The k largest entries of each row of x [..., C] along the last dim, largest first (ties: the
+// lower index first, as torch.topk on the CPU): {values [..., k] of x's dtype, indices [..., k]
+// I64}. Differentiable in x through the values (the gradient goes to the chosen entries).
+std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);
+// Where the tokens of a mixture-of-experts layer go, built on the host from the router's choices
+// expert_ids [N, k] (I32/I64, any device; the slot of token t's j-th choice is t * k + j). The
+// permuted rows are the N * k slots sorted by expert, stably (a token's slots keep token order
+// within an expert), so that expert e's rows are one contiguous group of expert_counts[e] rows.
+struct MoeRouting {
+  int64_t num_tokens = 0, top_k = 0, num_experts = 0;
+  std::vector<int64_t> expert_counts;  // [num_experts], on the host
+  Tensor order;    // I64 [N * k] on expert_ids' device: permuted row i holds slot order[i]
+  Tensor inverse;  // I64 [N * k]: slot s sits in permuted row inverse[s]
+};
+MoeRouting moe_routing(const Tensor& expert_ids, int64_t num_experts);
+// x [N, H] -> [N * k, H]: permuted row i is x[order[i] / k] (each token copied to its k slots).
+// The backward sums each token's k rows (deterministic: no atomics).
+Tensor moe_permute(const Tensor& x, const MoeRouting& routing);
+// y [N * k, H] (the experts' outputs in permuted order), weights [N, k] -> [N, H]: token t's
+// output is sum_j weights[t, j] * y[inverse[t * k + j]], accumulated in fp32 and rounded once.
+// Differentiable in y and weights.
+Tensor moe_unpermute(const Tensor& y, const Tensor& weights, const MoeRouting& routing);
+// x [N, in] whose rows come in groups (group g: the next group_sizes[g] rows; the sizes sum to
+// N), weights[g] [out, in] -> [N, out]: group g's rows times weights[g]^T, as grouped GEMMs
+// (one call for all groups on the GPU, never a loop of small GEMMs). A group may be empty.
+// Differentiable in x and every weight.
+Tensor grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
+                      const std::vector<int64_t>& group_sizes);
+
 // ---- random (counter-based Philox: the same stream on every device) ----------------------------
 Tensor rand_uniform(const Shape& shape, uint64_t seed, uint64_t offset, DType dtype = DType::F32,
                     Device device = Device::cpu(), double low = 0.0, double high = 1.0);
