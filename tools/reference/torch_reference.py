@@ -25,7 +25,8 @@ STEPS: timed steps (default 20), after 5 untimed warm-up steps (which include co
 Always fused AdamW (lr 1e-4), SDPA attention, seed 0. Prints one JSON line: size, variant,
 params, tokens_per_s, step_ms, model_tflops, mfu_vs_989 (of an H100/H200's 989 dense bf16
 TFLOP/s), peak_mem_gib (torch.cuda.max_memory_allocated over the steps), warmup_s (the five
-warm-up steps), loss_first, loss_last. FLOPs per token as llama_shapes.flops_per_token.
+warm-up steps), loss_first, loss_last. FLOPs per token as llama_shapes.flops_per_token, over the active parameters of a mixture of
+experts (qwen3_moe / mixtral config.json: the experts count top_k / num_experts).
 """
 import json
 import sys
@@ -120,6 +121,20 @@ def convert_to_fp8(model):
 
 # ---- the benchmark ------------------------------------------------------------------------------
 
+def active_parameters(model, fields, num_params):
+    """The parameters one token uses: all of them for a dense model; for a mixture of experts
+    (qwen3_moe, mixtral) the experts' parameters count num_experts_per_tok / num_experts."""
+    experts = fields.get("num_experts") or fields.get("num_local_experts")
+    if not experts:
+        return num_params
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    if expert_params == 0:
+        raise SystemExit(f"{type(model).__name__} has {experts} experts but no parameter named "
+                         "'.experts.': the active-parameter count would be wrong")
+    top_k = fields["num_experts_per_tok"]
+    return num_params - expert_params + expert_params * top_k // experts
+
+
 def parse_args(argv):
     """-> (size name, variant, steps, config-json fields or None, seq, micro_batch)"""
     args = list(argv)
@@ -170,6 +185,9 @@ def main():
         tied = bool(fields.get("tie_word_embeddings", False))
         model = AutoModelForCausalLM.from_config(hf_family_config(fields))
     num_params = sum(p.numel() for p in model.parameters())
+    # Mixture of experts: MFU counts the parameters a token passes through (top_k of the
+    # experts), as accel-train's DecoderConfig::flops_per_token does.
+    flop_params = active_parameters(model, fields or {}, num_params)
     model_class = type(model).__name__
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -200,9 +218,10 @@ def main():
     torch.cuda.synchronize()
     step_s = (time.time() - t_timed) / steps
     tokens_per_s = shape.micro_batch * shape.seq / step_s
-    flops = flops_per_token_tied(num_params, shape, tied) * tokens_per_s
+    flops = flops_per_token_tied(flop_params, shape, tied) * tokens_per_s
     print(json.dumps({
         "size": size, "model": model_class, "variant": variant, "params": num_params,
+        "active_params": flop_params,
         "tokens_per_s": round(tokens_per_s), "step_ms": round(step_s * 1e3, 1),
         "model_tflops": round(flops / 1e12, 1),
         "mfu_vs_989": round(flops / (PEAK_TFLOPS * 1e12), 3),
