@@ -144,6 +144,12 @@ struct Mapper {
     if (d >= 1 || d == 0) return static_cast<int64_t>(d);
     if (!given("max_steps"))
       fail(name, brief(v) + " is a fraction of max_steps, which training_args does not give");
+    // An epoch run's step count is known only once the data is read, after this mapping.
+    if (number("max_steps") <= 0)
+      fail(name, brief(v) + " is a fraction of the run's steps, and " + shown("max_steps") +
+                     " runs " + shown("num_train_epochs") +
+                     " epochs, whose steps are counted from the data at start; give " + name +
+                     " as a number of steps (or give max_steps > 0)");
     return static_cast<int64_t>(std::ceil(number("max_steps") * d));
   }
   std::string steps_from(const std::string& name, const json& v) const {
@@ -213,23 +219,39 @@ std::vector<Arg> build_table() {
          });
   same("per_device_train_batch_size", 8, "training.micro_batch_size",
        "Sequences per micro-batch per process.");
-  part("num_train_epochs", 3.0, "-",
-       "Epochs are not supported yet: with max_steps > 0 Trainer ignores it too; with "
-       "max_steps <= 0 the run is refused (see max_steps).",
+  part("num_train_epochs", 3.0, "training.num_epochs",
+       "Read with max_steps: used when max_steps < 0 (a fraction such as 2.5 stops mid-epoch, as "
+       "in Trainer); ignored, as in Trainer, when max_steps > 0.",
        "max_steps");
-  mapped("max_steps", -1, "training.max_steps",
-         "Must be > 0 (accel-train counts optimizer steps; a run of num_train_epochs epochs is "
-         "refused).",
+  mapped("max_steps", -1, "training.max_steps or training.num_epochs",
+         "> 0 -> training.max_steps (it overrides num_train_epochs, as in Trainer); < 0 (Trainer's "
+         "-1) -> training.num_epochs = num_train_epochs: the steps are ceil(epochs x batches per "
+         "epoch / gradient_accumulation_steps), printed at start (Trainer rounds each epoch's "
+         "last accumulation up to a short step, so with batches per epoch not a multiple of "
+         "gradient_accumulation_steps its count can be higher); 0 is refused.",
          [](Mapper& m, const json& v) {
            if (!v.is_number_integer() &&
                !(v.is_number() && v.get<double>() == std::floor(v.get<double>())))
              m.type_error("max_steps", "an integer");
-           if (v.get<double>() <= 0)
+           const double epochs = m.number("num_train_epochs");
+           if (v.get<double>() > 0) {
+             m.set("max_steps", m.shown("max_steps"), "training.max_steps", v);
+             if (m.given("num_train_epochs"))
+               m.out.notices.push_back("training_args " + m.shown("num_train_epochs") +
+                                       " is not used: " + m.shown("max_steps") +
+                                       " > 0 overrides it (as in Trainer)");
+             return;
+           }
+           if (v.get<double>() == 0)
              m.fail("max_steps",
-                    brief(v) + " asks Trainer to run " + m.shown("num_train_epochs") +
-                        " epochs; accel-train counts optimizer steps (epochs are not supported "
-                        "yet): set max_steps to the number of optimizer steps");
-           m.set("max_steps", m.shown("max_steps"), "training.max_steps", v);
+                    "0 trains nothing; give the number of optimizer steps, or -1 to run " +
+                        m.shown("num_train_epochs") + " epochs");
+           if (!(epochs > 0) || !std::isfinite(epochs))
+             m.fail("num_train_epochs",
+                    brief(m.get("num_train_epochs")) + " epochs with " + m.shown("max_steps") +
+                        " trains nothing; give num_train_epochs > 0 or max_steps > 0");
+           m.set("num_train_epochs", m.shown("max_steps") + ", " + m.shown("num_train_epochs"),
+                 "training.num_epochs", epochs);
          });
 
   // ---- learning rate and schedule ----
@@ -395,7 +417,9 @@ std::vector<Arg> build_table() {
              m.notice("logging_strategy", v,
                       "metrics.jsonl always gets a line every training.log_every steps");
            } else {
-             m.refuse("logging_strategy", "epochs are not supported yet; use steps");
+             m.refuse("logging_strategy",
+                      "logging at the end of epochs is not supported (runs of num_train_epochs "
+                      "epochs are); use steps");
            }
          });
   part("logging_steps", 500, "training.log_every",
@@ -460,7 +484,9 @@ std::vector<Arg> build_table() {
              m.set(name, m.shown("eval_strategy") + ", " + m.steps_from(name, n),
                    "training.eval_every", std::max<int64_t>(1, m.steps(name, n)));
            } else {
-             m.refuse("eval_strategy", "epochs are not supported yet; use steps");
+             m.refuse("eval_strategy",
+                      "evaluating at the end of epochs is not supported (runs of num_train_epochs "
+                      "epochs are); use steps");
            }
          });
   part("eval_steps", null, "training.eval_every", "With eval_strategy steps.", "eval_strategy");
@@ -502,8 +528,10 @@ std::vector<Arg> build_table() {
              m.set("save_strategy", m.shown("save_strategy"), "checkpoint.every_steps", 0);
              m.set("save_strategy", m.shown("save_strategy"), "checkpoint.at_end", false);
            } else {
-             m.refuse("save_strategy", s == "best" ? "there is no best-model tracking; use steps"
-                                                   : "epochs are not supported yet; use steps");
+             m.refuse("save_strategy",
+                      s == "best" ? "there is no best-model tracking; use steps"
+                                  : "saving at the end of epochs is not supported (runs of "
+                                    "num_train_epochs epochs are); use steps");
            }
          });
   part("save_steps", 500, "checkpoint.every_steps", "With save_strategy steps.", "save_strategy");

@@ -767,6 +767,14 @@ DataSources make_data_sources(const DataOptions& o) {
                                              "data.eval_path");
   }
   if (index->has_documents()) out.info.push_back(what + ": " + index->stats().describe());
+  if (!index->fixed_rows() && o.pad_to_multiple_of <= 1)
+    // Every new row length is a new GEMM and attention problem, whose plans the CUDA backend
+    // makes (and times) once per length: say how to bound the lengths, without changing them.
+    out.info.push_back(
+        "data.packing false: rows are padded to the longest sample of each batch, so most "
+        "batches have a length not seen before, and on CUDA the first batch of each length "
+        "also chooses GEMM algorithms and builds attention plans; data.pad_to_multiple_of 64 "
+        "bounds the lengths to seq_len / 64 (docs/data.md)");
   return out;
 }
 

@@ -119,8 +119,17 @@ TEST(Documents, UnpackedRowsArePaddedToTheLongestOrAMultiple) {
   EXPECT_EQ(row(b.input_ids, 1), (std::vector<int64_t>{'f', 'g', 'h', 0, 0}));
   EXPECT_EQ(row(b.labels, 1), (std::vector<int64_t>{'g', 'h', X, X, X}));
   EXPECT_EQ(b.trained_tokens, 3 + 2);
+  // Rows of every length are a new shape per batch on CUDA: the start says how to bound them.
+  auto says_bound = [](const DataSources& d) {
+    for (const auto& line : d.info)
+      if (line.find("data.pad_to_multiple_of 64 bounds the lengths") != std::string::npos)
+        return true;
+    return false;
+  };
+  EXPECT_TRUE(says_bound(src));
   o.pad_to_multiple_of = 4;
   DataSources padded = make_data_sources(o);
+  EXPECT_FALSE(says_bound(padded));
   EXPECT_EQ(padded.train->next().input_ids.size(1), 8);
   o.pad_to_multiple_of = 64;  // never past seq_len
   DataSources capped = make_data_sources(o);

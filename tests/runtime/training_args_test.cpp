@@ -202,6 +202,105 @@ training_args: {learning_rate: 0.002, eval_steps: 10}
       {"training_args.warmup_steps: 0.1 is a fraction of max_steps"});
 }
 
+// max_steps > 0 overrides num_train_epochs (as in Trainer); max_steps < 0 runs
+// num_train_epochs epochs, fractions included (training.num_epochs; the steps come from the data).
+TEST_F(TrainingArgsTest, NumTrainEpochsRunsWhenMaxStepsIsNotPositive) {
+  // The dump: max_steps 30 and Trainer's default num_train_epochs 3.0, which it does not use.
+  Config d = load_config("", {}, {}, kArgs);
+  EXPECT_EQ(d.training.max_steps, 30);
+  EXPECT_DOUBLE_EQ(d.training.num_epochs, 0);
+  EXPECT_TRUE(has_notice(d,
+                         "training_args num_train_epochs=3.0 is not used: max_steps=30 > 0 "
+                         "overrides it (as in Trainer)"))
+      << notices_text(d);
+
+  // The same dump with max_steps -1: three epochs, and no max_steps of ours.
+  std::ifstream in(kArgs);
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["max_steps"] = -1;
+  j["warmup_steps"] = 3;  // a fraction needs the step count, known only from the data
+  const std::string epochs = write("epochs.json", j.dump());
+  Config e = load_config("", {}, {}, epochs);
+  EXPECT_DOUBLE_EQ(e.training.num_epochs, 3.0);
+  EXPECT_EQ(e.origins.count("training.max_steps"), 0u);
+  EXPECT_EQ(e.optimizer.warmup_steps, 3);
+  EXPECT_TRUE(
+      has_notice(e, "training_args max_steps=-1, num_train_epochs=3.0 -> training.num_epochs: 3.0"))
+      << notices_text(e);
+  EXPECT_FALSE(has_notice(e, "is not used")) << notices_text(e);
+  j["warmup_steps"] = 0.1;
+  expect_error([&] { load_config("", {}, {}, write("frac.json", j.dump())); },
+               {"training_args.warmup_steps: 0.1 is a fraction of the run's steps",
+                "max_steps=-1 runs num_train_epochs=3.0 epochs", "as a number of steps"});
+
+  // A section: max_steps left out is Trainer's -1; a fraction of an epoch is kept exactly.
+  Config f = load_config(write("f.yaml", "training_args: {num_train_epochs: 2.5}\n"), {}, {});
+  EXPECT_DOUBLE_EQ(f.training.num_epochs, 2.5);
+  EXPECT_EQ(f.training.max_steps, 100);  // ours, unused: run.cpp counts the steps from the data
+  EXPECT_EQ(f.origins.count("training.max_steps"), 0u);
+  // max_steps alone, num_train_epochs not given: no notice about it.
+  Config s = load_config(write("s.yaml", "training_args: {max_steps: 7}\n"), {}, {});
+  EXPECT_EQ(s.training.max_steps, 7);
+  EXPECT_FALSE(has_notice(s, "num_train_epochs")) << notices_text(s);
+  Config o = load_config(write("o.yaml", "training_args: {max_steps: 7, num_train_epochs: 1.5}\n"),
+                         {}, {});
+  EXPECT_EQ(o.training.max_steps, 7);
+  EXPECT_DOUBLE_EQ(o.training.num_epochs, 0);
+  EXPECT_TRUE(has_notice(o, "num_train_epochs=1.5 is not used: max_steps=7 > 0 overrides it"))
+      << notices_text(o);
+
+  // Values that train nothing or are no number, by name.
+  expect_error([&] { load_config(write("z.yaml", "training_args: {max_steps: 0}\n"), {}, {}); },
+               {"z.yaml:1", "training_args.max_steps: 0 trains nothing", "-1 to run"});
+  expect_error(
+      [&] {
+        load_config(write("n.yaml", "training_args: {max_steps: -1, num_train_epochs: 0}\n"), {},
+                    {});
+      },
+      {"training_args.num_train_epochs: 0 epochs with max_steps=-1 trains nothing"});
+  expect_error(
+      [&] { load_config(write("t.yaml", "training_args: {num_train_epochs: two}\n"), {}, {}); },
+      {"training_args.num_train_epochs: expected a number, got two"});
+  expect_error([&] { load_config(write("i.yaml", "training_args: {max_steps: 2.5}\n"), {}, {}); },
+               {"training_args.max_steps: expected an integer, got 2.5"});
+  // Per-epoch logging, evaluation and saving stay refused, saying what to use.
+  expect_error(
+      [&] {
+        load_config(write("v.yaml", "training_args: {num_train_epochs: 1, eval_strategy: epoch}\n"),
+                    {}, {});
+      },
+      {"training_args.eval_strategy: epoch cannot be honoured", "use steps"});
+}
+
+// Our YAML and training_args together: training.max_steps (from either) wins over
+// training.num_epochs with a notice; the same key given twice must agree.
+TEST_F(TrainingArgsTest, EpochsAndStepsFromTheYamlAndTrainingArgs) {
+  Config a = load_config(write("a.yaml", R"(training: {max_steps: 20}
+training_args: {num_train_epochs: 2}
+)"),
+                         {}, {});
+  EXPECT_EQ(a.training.max_steps, 20);
+  EXPECT_DOUBLE_EQ(a.training.num_epochs, 2);
+  EXPECT_TRUE(has_notice(a, "key training.num_epochs=2.0 has no effect: training.max_steps"))
+      << notices_text(a);
+  // The dump's default epochs against the YAML's: a real disagreement (Trainer would run 3).
+  std::ifstream in(kArgs);
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["max_steps"] = -1;
+  j["warmup_steps"] = 0;
+  const std::string epochs = write("epochs.json", j.dump());
+  expect_error(
+      [&] { load_config(write("b.yaml", "training: {num_epochs: 1}\n"), {}, {}, epochs); },
+      {"training.num_epochs", "training_args max_steps=-1, num_train_epochs=3.0", "b.yaml:1"});
+  Config c = load_config(write("c.yaml", "training: {num_epochs: 3}\n"), {}, {}, epochs);
+  EXPECT_DOUBLE_EQ(c.training.num_epochs, 3);
+  // The dump's max_steps 30 wins over the YAML's epochs, as ours does.
+  Config d = load_config(write("d.yaml", "training: {num_epochs: 1}\n"), {}, {}, kArgs);
+  EXPECT_EQ(d.training.max_steps, 30);
+  EXPECT_TRUE(has_notice(d, "key training.num_epochs=1.0 has no effect: training.max_steps"))
+      << notices_text(d);
+}
+
 TEST_F(TrainingArgsTest, ASettingGivenTwiceWithDifferentValuesNamesBoth) {
   std::string y = write("x.yaml", R"(optimizer:
   lr: 0.01
@@ -250,10 +349,6 @@ TEST_F(TrainingArgsTest, ValuesWeCannotHonourAreRefusedByName) {
   refused("bf16: true, fp16: true", {"bf16 and fp16 are both true"});
   refused("lr_scheduler_type: cosine, lr_scheduler_kwargs: {num_cycles: 2}",
           {"training_args.lr_scheduler_kwargs", "num_cycles"});
-  // A run measured in epochs (max_steps -1, Trainer's default).
-  expect_error(
-      [&] { load_config(write("e.yaml", "training_args: {num_train_epochs: 2}\n"), {}, {}); },
-      {"training_args.max_steps", "num_train_epochs=2", "epochs are not supported yet"});
   // Unknown names get the closest field.
   expect_error([&] { load_config(write("u.yaml", "training_args: {learning_rat: 1}\n"), {}, {}); },
                {"u.yaml:1", "unknown TrainingArguments name 'training_args.learning_rat'",

@@ -97,6 +97,30 @@ TEST(SftTrain, MaxStepsWinsOverNumEpochsWithANotice) {
   EXPECT_EQ(read_metrics(d / "out" / "metrics.jsonl").size(), 3u);
 }
 
+// Trainer's num_train_epochs (max_steps -1) through --training-args: 1.5 epochs of 12 batches
+// with gradient_accumulation_steps 2 are 18 micro-batches, 9 steps, stopping mid-epoch.
+TEST(SftTrain, NumTrainEpochsFromTrainingArgsRunsThoseEpochs) {
+  const fs::path d = temp_dir("train_epochs");
+  const fs::path cfg = write_config(d, config(write_sft(d, 24), "", "eval_every: 0"));
+  const fs::path args = d / "args.json";
+  std::ofstream(args) << R"({"num_train_epochs": 1.5, "max_steps": -1,
+    "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2})";
+  Result r = run_accel_train("--config " + cfg.string() + " --training-args " + args.string() +
+                             " --output-dir " + (d / "out").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("max_steps=-1, num_train_epochs=1.5 -> training.num_epochs: 1.5"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("training.max_steps 9 from training.num_epochs 1.5 x 12 batches"),
+            std::string::npos)
+      << r.output;
+  auto m = read_metrics(d / "out" / "metrics.jsonl");
+  ASSERT_EQ(m.size(), 10u);  // 9 steps and the summary
+  EXPECT_EQ(m[8]["step"], 9);
+  EXPECT_DOUBLE_EQ(m[8]["epoch"].get<double>(), 1.5);
+  EXPECT_NEAR(m[5]["epoch"].get<double>(), 1.0, 1e-12);  // step 6: the first epoch's end
+}
+
 TEST(SftTrain, ResumeMidEpochReproducesTheUninterruptedRun) {
   const fs::path d = temp_dir("resume");
   const fs::path cfg = write_config(d, config(write_sft(d, 14), "", "num_epochs: 2"));
