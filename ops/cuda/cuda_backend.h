@@ -84,8 +84,7 @@ class CudaBackend final : public Backend {
   void topk(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t k) override;
   void topk_backward(const Tensor& grad_x, const Tensor& grad_values,
                      const Tensor& indices) override;
-  void moe_permute(const Tensor& out, const Tensor& x, const Tensor& order,
-                   int64_t top_k) override;
+  void moe_permute(const Tensor& out, const Tensor& x, const Tensor& order, int64_t top_k) override;
   void moe_permute_backward(const Tensor& grad_x, const Tensor& grad_out, const Tensor& inverse,
                             int64_t top_k) override;
   void moe_unpermute(const Tensor& out, const Tensor& y, const Tensor& weights,

@@ -2,8 +2,9 @@
 //
 // cuBLASLt (13.1 here) has no grouped GEMM with per-problem shapes (its pointer-array batch mode
 // shares one shape); cuBLAS has cublasGemmGroupedBatchedEx (f16/bf16/f32 inputs, fp32 compute,
-// no fp8), which takes per-problem m, n, k, leading dimensions on the host and the matrix
-// pointers as device arrays. Each of our groups is one cuBLAS "group" of batch size 1.
+// no fp8), which takes per-group m, n, k, leading dimensions on the host and the matrix pointers
+// as device arrays; a cuBLAS "group" is a batch of equal-shape GEMMs, so consecutive groups of
+// ours with equal shapes share one.
 //
 // Row-major out = op(a) @ op(b) is handed to the column-major library as out^T = op(b)^T op(a)^T
 // (library A = our b, library B = our a), as ops/cuda/matmul.cpp does. Groups with no rows or
@@ -11,6 +12,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -25,8 +28,49 @@
 namespace accel {
 namespace {
 
-std::mutex g_mu;                        // the handles are shared by every caller
+std::mutex g_mu;                         // the handles and staging rings are shared by every caller
 std::map<int, cublasHandle_t> g_handle;  // per device; leaked on purpose (outlive static tensors)
+
+// Page-locked staging for the pointer arrays, so their upload is a true asynchronous copy (a
+// pageable source may make cudaMemcpyAsync wait for the stream). A slot is reused only after the
+// copy that read it has run (its event), kSlots calls later.
+struct StagingRing {
+  static constexpr int kSlots = 8;
+  char* host = nullptr;
+  size_t slot_bytes = 0;
+  cudaEvent_t done[kSlots] = {};
+  bool pending[kSlots] = {};
+  int next = 0;
+};
+std::map<int, StagingRing*> g_ring;  // per device; leaked like the handles
+
+// A host slot of at least `bytes` whose previous copy has finished; `slot` is its index.
+void* staging_slot(int device, size_t bytes, int& slot) {
+  StagingRing*& r = g_ring[device];
+  if (!r) {
+    r = new StagingRing();
+    for (cudaEvent_t& e : r->done)
+      ACCEL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  if (bytes > r->slot_bytes) {  // grow: every slot's copy must be done before freeing
+    for (int i = 0; i < StagingRing::kSlots; ++i)
+      if (r->pending[i]) ACCEL_CUDA_CHECK(cudaEventSynchronize(r->done[i]));
+    std::fill(std::begin(r->pending), std::end(r->pending), false);
+    if (r->host) cuda::pinned_free(r->host);
+    r->slot_bytes = std::max<size_t>(bytes, 4096);
+    r->host = static_cast<char*>(cuda::pinned_alloc(r->slot_bytes * StagingRing::kSlots));
+  }
+  slot = r->next;
+  r->next = (r->next + 1) % StagingRing::kSlots;
+  if (r->pending[slot]) ACCEL_CUDA_CHECK(cudaEventSynchronize(r->done[slot]));
+  r->pending[slot] = false;
+  return r->host + static_cast<size_t>(slot) * r->slot_bytes;
+}
+void staging_used(int device, int slot, cudaStream_t stream) {
+  StagingRing* r = g_ring[device];
+  ACCEL_CUDA_CHECK(cudaEventRecord(r->done[slot], stream));
+  r->pending[slot] = true;
+}
 
 cublasHandle_t handle_for(int device) {
   auto it = g_handle.find(device);
@@ -34,9 +78,9 @@ cublasHandle_t handle_for(int device) {
   cublasHandle_t h = nullptr;
   ACCEL_LT_CHECK(cublasCreate(&h));
   // Split-K partial sums stay fp32 even for 16-bit outputs; TF32 only through the compute type.
-  ACCEL_LT_CHECK(cublasSetMathMode(h, static_cast<cublasMath_t>(
-                                          CUBLAS_DEFAULT_MATH |
-                                          CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  ACCEL_LT_CHECK(cublasSetMathMode(
+      h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   g_handle.emplace(device, h);
   return h;
 }
@@ -50,16 +94,18 @@ cudaDataType_t cuda_type(DType t) {
     case DType::F16:
       return CUDA_R_16F;
     default:
-      throw std::invalid_argument(std::string("[grouped_linear] the CUDA grouped GEMM supports f32, "
-                                              "bf16 and f16, not ") +
-                                  dtype_name(t));
+      throw std::invalid_argument(
+          std::string("[grouped_linear] the CUDA grouped GEMM supports f32, "
+                      "bf16 and f16, not ") +
+          dtype_name(t));
   }
 }
 
 int to_int(int64_t v, const char* what, int64_t g) {
   if (v > std::numeric_limits<int>::max())
-    throw std::invalid_argument("[grouped_linear] group " + std::to_string(g) + ": " + what + " = " +
-                                std::to_string(v) + " exceeds the grouped GEMM's int range");
+    throw std::invalid_argument("[grouped_linear] group " + std::to_string(g) + ": " + what +
+                                " = " + std::to_string(v) +
+                                " exceeds the grouped GEMM's int range");
   return static_cast<int>(v);
 }
 
@@ -89,9 +135,8 @@ void CudaBackend::grouped_matmul(const std::vector<Tensor>& outs, const std::vec
   for (size_t g = 0; g < groups; ++g) {
     const Tensor &o = outs[g], &a = as[g], &b = bs[g];
     const auto gi = static_cast<int64_t>(g);
-    const std::string what = "group " + std::to_string(g) + ": " + a.str() +
-                             (trans_a ? "^T" : "") + " @ " + b.str() + (trans_b ? "^T" : "") +
-                             " -> " + o.str();
+    const std::string what = "group " + std::to_string(g) + ": " + a.str() + (trans_a ? "^T" : "") +
+                             " @ " + b.str() + (trans_b ? "^T" : "") + " -> " + o.str();
     if (a.device() != device || b.device() != device || o.device() != device)
       throw std::invalid_argument(std::string("[") + op + "] operands on different devices, " +
                                   what);
@@ -133,39 +178,57 @@ void CudaBackend::grouped_matmul(const std::vector<Tensor>& outs, const std::vec
   DeviceGuard guard(device.index);
   const cudaStream_t stream = current_stream();
   // The pointer arrays go to the device in one stream-ordered copy; the caching allocator keeps
-  // the buffer from reuse until the stream has passed this GEMM.
-  std::vector<void*> host(3 * static_cast<size_t>(count));
+  // the device buffer from reuse until the stream has passed this GEMM.
+  std::lock_guard<std::mutex> lock(g_mu);
+  const size_t ptr_bytes = 3 * static_cast<size_t>(count) * sizeof(void*);
+  int slot = 0;
+  void** host = static_cast<void**>(staging_slot(device.index, ptr_bytes, slot));
   for (int i = 0; i < count; ++i) {
     host[i] = const_cast<void*>(pa[i]);
     host[count + i] = const_cast<void*>(pb[i]);
     host[2 * count + i] = pc[i];
   }
-  DeviceBuffer dev(host.size() * sizeof(void*), device.index);
-  ACCEL_CUDA_CHECK(cudaMemcpyAsync(dev.get(), host.data(), host.size() * sizeof(void*),
-                                   cudaMemcpyHostToDevice, stream));
+  DeviceBuffer dev(ptr_bytes, device.index);
+  ACCEL_CUDA_CHECK(cudaMemcpyAsync(dev.get(), host, ptr_bytes, cudaMemcpyHostToDevice, stream));
+  staging_used(device.index, slot, stream);
   void** d_ptrs = dev.as<void*>();
   const void* const* d_a = d_ptrs;
   const void* const* d_b = d_ptrs + count;
   void* const* d_c = d_ptrs + 2 * count;
 
-  const std::vector<cublasOperation_t> op_a(count, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
-  const std::vector<cublasOperation_t> op_b(count, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
-  const std::vector<float> alpha(count, 1.0f), beta(count, 0.0f);
-  const std::vector<int> group_size(count, 1);
-  const cublasComputeType_t compute = dtype == DType::F32 && allow_tf32()
-                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                          : CUBLAS_COMPUTE_32F;
-  std::lock_guard<std::mutex> lock(g_mu);
+  // Runs of consecutive problems with one shape become one cuBLAS group (a batch of equal GEMMs;
+  // the pointer arrays stay in problem order), e.g. all experts under balanced routing.
+  std::vector<int> gm, gn, gk, glda, gldb, gldc, group_size;
+  for (int i = 0; i < count; ++i) {
+    if (i > 0 && m[i] == m[i - 1] && n[i] == n[i - 1] && k[i] == k[i - 1]) {
+      ++group_size.back();  // equal m, n, k imply equal leading dimensions
+      continue;
+    }
+    gm.push_back(m[i]);
+    gn.push_back(n[i]);
+    gk.push_back(k[i]);
+    glda.push_back(lda[i]);
+    gldb.push_back(ldb[i]);
+    gldc.push_back(ldc[i]);
+    group_size.push_back(1);
+  }
+  const int cublas_groups = static_cast<int>(group_size.size());
+  const std::vector<cublasOperation_t> op_a(cublas_groups, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+  const std::vector<cublasOperation_t> op_b(cublas_groups, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+  const std::vector<float> alpha(cublas_groups, 1.0f), beta(cublas_groups, 0.0f);
+  const cublasComputeType_t compute =
+      dtype == DType::F32 && allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   cublasHandle_t h = handle_for(device.index);
   ACCEL_LT_CHECK(cublasSetStream(h, stream));
   ACCEL_LT_CHECK(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
   const cublasStatus_t s = cublasGemmGroupedBatchedEx(
-      h, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), d_a, type,
-      lda.data(), d_b, type, ldb.data(), beta.data(), d_c, type, ldc.data(), count,
+      h, op_a.data(), op_b.data(), gm.data(), gn.data(), gk.data(), alpha.data(), d_a, type,
+      glda.data(), d_b, type, gldb.data(), beta.data(), d_c, type, gldc.data(), cublas_groups,
       group_size.data(), compute);
   if (s != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string("[") + op + "] cublasGemmGroupedBatchedEx (" +
-                             dtype_name(dtype) + ", " + std::to_string(count) +
+                             dtype_name(dtype) + ", " + std::to_string(count) + " GEMMs in " +
+                             std::to_string(cublas_groups) +
                              " groups) failed: " + cublasGetStatusString(s));
 }
 

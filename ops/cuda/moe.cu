@@ -18,8 +18,8 @@ constexpr int kThreads = 256;  // 8 warps per block, one row per warp
 int warp_grid(int64_t rows) {
   const int64_t warps_per_block = kThreads / 32;
   return static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>((rows + warps_per_block - 1) / warps_per_block,
-                           int64_t(sm_count()) * 16)));
+      1,
+      std::min<int64_t>((rows + warps_per_block - 1) / warps_per_block, int64_t(sm_count()) * 16)));
 }
 
 // ---- topk ---------------------------------------------------------------------------------------
@@ -285,8 +285,8 @@ __global__ void unpermute_backward_kernel(T* __restrict__ grad_y, void* __restri
 
 void require_float(const Tensor& t, const char* op, const char* what) {
   if (t.dtype() != DType::F32 && t.dtype() != DType::BF16 && t.dtype() != DType::F16)
-    throw std::invalid_argument(std::string("[") + op + "] " + what + " must be f32, bf16 or f16; got " +
-                                t.str());
+    throw std::invalid_argument(std::string("[") + op + "] " + what +
+                                " must be f32, bf16 or f16; got " + t.str());
 }
 
 void require_index(const Tensor& t, const char* op, const char* what) {
@@ -328,8 +328,10 @@ void CudaBackend::topk(const Tensor& values, const Tensor& indices, const Tensor
                   k <= x.shape()[1] && values.shape() == Shape{x.shape()[0], k} &&
                   indices.shape() == values.shape() && values.dtype() == x.dtype() &&
                   values.is_contiguous() && x.shape()[1] < (int64_t(1) << 31);
-  require(ok, op, "needs x [R, C] and values, indices [R, k] with 1 <= k <= C, values of x's dtype; got k=" +
-                      std::to_string(k) + ", " + shapes({&values, &indices, &x}));
+  require(
+      ok, op,
+      "needs x [R, C] and values, indices [R, k] with 1 <= k <= C, values of x's dtype; got k=" +
+          std::to_string(k) + ", " + shapes({&values, &indices, &x}));
   const int64_t rows = x.shape()[0];
   if (rows == 0) return;
   Tensor xc = dense(x);
@@ -351,8 +353,7 @@ void CudaBackend::topk_backward(const Tensor& grad_x, const Tensor& grad_values,
   require_float(grad_x, op, "grad_x");
   require_index(indices, op, "indices");
   const bool ok = grad_x.dim() == 2 && grad_x.is_contiguous() && grad_values.dim() == 2 &&
-                  grad_values.dtype() == grad_x.dtype() &&
-                  grad_values.shape() == indices.shape() &&
+                  grad_values.dtype() == grad_x.dtype() && grad_values.shape() == indices.shape() &&
                   grad_values.shape()[0] == grad_x.shape()[0];
   require(ok, op,
           "backward needs grad_x [R, C] (contiguous), grad_values and indices [R, k] of grad_x's "
@@ -413,7 +414,8 @@ void CudaBackend::moe_permute_backward(const Tensor& grad_x, const Tensor& grad_
   const bool ok = top_k >= 1 && grad_x.dim() == 2 && grad_out.dim() == 2 && inverse.dim() == 1 &&
                   grad_out.dtype() == grad_x.dtype() && grad_x.is_contiguous() &&
                   inverse.numel() == grad_x.shape()[0] * top_k &&
-                  grad_out.shape()[0] == inverse.numel() && grad_out.shape()[1] == grad_x.shape()[1];
+                  grad_out.shape()[0] == inverse.numel() &&
+                  grad_out.shape()[1] == grad_x.shape()[1];
   require(ok, op,
           "backward needs grad_x [N, H] (contiguous), grad_out [N * k, H] of its dtype, inverse "
           "[N * k]; got k=" +
@@ -446,13 +448,13 @@ void CudaBackend::moe_unpermute(const Tensor& out, const Tensor& y, const Tensor
   require_index(inverse, op, "inverse");
   const bool ok = out.dim() == 2 && y.dim() == 2 && weights.dim() == 2 && inverse.dim() == 1 &&
                   out.dtype() == y.dtype() && out.is_contiguous() && weights.shape()[1] >= 1 &&
-                  weights.shape()[0] == out.shape()[0] &&
-                  inverse.numel() == weights.numel() && y.shape()[0] == inverse.numel() &&
-                  y.shape()[1] == out.shape()[1];
-  require(ok, op,
-          "needs y [N * k, H], weights [N, k], inverse [N * k], out [N, H] (contiguous, y's dtype); "
-          "got " +
-              shapes({&out, &y, &weights, &inverse}));
+                  weights.shape()[0] == out.shape()[0] && inverse.numel() == weights.numel() &&
+                  y.shape()[0] == inverse.numel() && y.shape()[1] == out.shape()[1];
+  require(
+      ok, op,
+      "needs y [N * k, H], weights [N, k], inverse [N * k], out [N, H] (contiguous, y's dtype); "
+      "got " +
+          shapes({&out, &y, &weights, &inverse}));
   const int64_t tokens = out.shape()[0], h = out.shape()[1], k = weights.shape()[1];
   if (tokens == 0 || h == 0) return;
   Tensor yc = dense(y), wc = dense(weights);
