@@ -80,6 +80,21 @@ class CudaBackend final : public Backend {
   void fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp8CastTarget& out) override;
   void fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,
                                 const Fp8CastTarget& to_gate, const Fp8CastTarget& to_up) override;
+  // moe.cu
+  void topk(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t k) override;
+  void topk_backward(const Tensor& grad_x, const Tensor& grad_values,
+                     const Tensor& indices) override;
+  void moe_permute(const Tensor& out, const Tensor& x, const Tensor& order, int64_t top_k) override;
+  void moe_permute_backward(const Tensor& grad_x, const Tensor& grad_out, const Tensor& inverse,
+                            int64_t top_k) override;
+  void moe_unpermute(const Tensor& out, const Tensor& y, const Tensor& weights,
+                     const Tensor& inverse) override;
+  void moe_unpermute_backward(const Tensor& grad_y, const Tensor& grad_weights,
+                              const Tensor& grad_out, const Tensor& y, const Tensor& weights,
+                              const Tensor& order) override;
+  // grouped_gemm.cpp (cublasGemmGroupedBatchedEx: one call for all groups)
+  void grouped_matmul(const std::vector<Tensor>& outs, const std::vector<Tensor>& as,
+                      const std::vector<Tensor>& bs, bool trans_a, bool trans_b) override;
   // fp8_gemm.cpp
   void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
                 const Tensor& b_scale_inv, bool fast_accum) override;
