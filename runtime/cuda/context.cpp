@@ -165,7 +165,14 @@ int sm_count(int device) { return device_properties(device).multiProcessorCount;
 
 void* pinned_alloc(size_t nbytes) {
   void* p = nullptr;
-  if (nbytes) ACCEL_CUDA_CHECK(cudaMallocHost(&p, nbytes));
+  if (nbytes == 0) return p;
+  const cudaError_t e = cudaMallocHost(&p, nbytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error("cudaMallocHost of " + std::to_string(nbytes >> 20) +
+                             " MiB of page-locked host memory failed: " + cudaGetErrorName(e) +
+                             " (" + cudaGetErrorString(e) + ")");
+  }
   return p;
 }
 void pinned_free(void* p) {

@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "runtime/device.h"
+#include "runtime/host_copies.h"
 #include "runtime/kernels.h"
 
 namespace accel {
@@ -21,6 +22,14 @@ void device_free(void*, size_t, int, MemCategory) {}
 void copy_bytes(void*, Device, const void*, Device, size_t) { no_cuda("cuda::copy_bytes"); }
 void synchronize(int) { no_cuda("cuda::synchronize"); }
 double host_wait_seconds() { return 0.0; }
+void* pinned_alloc(size_t) { no_cuda("cuda::pinned_alloc (page-locked host memory)"); }
+void pinned_free(void*) {}
+struct HostCopies::Impl {};
+HostCopies::HostCopies(int) { no_cuda("cuda::HostCopies"); }
+HostCopies::~HostCopies() = default;
+void HostCopies::add(void*, const void*, size_t) { no_cuda("cuda::HostCopies::add"); }
+void HostCopies::close() { no_cuda("cuda::HostCopies::close"); }
+double HostCopies::wait() { no_cuda("cuda::HostCopies::wait"); }
 }  // namespace cuda
 
 namespace kernels::cuda {

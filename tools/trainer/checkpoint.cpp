@@ -16,7 +16,9 @@
 #include <regex>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
+#include "runtime/host_copies.h"
 #include "runtime/json.h"
 #include "runtime/safetensors.h"
 
@@ -179,16 +181,71 @@ class Checksum {
   uint64_t total_ = 0;
 };
 
-// A host copy of `t` (reusing `into` when it has the same shape and dtype).
-Tensor host_copy(const Tensor& t, Tensor into) {
-  if (!into.defined() || into.shape() != t.shape() || into.dtype() != t.dtype())
-    into = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::Other);
-  into.copy_(t);
-  return into;
-}
-
 nlohmann::json file_entry(const fs::path& p) {
   return {{"bytes", fs::file_size(p)}, {"checksum", checksum_file(p.string())}};
+}
+
+// The checksums of a safetensors file that save_safetensors just wrote from `tensors` (host
+// memory): the whole file's, equal to checksum_file's, and each tensor's, equal to
+// checksum_bytes over its bytes, in one pass over the tensors in memory. Only the header is read
+// back; re-reading gigabytes that were just written would check the page cache, not the disk.
+struct WrittenChecksums {
+  nlohmann::json file_entry;                     // {"bytes", "checksum"}
+  std::map<std::string, std::string> by_tensor;  // name -> checksum
+};
+WrittenChecksums checksum_written(const fs::path& p,
+                                  const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  std::ifstream in(p, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);  // little-endian, as this program's hosts are
+  const uintmax_t size = fs::file_size(p);
+  std::string header(in ? static_cast<size_t>(std::min<uint64_t>(n, size)) : 0, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header.size()));
+  if (!in || n > size - 8)
+    throw std::runtime_error(p.string() + ": cannot read back the header just written");
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : tensors) {
+    if (!t.device().is_cpu() || !t.is_contiguous())
+      throw std::logic_error("checksum_written: '" + name + "' is not contiguous host memory");
+    by_name[name] = &t;
+  }
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> order;  // data offsets, name
+  const nlohmann::json index = nlohmann::json::parse(header);
+  for (const auto& [name, e] : index.items())
+    if (name != "__metadata__")
+      order.emplace_back(e.at("data_offsets").at(0).get<uint64_t>(),
+                         e.at("data_offsets").at(1).get<uint64_t>(), name);
+  std::sort(order.begin(), order.end());
+  Checksum whole;
+  const uint8_t len[8] = {static_cast<uint8_t>(n),       static_cast<uint8_t>(n >> 8),
+                          static_cast<uint8_t>(n >> 16), static_cast<uint8_t>(n >> 24),
+                          static_cast<uint8_t>(n >> 32), static_cast<uint8_t>(n >> 40),
+                          static_cast<uint8_t>(n >> 48), static_cast<uint8_t>(n >> 56)};
+  whole.update(len, 8);
+  whole.update(reinterpret_cast<const uint8_t*>(header.data()), header.size());
+  WrittenChecksums out;
+  uint64_t at = 0;
+  for (const auto& [begin, end, name] : order) {
+    auto it = by_name.find(name);
+    if (it == by_name.end() || begin != at || end - begin != it->second->nbytes())
+      throw std::runtime_error(p.string() + ": the file just written does not hold '" + name +
+                               "' as it was handed over");
+    const uint8_t* d = static_cast<const uint8_t*>(it->second->data_ptr());
+    Checksum own;
+    // Both sums over the same cache-sized pieces: the bytes are read from memory once.
+    for (uint64_t o = 0; o < end - begin; o += 1 << 20) {
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(1 << 20, end - begin - o));
+      whole.update(d + o, k);
+      own.update(d + o, k);
+    }
+    out.by_tensor[name] = own.hex();
+    at = end;
+  }
+  if (order.size() != tensors.size() || 8 + n + at != size)
+    throw std::runtime_error(p.string() + ": the file just written has " + std::to_string(size) +
+                             " bytes, not what its tensors and header make");
+  out.file_entry = {{"bytes", size}, {"checksum", whole.hex()}};
+  return out;
 }
 }  // namespace
 
@@ -219,48 +276,82 @@ std::string checkpoint_final_dir(const std::string& output_dir, int64_t step) {
 }
 
 CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, bool save_optimizer,
-                                 CheckpointSnapshot* reuse) {
+                                 SnapshotBuffer* buffer) {
   CheckpointSnapshot s;
   s.rank = rank;
   s.world_size = world_size;
   s.save_optimizer = save_optimizer;
-  std::map<std::string, Tensor> old;  // reuse's buffers by "<param>/<kind>" and weight name
-  if (reuse) {
-    for (auto& [name, t] : reuse->full_weights) old[name] = t;
-    for (ParamStateSlice& p : reuse->slices)
-      for (auto& [kind, t] : p.tensors) old[p.name + "/" + kind] = t;
-  }
-  auto take = [&old](const std::string& key, const Tensor& t) {
-    auto it = old.find(key);
-    return host_copy(t, it == old.end() ? Tensor() : it->second);
-  };
+  // What to copy, in the snapshot's order: rank 0's full weights, then this rank's slices.
+  std::vector<Tensor> sources;
   std::vector<std::pair<std::string, Tensor>> weights = strategy.full_state_dict();  // collective
   s.masters_in_model = !weights.empty();
   for (const auto& [name, t] : weights) s.masters_in_model &= t.dtype() == DType::F32;
   if (rank == 0)
-    for (const auto& [name, t] : weights) s.full_weights.push_back({name, take(name, t)});
-  weights.clear();
-  if (!save_optimizer) return s;
-  s.kinds = strategy.state_kinds();
-  if (strategy.state_is_replicated() && rank != 0) return s;  // rank 0 writes the one copy
-  for (ParamStateSlice& p : strategy.param_state_slices()) {
-    ParamStateSlice h;
-    h.name = p.name;
-    h.shape = p.shape;
-    h.begin = p.begin;
-    h.end = p.end;
-    for (const auto& [kind, t] : p.tensors) {
-      if (kind == "master" && s.masters_in_model) continue;  // model.safetensors holds them
-      h.tensors.push_back({kind, take(p.name + "/" + kind, t)});
+    for (const auto& [name, t] : weights) {
+      s.full_weights.push_back({name, Tensor()});
+      sources.push_back(t);
     }
-    s.slices.push_back(std::move(h));
+  if (save_optimizer) {
+    s.kinds = strategy.state_kinds();
+    if (!strategy.state_is_replicated() || rank == 0)  // replicated: rank 0 writes the one copy
+      for (ParamStateSlice& p : strategy.param_state_slices()) {
+        ParamStateSlice h;
+        h.name = p.name;
+        h.shape = p.shape;
+        h.begin = p.begin;
+        h.end = p.end;
+        for (const auto& [kind, t] : p.tensors) {
+          if (kind == "master" && s.masters_in_model) continue;  // model.safetensors holds them
+          h.tensors.push_back({kind, Tensor()});
+          sources.push_back(t);
+        }
+        s.slices.push_back(std::move(h));
+      }
   }
+  // GPU sources contiguous before the copies are ordered after the queued work (a clone is
+  // queued work too).
+  std::optional<int> gpu;
+  std::vector<HostTensorSpec> specs;
+  for (Tensor& t : sources) {
+    if (t.device().is_cuda()) {
+      if (gpu && *gpu != t.device().index)
+        throw std::logic_error("take_snapshot: one rank's state on two GPUs (cuda:" +
+                               std::to_string(*gpu) + ", " + t.device().str() + ")");
+      gpu = t.device().index;
+      if (!t.is_contiguous()) t = t.clone(MemCategory::Other);
+    }
+    specs.push_back({t.shape(), t.dtype()});
+  }
+  std::unique_ptr<SnapshotBuffer> own;
+  if (!buffer) {
+    own = std::make_unique<SnapshotBuffer>(nullptr, pageable_host_memory());
+    buffer = own.get();
+  }
+  std::vector<Tensor> host = buffer->carve(specs, gpu.has_value());
+  s.pinned = buffer->pinned();
+  if (gpu && s.pinned) s.copies = std::make_shared<cuda::HostCopies>(*gpu);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const Tensor& src = sources[i];
+    const Tensor& dst = host[i];
+    if (src.device().is_cpu())
+      dst.copy_(src);
+    else if (s.copies)
+      s.copies->add(dst.data_ptr(), src.data_ptr(), src.nbytes());
+    else  // pageable: synchronous, but straight into the buffer (no temporary host copy)
+      cuda::copy_bytes(dst.data_ptr(), Device::cpu(), src.data_ptr(), src.device(), src.nbytes());
+  }
+  if (s.copies) s.copies->close();
+  size_t i = 0;
+  for (auto& [name, t] : s.full_weights) t = host[i++];
+  for (ParamStateSlice& p : s.slices)
+    for (auto& [kind, t] : p.tensors) t = host[i++];
   return s;
 }
 
 void write_checkpoint_part(const std::string& tmp_dir, const CheckpointSnapshot& s) {
   const fs::path tmp(tmp_dir);
   try {
+    if (s.copies) s.copies->wait();  // the device-to-host copies of the snapshot are complete
     nlohmann::json params = nlohmann::json::object();
     nlohmann::json files = nlohmann::json::object();
     auto add_slice = [&params](const std::string& name, const Shape& shape, nlohmann::json slice) {
@@ -271,31 +362,34 @@ void write_checkpoint_part(const std::string& tmp_dir, const CheckpointSnapshot&
     if (!s.slices.empty()) {
       std::vector<std::pair<std::string, Tensor>> tensors;
       const std::string file = state_file_of(s.rank);
+      for (const ParamStateSlice& p : s.slices)
+        for (const auto& [kind, t] : p.tensors) tensors.push_back({p.name + "." + kind, t});
+      save_safetensors((tmp / file).string(), tensors,
+                       {{"format", "accel-train-state"}, {"rank", std::to_string(s.rank)}});
+      WrittenChecksums sums = checksum_written(tmp / file, tensors);
       for (const ParamStateSlice& p : s.slices) {
         nlohmann::json keys = nlohmann::json::object();
         for (const auto& [kind, t] : p.tensors) {
           const std::string key = p.name + "." + kind;
-          keys[kind] = {key, checksum_bytes(t.data_ptr(), t.nbytes())};
-          tensors.push_back({key, t});
+          keys[kind] = {key, sums.by_tensor.at(key)};
         }
         add_slice(p.name, p.shape,
                   {{"file", file}, {"begin", p.begin}, {"end", p.end}, {"keys", keys}});
       }
-      save_safetensors((tmp / file).string(), tensors,
-                       {{"format", "accel-train-state"}, {"rank", std::to_string(s.rank)}});
-      files[file] = file_entry(tmp / file);
+      files[file] = sums.file_entry;
     }
     if (s.rank == 0 && s.model_files) {
       if (!s.full_weights.empty()) {
         save_safetensors((tmp / "model.safetensors").string(), s.full_weights, {{"format", "pt"}});
-        files["model.safetensors"] = file_entry(tmp / "model.safetensors");
+        WrittenChecksums sums = checksum_written(tmp / "model.safetensors", s.full_weights);
+        files["model.safetensors"] = sums.file_entry;
         if (s.masters_in_model && s.save_optimizer)
           for (const auto& [name, t] : s.full_weights)
             add_slice(name, t.shape(),
                       {{"file", "model.safetensors"},
                        {"begin", 0},
                        {"end", t.numel()},
-                       {"keys", {{"master", {name, checksum_bytes(t.data_ptr(), t.nbytes())}}}}});
+                       {"keys", {{"master", {name, sums.by_tensor.at(name)}}}}});
       }
       write_hf_model_config(s.model_config, (tmp / "config.json").string());
       write_synced(tmp / "config.yaml", s.config_yaml);
@@ -387,13 +481,15 @@ struct CheckpointSaver::Job {
   std::thread thread;
   std::mutex mu;
   bool done = false;
-  std::string dir;     // the final folder
-  std::string error;   // the writer's failure
-  double seconds = 0;  // the writer's time
+  std::string dir;          // the final folder
+  std::string error;        // the writer's failure
+  double seconds = 0;       // the writer's time, less its wait for the copies
+  double copy_seconds = 0;  // the device-to-host copies, from queued to complete
   std::unique_ptr<CheckpointSnapshot> snapshot;
 };
 
-CheckpointSaver::CheckpointSaver(Options o) : o_(std::move(o)) {}
+CheckpointSaver::CheckpointSaver(Options o)
+    : o_(std::move(o)), buffer_(o_.buffer ? std::move(o_.buffer) : SnapshotBuffer::for_run()) {}
 
 CheckpointSaver::~CheckpointSaver() {
   try {
@@ -416,8 +512,13 @@ void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) 
   Job* j = job.get();
   auto write = [this, j, tmp] {
     std::string error;
-    const auto start = std::chrono::steady_clock::now();
+    double copy_s = 0;
+    auto start = std::chrono::steady_clock::now();
     try {
+      if (j->snapshot->copies) {
+        copy_s = j->snapshot->copies->wait();
+        start = std::chrono::steady_clock::now();  // the write proper starts here
+      }
       if (o_.before_write) o_.before_write(tmp);
       write_checkpoint_part(tmp, *j->snapshot);
       if (j->snapshot->rank == 0)
@@ -428,6 +529,8 @@ void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) 
     std::lock_guard<std::mutex> lock(j->mu);
     j->error = error;
     j->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    j->copy_seconds = copy_s;
+    j->snapshot.reset();  // its host buffer is free for the next snapshot
     j->done = true;
   };
   job_ = std::move(job);
@@ -435,7 +538,9 @@ void CheckpointSaver::save(const std::string& output_dir, CheckpointSnapshot s) 
     job_->thread = std::thread(write);
   } else {
     write();
-    wait();
+    // A failure throws here; a success stays for wait() or poll() to hand over its folder (the
+    // caller's "saved checkpoint" line).
+    if (!job_->error.empty()) poll();
   }
 }
 
@@ -450,9 +555,9 @@ std::optional<std::string> CheckpointSaver::poll() {
   if (job_->thread.joinable()) job_->thread.join();
   std::unique_ptr<Job> job = std::move(job_);
   last_write_s_ = job->seconds;
+  last_copy_s_ = job->copy_seconds;
   if (!job->error.empty())
     throw std::runtime_error("checkpoint " + job->dir + " could not be written: " + job->error);
-  if (o_.async) spare_ = std::move(job->snapshot);  // its host buffers serve the next save
   return job->dir;
 }
 
@@ -460,8 +565,6 @@ std::optional<std::string> CheckpointSaver::wait() {
   if (job_ && job_->thread.joinable()) job_->thread.join();
   return poll();
 }
-
-CheckpointSnapshot* CheckpointSaver::reusable() { return busy() ? nullptr : spare_.get(); }
 
 std::string save_checkpoint(const std::string& output_dir, const TrainerState& state,
                             Strategy& strategy, const DecoderConfig& model_config,
@@ -473,7 +576,13 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
     fs::create_directories(tmp);
   }
   if (w.barrier) w.barrier();
-  CheckpointSnapshot s = take_snapshot(strategy, w.rank, w.world_size, w.save_optimizer, nullptr);
+  CheckpointSaver::Options o;
+  o.keep_last = keep_last;
+  // Pageable: a one-off save gains nothing from pinning a block it uses once.
+  o.buffer = std::make_unique<SnapshotBuffer>(nullptr, pageable_host_memory());
+  CheckpointSaver saver(std::move(o));
+  CheckpointSnapshot s =
+      take_snapshot(strategy, w.rank, w.world_size, w.save_optimizer, saver.buffer());
   s.state = state;
   s.model_config = model_config;
   s.config_yaml = config_yaml;
@@ -482,10 +591,8 @@ std::string save_checkpoint(const std::string& output_dir, const TrainerState& s
     const nlohmann::json extra = w.save_extra(tmp);
     if (extra.is_object()) s.info.update(extra);
   }
-  CheckpointSaver::Options o;
-  o.keep_last = keep_last;
-  CheckpointSaver saver(o);
   saver.save(output_dir, std::move(s));
+  saver.wait();
   if (w.barrier) w.barrier();
   return checkpoint_final_dir(output_dir, state.step);
 }

@@ -24,7 +24,10 @@
 // any world size with any strategy resumes it: each rank reads the ranges it holds now
 // (CheckpointStateReader), from the files that hold them and nothing else.
 //
-// A save goes through a snapshot (host copies, taken at a step boundary) and a writer: every
+// A save goes through a snapshot (host copies, taken at a step boundary, into one host buffer
+// that the saver keeps from save to save: page-locked where the state is on a GPU, so that the
+// device-to-host copy runs asynchronously at full bandwidth; tools/trainer/checkpoint_buffer.h)
+// and a writer: every
 // rank writes its file and a part index into step_N.tmp, rank 0 waits for every part, writes
 // trainer_state.json last, fsyncs and renames the folder. CheckpointSaver runs the writer inline
 // or on a background thread (checkpoint.async). A crash mid-save never leaves a folder that looks
@@ -46,6 +49,8 @@
 
 #include "models/decoder.h"
 #include "parallel/strategy.h"
+#include "runtime/host_copies.h"
+#include "tools/trainer/checkpoint_buffer.h"
 
 namespace accel {
 
@@ -83,13 +88,20 @@ struct CheckpointSnapshot {
   bool model_files = true;
   DecoderConfig model_config;  // rank 0
   std::string config_yaml;     // rank 0
+  bool pinned = false;         // the host copies are page-locked memory
+  // The device-to-host copies still running when take_snapshot returned (pinned copies of GPU
+  // state); write_checkpoint_part waits for them before it reads a byte. Null: all complete.
+  // Last member: destroyed first, waiting for the copies before their destination goes.
+  std::shared_ptr<cuda::HostCopies> copies;
 };
 
-// Copies `strategy`'s state into a snapshot (every rank; full_state_dict is collective).
-// `reuse`: an earlier snapshot whose host buffers are taken over when the shapes match (saves
-// the allocation of many GB at every save); may be null.
+// Copies `strategy`'s state into a snapshot (every rank; full_state_dict is collective), into
+// `buffer`'s block (reused from the previous save; null: a pageable block of this snapshot's
+// own). GPU state goes into a pinned block asynchronously (CheckpointSnapshot::copies): the
+// host does not wait, and the GPU work queued after this call waits for the copies; into a
+// pageable block (no CUDA, or the pinned allocation refused) the copies are synchronous.
 CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, bool save_optimizer,
-                                 CheckpointSnapshot* reuse);
+                                 SnapshotBuffer* buffer);
 
 // Every file's and slice's checksum: 64 bits over the bytes (not cryptographic), as 16 hex
 // digits.
@@ -120,6 +132,8 @@ class CheckpointSaver {
     double timeout_s = 300;  // rank 0's wait for the other ranks' parts
     // Test hook: called in the writer before anything is written (a slow disk, a failure).
     std::function<void(const std::string& tmp)> before_write;
+    // The snapshots' host buffer (null: SnapshotBuffer::for_run(), pinned where there is CUDA).
+    std::unique_ptr<SnapshotBuffer> buffer;
   };
   explicit CheckpointSaver(Options o);
   ~CheckpointSaver();  // waits for a save in flight (its failure is printed, not thrown)
@@ -127,7 +141,8 @@ class CheckpointSaver {
   CheckpointSaver& operator=(const CheckpointSaver&) = delete;
 
   // Writes `s` to output_dir's step_<s.state.step>. Inline: returns once this rank's part (rank
-  // 0: the whole checkpoint) is written. Async: returns at once.
+  // 0: the whole checkpoint) is written, throws when that failed, and leaves its folder to
+  // wait() or poll(). Async: returns at once.
   void save(const std::string& output_dir, CheckpointSnapshot s);
   // Whether a background save is in flight.
   bool busy() const;
@@ -136,17 +151,21 @@ class CheckpointSaver {
   std::optional<std::string> poll();
   // Waits for the save in flight; then as poll().
   std::optional<std::string> wait();
-  // The snapshot of the last completed save, for take_snapshot's `reuse` (null when busy).
-  CheckpointSnapshot* reusable();
-  // Seconds the writer of the last completed save took (its files, fsyncs and rename).
+  // The host buffer of this rank's snapshots (take_snapshot's `buffer`), kept from save to
+  // save and freed with the saver; taking a snapshot into it needs no save in flight.
+  SnapshotBuffer* buffer() { return buffer_.get(); }
+  // Of the last completed save: the seconds its writer took (its files, fsyncs and rename; with
+  // pinned snapshots the wait for the device-to-host copies is not in it) and the seconds from
+  // queuing the device-to-host copies to their completion (0: the copies were synchronous).
   double last_write_seconds() const { return last_write_s_; }
+  double last_copy_seconds() const { return last_copy_s_; }
 
  private:
   struct Job;
   Options o_;
   std::unique_ptr<Job> job_;
-  std::unique_ptr<CheckpointSnapshot> spare_;
-  double last_write_s_ = 0;
+  std::unique_ptr<SnapshotBuffer> buffer_;
+  double last_write_s_ = 0, last_copy_s_ = 0;
 };
 
 // A whole save on every rank, inline: snapshot, write, barrier (tests and tools).

@@ -1,5 +1,6 @@
 #include "tools/trainer/checkpointing.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -77,7 +78,7 @@ RunCheckpoints::RunCheckpoints(Run& run) : run_(run) {
   o.keep_last = run.cfg.checkpoint.keep_last;
   o.timeout_s = run.cfg.distributed.timeout_s;
   o.before_write = test_write_hook();
-  saver_ = std::make_unique<CheckpointSaver>(o);
+  saver_ = std::make_unique<CheckpointSaver>(std::move(o));
 }
 
 RunCheckpoints::~RunCheckpoints() = default;
@@ -106,8 +107,18 @@ void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step,
     uintmax_t bytes = 0;
     for (const auto& e : fs::directory_iterator(*dir))
       if (e.is_regular_file()) bytes += e.file_size();
-    line += ": " + gigabytes(bytes) + ", snapshot " + seconds(snapshot_s_) + ", written in " +
-            seconds(saver_->last_write_seconds());
+    const double write_s = saver_->last_write_seconds(), copy_s = saver_->last_copy_seconds();
+    // The training loop waits until it is back from save() and, with pinned snapshots, until
+    // the GPU is past the copies (its stream waits for them): whichever comes later.
+    const double stall_s = std::max(host_s_, before_copies_s_ + copy_s);
+    char gib[96];
+    std::snprintf(gib, sizeof gib, " (%.2f GiB, %.2f GiB/s)",
+                  static_cast<double>(bytes) / (1u << 30),
+                  write_s > 0 ? static_cast<double>(bytes) / (1u << 30) / write_s : 0.0);
+    line += ": " + gigabytes(bytes) + gib + ", training blocked " + seconds(stall_s) + " (" +
+            (pinned_ ? "pinned" : "pageable") + " snapshot" +
+            (copy_s > 0 ? ", device-to-host " + seconds(copy_s) : std::string()) +
+            "), written in " + seconds(write_s);
   }
   if (run_.cfg.checkpoint.async && step > in_flight_step_)
     line += " (in the background during step" +
@@ -121,14 +132,23 @@ void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step,
 void RunCheckpoints::save(int64_t step, RunLog& log) {
   report(saver_->wait(), step, log);  // at most one save in flight
   const auto start = std::chrono::steady_clock::now();
+  auto since = [&start] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   const std::string tmp = checkpoint_tmp_dir(run_.output_dir(), step);
   if (run_.main_rank()) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
   }
   run_.dist.barrier();
+  // Before the snapshot: its small device-to-host copies run on the compute stream, which waits
+  // for the snapshot's copies once they are queued.
+  const nlohmann::json precision_info =
+      run_.precision->save_state(tmp, run_.dist.rank(), run_.dist.pg.get());
+  before_copies_s_ = since();
   CheckpointSnapshot s = take_snapshot(*run_.strategy, run_.dist.rank(), run_.dist.world(),
-                                       run_.cfg.checkpoint.save_optimizer, saver_->reusable());
+                                       run_.cfg.checkpoint.save_optimizer, saver_->buffer());
+  pinned_ = s.pinned;
   s.state.step = step;
   s.state.optimizer_steps = run_.strategy->optimizer_steps();
   s.state.seed = run_.cfg.training.seed;
@@ -145,13 +165,14 @@ void RunCheckpoints::save(int64_t step, RunLog& log) {
     write_generation_config(tmp, run_.tokenizer.get(), run_.cfg.data.tokenizer);
     if (run_.tokenizer) copy_tokenizer_files(run_.cfg.data.tokenizer, tmp);
   }
-  s.info.update(run_.precision->save_state(tmp, run_.dist.rank(), run_.dist.pg.get()));
+  s.info.update(precision_info);
   last_saved_step_ = step;
   in_flight_step_ = step;
-  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   saver_->save(run_.output_dir(), std::move(s));
+  host_s_ = since();
   if (!run_.cfg.checkpoint.async) {
     run_.dist.barrier();  // rank 0 has renamed the folder
+    host_s_ = since();    // a synchronous save blocks the loop for all of it
     report(saver_->wait(), step, log);
   }
 }

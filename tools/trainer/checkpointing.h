@@ -37,7 +37,10 @@ class RunCheckpoints {
   Run& run_;
   std::unique_ptr<CheckpointSaver> saver_;
   int64_t in_flight_step_ = -1;
-  double snapshot_s_ = 0;  // the step-boundary part of the save in flight
+  // Of the save in flight: the seconds the training loop spent in save() (sync: the whole
+  // save), from its start to the queuing of the snapshot's copies, and whether they are pinned.
+  double host_s_ = 0, before_copies_s_ = 0;
+  bool pinned_ = false;
   int64_t last_saved_step_ = -1;
 };
 
