@@ -2,8 +2,8 @@
 torch_fsdp2.py) and configs/llama-*.yaml, and the model they build: a Hugging Face
 LlamaForCausalLM with untied embeddings. FAMILY_SIZES holds the real shapes of the other
 families' checkpoints (configs/llama-3.2-1b.yaml, qwen3-*.yaml, qwen2.5-1.5b.yaml,
-mistral-7b.yaml) as config.json fields. Imported by the scripts beside it; needs transformers only
-when a model is built.
+mistral-7b.yaml) and of configs/moe-small.yaml as config.json fields. Imported by the scripts
+beside it; needs transformers only when a model is built.
 """
 from collections import namedtuple
 
@@ -73,6 +73,15 @@ FAMILY_SIZES = {
                         vocab_size=32000, max_position_embeddings=32768, rope_theta=10000.0,
                         rms_norm_eps=1e-5, sliding_window=4096, tie_word_embeddings=False),
                    4096, 1),
+    # configs/moe-small.yaml: Qwen3-MoE with 16 experts of width 1024 in every layer, top-2.
+    "moe-small": (dict(model_type="qwen3_moe", hidden_size=1536, num_hidden_layers=16,
+                       num_attention_heads=12, num_key_value_heads=4, head_dim=128,
+                       intermediate_size=4096, moe_intermediate_size=1024, num_experts=16,
+                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[], router_aux_loss_coef=0.01, output_router_logits=True,
+                       vocab_size=151936, max_position_embeddings=4096, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+                  2048, 4),
 }
 
 
