@@ -9,8 +9,8 @@ and accelerate (docs/performance.md has the measurements, tools/reference/README
 
 SIZE: llama-125m, llama-1b, llama-8b (llama_shapes.py; configs/llama-*.yaml are the same shapes),
   or a family size of llama_shapes.FAMILY_SIZES: llama-3.2-1b, qwen3-0.6b, qwen3-1.7b,
-  qwen2.5-1.5b, mistral-7b, moe-small (the Hugging Face class of its model_type: Qwen3ForCausalLM, ...;
-  configs/<size>.yaml), or --config-json FILE: a config.json (its model_type's class) with
+  qwen2.5-1.5b, mistral-7b, moe-small (the Hugging Face class of its model_type:
+  Qwen3ForCausalLM, Qwen3MoeForCausalLM, ...; configs/<size>.yaml), or --config-json FILE: a config.json (its model_type's class) with
   --seq and --micro-batch (default 2048 and 4).
 VARIANT:
   bf16           Accelerate mixed_precision "bf16" (autocast over fp32 weights), eager
