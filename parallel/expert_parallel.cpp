@@ -110,7 +110,9 @@ Tensor exchange_rows(const Tensor& x, const std::vector<int64_t>& send_rows,
   shape.at(0) = rows;
   Tensor src = x.is_contiguous() ? x : x.clone(MemCategory::Comm);
   Tensor out = Tensor::empty(shape, x.dtype(), x.device(), MemCategory::Activations);
-  group.all_to_all(out, src, recv_rows, send_rows)->wait();
+  // NCCL: later kernels on the caller's stream wait for the exchange, the host does not (the
+  // backend records the buffers on its stream); CPU: a plain wait.
+  group.all_to_all(out, src, recv_rows, send_rows)->wait_stream();
   return out;
 }
 }  // namespace

@@ -77,7 +77,8 @@ ExpertDispatch plan_expert_dispatch(const ExpertParallelContext& ctx,
 // Rows of dim 0 of x to the ranks of `group`: send_rows[p] rows (consecutive, rank after rank) to
 // rank p, recv_rows[p] from it; returns [sum(recv_rows), ...]. Differentiable: the backward sends
 // the gradient rows back the way they came (the reverse all-to-all), so every rank of the group
-// must run it in its backward too. Blocking; `group` must outlive the autograd graph.
+// must run it in its backward too. Blocking on the CPU backend; on NCCL the caller's stream waits
+// for it (not the host). `group` must outlive the autograd graph.
 Tensor all_to_all_rows(const Tensor& x, const std::vector<int64_t>& send_rows,
                        const std::vector<int64_t>& recv_rows, ProcessGroup& group);
 
