@@ -24,9 +24,13 @@ DataParallelOptions single_options(DType compute_dtype) {
 }  // namespace
 
 DdpStrategy::DdpStrategy(std::shared_ptr<ProcessGroup> pg, DType compute_dtype,
-                         double bucket_cap_mb, bool find_unused_parameters)
-    : FlatDataParallel(std::move(pg),
-                       ddp_options(compute_dtype, bucket_cap_mb, find_unused_parameters)) {}
+                         double bucket_cap_mb, bool find_unused_parameters,
+                         std::function<bool(const std::string&)> param_filter)
+    : FlatDataParallel(std::move(pg), [&] {
+        DataParallelOptions o = ddp_options(compute_dtype, bucket_cap_mb, find_unused_parameters);
+        o.param_filter = std::move(param_filter);
+        return o;
+      }()) {}
 
 SingleProcessStrategy::SingleProcessStrategy(DType compute_dtype)
     : FlatDataParallel(nullptr, single_options(compute_dtype)) {}

@@ -15,6 +15,7 @@
 // It is stage 0 of the engine in parallel/zero.h, and so is the single process.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -25,8 +26,10 @@ namespace accel {
 
 class DdpStrategy : public FlatDataParallel {
  public:
+  // param_filter: DataParallelOptions::param_filter (expert parallelism's two engines).
   DdpStrategy(std::shared_ptr<ProcessGroup> pg, DType compute_dtype, double bucket_cap_mb = 25,
-              bool find_unused_parameters = false);
+              bool find_unused_parameters = false,
+              std::function<bool(const std::string&)> param_filter = {});
 };
 
 // distributed_type NO: the same engine at stage 0 over one rank (no process group, so every

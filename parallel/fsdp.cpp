@@ -105,6 +105,7 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<ProcessGroup> pg, FsdpOptions options
                          d.zero_stage = 3;
                          d.compute_dtype = options.compute_dtype;
                          d.find_unused_parameters = options.find_unused_parameters;
+                         d.param_filter = options.param_filter;
                          d.offload_params = options.offload_params;
                          d.offload_optimizer = options.offload_params;
                          FsdpOptions copy = options;
@@ -218,10 +219,9 @@ void FsdpStrategy::precompute_fp8_scales() {
   fp8_->ag->precompute_scales(shards, comm(), device(), host_reduce ? Device::cpu() : device());
 }
 
-StepResult FsdpStrategy::step(double lr, double max_grad_norm, double grad_scale) {
-  StepResult r = FlatDataParallel::step(lr, max_grad_norm, grad_scale);
-  if (!r.skipped) precompute_fp8_scales();  // the weights changed: new global amaxes
-  return r;
+void FsdpStrategy::apply_update(const std::vector<Tensor>& grads, double lr, double multiplier) {
+  FlatDataParallel::apply_update(grads, lr, multiplier);
+  precompute_fp8_scales();  // the weights changed: new global amaxes
 }
 
 void FsdpStrategy::load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,

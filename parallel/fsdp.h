@@ -12,6 +12,7 @@
 // reduce-scatter. docs/parallel.md ("## FSDP2") has the details.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,8 @@ struct FsdpOptions {
   bool offload_params = false;  // sharded params, master weights and Adam state on the host
   FsdpStateDictType state_dict_type = FsdpStateDictType::Sharded;
   bool find_unused_parameters = false;
+  // The parameters this strategy takes (DataParallelOptions::param_filter; empty: all).
+  std::function<bool(const std::string& name)> param_filter;
 
   // From fsdp_config (validated by the config loader: the cross-key rules live there).
   static FsdpOptions from_config(const Config& cfg, DType compute_dtype);
@@ -88,7 +91,7 @@ class FsdpStrategy : public FlatDataParallel, public Fp8WeightGathering {
   void gather_fp8_weights(const Fp8Layers& layers) override;
 
   void setup(Module& model, const OptimizerOptions& opts) override;
-  StepResult step(double lr, double max_grad_norm, double grad_scale) override;
+  void apply_update(const std::vector<Tensor>& grads, double lr, double multiplier) override;
   void load_state(const std::vector<std::pair<std::string, Tensor>>& full_weights,
                   const std::vector<std::pair<std::string, Tensor>>& optimizer_state,
                   int64_t optimizer_steps) override;

@@ -32,6 +32,8 @@ const char* comm_kind_name(CommKind k) {
       return "send";
     case CommKind::Recv:
       return "recv";
+    case CommKind::AllToAll:
+      return "all_to_all";
   }
   return "?";
 }
@@ -116,6 +118,57 @@ void ProcessGroup::check_peer(int peer, const char* op) const {
   if (peer == rank_)
     throw std::invalid_argument(std::string("[") + backend() + " " + op + "] rank " +
                                 std::to_string(peer) + " is this rank itself");
+}
+
+int64_t ProcessGroup::check_all_to_all(const Tensor& out, const Tensor& in,
+                                       const std::vector<int64_t>& out_splits,
+                                       const std::vector<int64_t>& in_splits) const {
+  check_tensor(out, "all_to_all");
+  check_tensor(in, "all_to_all");
+  const std::string where = "[" + backend() + " all_to_all] ";
+  if (in.dim() < 1 || out.dim() < 1)
+    throw std::invalid_argument(where +
+                                "exchanges rows of dim 0 and needs tensors of at least "
+                                "one dimension, got input " +
+                                in.str() + " and output " + out.str());
+  Shape in_row(in.shape().begin() + 1, in.shape().end());
+  Shape out_row(out.shape().begin() + 1, out.shape().end());
+  if (in.dtype() != out.dtype() || in_row != out_row)
+    throw std::invalid_argument(where + "input " + in.str() + " and output " + out.str() +
+                                " must have the same dtype and the same shape past dim 0");
+  auto check_splits = [&](const std::vector<int64_t>& splits, const Tensor& t, const char* what) {
+    if (static_cast<int>(splits.size()) != size_)
+      throw std::invalid_argument(where + what + " has " + std::to_string(splits.size()) +
+                                  " entries; it needs one per rank of this group of " +
+                                  std::to_string(size_));
+    int64_t sum = 0;
+    for (size_t p = 0; p < splits.size(); ++p) {
+      if (splits[p] < 0)
+        throw std::invalid_argument(where + what + "[" + std::to_string(p) + "] is " +
+                                    std::to_string(splits[p]) + "; row counts are >= 0");
+      sum += splits[p];
+    }
+    if (sum != t.shape()[0])
+      throw std::invalid_argument(where + what + " sums to " + std::to_string(sum) +
+                                  " rows but the tensor " + t.str() + " has " +
+                                  std::to_string(t.shape()[0]));
+  };
+  check_splits(in_splits, in, "in_splits");
+  check_splits(out_splits, out, "out_splits");
+  if (in_splits[rank_] != out_splits[rank_])
+    throw std::invalid_argument(where + "rank " + std::to_string(rank_) + " sends itself " +
+                                std::to_string(in_splits[rank_]) +
+                                " rows (in_splits) but expects " +
+                                std::to_string(out_splits[rank_]) + " (out_splits)");
+  if (in.numel() > 0 && out.numel() > 0) {
+    const char* a = static_cast<const char*>(in.data_ptr());
+    const char* b = static_cast<const char*>(out.data_ptr());
+    if (a < b + out.nbytes() && b < a + in.nbytes())
+      throw std::invalid_argument(where + "input and output overlap; pass separate buffers");
+  }
+  int64_t row_numel = 1;
+  for (int64_t d : in_row) row_numel *= d;
+  return row_numel * static_cast<int64_t>(in.element_size());
 }
 
 }  // namespace accel

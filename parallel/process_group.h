@@ -40,8 +40,9 @@ using WorkPtr = std::shared_ptr<Work>;
 
 // Calls and bytes per kind of operation, for traffic reports. `bytes` is the payload the caller
 // handed in (all_reduce: the tensor; reduce_scatter / all_gather: the larger buffer; send/recv: the
-// tensor); `wire_bytes` is what this rank sent on the network (ring all_reduce: 2(N-1)/N of the
-// tensor). The NCCL backend counts the wire bytes of NCCL's ring algorithm.
+// tensor; all_to_all: `in`, the rows for this rank itself included); `wire_bytes` is what this
+// rank sent on the network (ring all_reduce: 2(N-1)/N of the tensor; all_to_all: the rows for the
+// other ranks). The NCCL backend counts the wire bytes of NCCL's ring algorithm.
 struct CommCounter {
   int64_t calls = 0;
   int64_t bytes = 0;
@@ -54,9 +55,10 @@ enum class CommKind : uint8_t {
   Broadcast,
   Barrier,
   Send,
-  Recv
+  Recv,
+  AllToAll
 };
-constexpr int kNumCommKinds = 7;
+constexpr int kNumCommKinds = 8;
 const char* comm_kind_name(CommKind k);  // "all_reduce", ...
 struct CommStats {
   CommCounter kind[kNumCommKinds];
@@ -95,6 +97,18 @@ class ProcessGroup {
   virtual WorkPtr all_gather(const Tensor& out, const Tensor& in) = 0;
   virtual WorkPtr broadcast(const Tensor& t, int root) = 0;
   virtual WorkPtr barrier() = 0;
+  // Rows of dim 0 to every rank, variable sizes (mixture-of-experts token dispatch). `in` holds,
+  // rank after rank, in_splits[p] rows for group rank p; `out` receives, rank after rank,
+  // out_splits[p] rows from rank p. Both splits have size() non-negative entries summing to
+  // dim 0 of their tensor; `in` and `out` have the same dtype and the same shape past dim 0
+  // (at least 1-d), do not overlap, and in_splits[rank()] == out_splits[rank()] (the rank's own
+  // rows are copied). Across ranks, rank q's in_splits[p] must equal rank p's out_splits[q]
+  // (exchange the counts first: parallel/expert_parallel.h). The CPU backend checks this and the
+  // row size on the wire and refuses a mismatch naming both ranks; NCCL cannot check it (a
+  // mismatch hangs until the timeout or corrupts rows).
+  virtual WorkPtr all_to_all(const Tensor& out, const Tensor& in,
+                             const std::vector<int64_t>& out_splits,
+                             const std::vector<int64_t>& in_splits) = 0;
   // Point-to-point; ranks are group ranks. Sends and receives between a pair are matched in order.
   virtual WorkPtr send(const Tensor& t, int dst) = 0;
   virtual WorkPtr recv(const Tensor& t, int src) = 0;
@@ -113,6 +127,10 @@ class ProcessGroup {
   void check_tensor(const Tensor& t, const char* op) const;
   void check_reducible(const Tensor& t, ReduceOp r, const char* op) const;
   void check_peer(int peer, const char* op) const;
+  // all_to_all's local contract (above); returns the bytes of one row.
+  int64_t check_all_to_all(const Tensor& out, const Tensor& in,
+                           const std::vector<int64_t>& out_splits,
+                           const std::vector<int64_t>& in_splits) const;
   void count(CommKind k, int64_t bytes, int64_t wire_bytes);
   void count_wire(CommKind k, int64_t wire_bytes);
 

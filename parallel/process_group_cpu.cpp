@@ -273,6 +273,9 @@ class Transport {
   char* staging() { return scratch(0, options_.segment_bytes); }
   // Runs I/O until op.pending == 0; throws DistributedError on failure or timeout.
   void finish_io(OpState& op);
+  // Engine thread: a check of what a peer sent failed. Aborts the transport (so the peers fail
+  // fast instead of waiting for data that will not come) and throws.
+  [[noreturn]] void fail(const std::string& reason);
 
  private:
   struct WriteReq {
@@ -741,6 +744,11 @@ void Transport::abort(const std::string& reason) {
     if (p) p->sock.close(ec);
 }
 
+void Transport::fail(const std::string& reason) {
+  abort(reason);
+  throw DistributedError(abort_reason_);
+}
+
 void Transport::complete(OpState& op, const std::string& error) {
   {
     std::lock_guard<std::mutex> lock(op.mu);
@@ -909,6 +917,8 @@ class CpuProcessGroup : public ProcessGroup {
   WorkPtr all_gather(const Tensor& out, const Tensor& in) override;
   WorkPtr broadcast(const Tensor& t, int root) override;
   WorkPtr barrier() override;
+  WorkPtr all_to_all(const Tensor& out, const Tensor& in, const std::vector<int64_t>& out_splits,
+                     const std::vector<int64_t>& in_splits) override;
   WorkPtr send(const Tensor& t, int dst) override;
   WorkPtr recv(const Tensor& t, int src) override;
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) override;
@@ -1232,6 +1242,70 @@ WorkPtr CpuProcessGroup::barrier() {
       c.tp->finish_io(op);
     }
   });
+}
+
+// Pairwise over the mesh: every pair first trades (row count, row bytes) and checks them against
+// what it expects, then the rows go straight into place (no staging); empty transfers are skipped
+// once both sides agreed on zero.
+WorkPtr CpuProcessGroup::all_to_all(const Tensor& out, const Tensor& in,
+                                    const std::vector<int64_t>& out_splits,
+                                    const std::vector<int64_t>& in_splits) {
+  const int64_t row = check_all_to_all(out, in, out_splits, in_splits);
+  const int n = size_, r = rank_;
+  int64_t wire = 0;
+  for (int p = 0; p < n; ++p)
+    if (p != r) wire += in_splits[p] * row;
+  std::string detail = std::string(dtype_name(in.dtype())) + ", " + std::to_string(in.shape()[0]) +
+                       " rows out, " + std::to_string(out.shape()[0]) + " in, " +
+                       format_bytes(static_cast<int64_t>(in.nbytes()));
+  return issue(
+      CommKind::AllToAll, static_cast<int64_t>(in.nbytes()), wire, detail,
+      [out, in, out_splits, in_splits, row](OpState& op, const Ctx& c) {
+        const int n = c.n, r = c.r;
+        char* o = static_cast<char*>(out.data_ptr());
+        const char* x = static_cast<const char*>(in.data_ptr());
+        std::vector<int64_t> in_at(n + 1, 0), out_at(n + 1, 0);  // byte offsets by rank
+        for (int p = 0; p < n; ++p) {
+          in_at[p + 1] = in_at[p] + in_splits[p] * row;
+          out_at[p + 1] = out_at[p] + out_splits[p] * row;
+        }
+        if (in_splits[r] * row > 0) std::memcpy(o + out_at[r], x + in_at[r], in_splits[r] * row);
+        if (n == 1) return;
+        std::vector<std::array<int64_t, 2>> mine(n), theirs(n);
+        for (int p = 0; p < n; ++p) {
+          if (p == r) continue;
+          mine[p] = {in_splits[p], row};
+          c.tp->write(c.world(p), algo::header(op, 0, sizeof mine[p]), mine[p].data(), op);
+          c.tp->read(c.world(p), algo::header(op, 0, sizeof theirs[p]), theirs[p].data(), op);
+        }
+        c.tp->finish_io(op);
+        auto who = [&](int p) {
+          return "rank " + std::to_string(p) +
+                 (c.world(p) != p ? " (world rank " + std::to_string(c.world(p)) + ")" : "");
+        };
+        for (int p = 0; p < n; ++p) {
+          if (p == r) continue;
+          if (theirs[p][1] != row)
+            c.tp->fail("all_to_all #" + std::to_string(op.seq) + ": " + who(p) + " sends rows of " +
+                       std::to_string(theirs[p][1]) + " bytes but " + who(r) +
+                       " receives rows of " + std::to_string(row) +
+                       " bytes; every rank must pass the same dtype and shape past dim 0");
+          if (theirs[p][0] != out_splits[p])
+            c.tp->fail("all_to_all #" + std::to_string(op.seq) + ": " + who(p) + " sends " +
+                       std::to_string(theirs[p][0]) + " rows to " + who(r) + ", which expects " +
+                       std::to_string(out_splits[p]) + " (its out_splits[" + std::to_string(p) +
+                       "]); rank q's in_splits[p] must equal rank p's out_splits[q] (exchange the "
+                       "counts first)");
+        }
+        for (int p = 0; p < n; ++p) {
+          if (p == r) continue;
+          const size_t sb = static_cast<size_t>(in_splits[p] * row);
+          const size_t rb = static_cast<size_t>(out_splits[p] * row);
+          if (sb) c.tp->write(c.world(p), algo::header(op, 1, sb), x + in_at[p], op);
+          if (rb) c.tp->read(c.world(p), algo::header(op, 1, rb), o + out_at[p], op);
+        }
+        c.tp->finish_io(op);
+      });
 }
 
 WorkPtr CpuProcessGroup::send(const Tensor& t, int dst) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ops/optimizer.h"
+#include "parallel/process_group.h"
 #include "runtime/module.h"
 
 namespace accel {
@@ -94,14 +95,28 @@ class Strategy {
   // for the log (null and "" when it has nothing to add). Local: no collectives.
   virtual nlohmann::json run_report() const;
   virtual std::string run_report_line() const { return ""; }
+  // Whether `name` is a parameter of the whole model that this rank's model does not hold
+  // (expert parallelism: other ranks' experts). Checkpoint checks accept such names.
+  virtual bool param_held_elsewhere(const std::string& name) const {
+    (void)name;
+    return false;
+  }
+  // Traffic of the process groups the strategy made itself (expert parallelism's groups), which
+  // the world group's stats() do not count; the run log adds it to the world's.
+  virtual CommStats group_comm_stats() const { return {}; }
 };
 
 class ProcessGroup;
 struct Config;
 
+struct ExpertParallelContext;
+
 // The strategy the config's distributed_type names, for this rank's process group (null on a
-// single process) and the compute dtype.
+// single process) and the compute dtype. With distributed.expert_parallel_size > 1, `ep` is the
+// mesh (make_expert_parallel over pg, which the model shares) and the strategy is
+// ExpertParallelStrategy over engines of that type (parallel/expert_parallel_strategy.h).
 std::unique_ptr<Strategy> make_strategy(const Config& cfg, std::shared_ptr<ProcessGroup> pg,
-                                        DType compute_dtype);
+                                        DType compute_dtype,
+                                        const ExpertParallelContext* ep = nullptr);
 
 }  // namespace accel

@@ -65,10 +65,19 @@ std::string FlatDataParallel::name() const {
   return options_.zero_stage == 0 ? "ddp" : "zero" + std::to_string(options_.zero_stage);
 }
 
+std::vector<Parameter*> FlatDataParallel::own_params(Module& m) const {
+  std::vector<Parameter*> all = m.parameters();
+  if (!options_.param_filter) return all;
+  std::vector<Parameter*> out;
+  for (Parameter* p : all)
+    if (options_.param_filter(p->name)) out.push_back(p);
+  return out;
+}
+
 void FlatDataParallel::build_groups(Module& model,
                                     std::vector<std::vector<Parameter*>>* group_params,
                                     std::vector<Module*>* units, bool* root_unit) {
-  std::vector<Parameter*> params = model.parameters();
+  std::vector<Parameter*> params = own_params(model);
   *root_unit = false;
   if (options_.zero_stage < 3) {
     // Gradients arrive roughly in reverse registration order.
@@ -82,7 +91,7 @@ void FlatDataParallel::build_groups(Module& model,
   std::set<Parameter*> in_unit;
   std::vector<std::vector<Parameter*>> forward;
   for (Module* u : *units) {
-    forward.push_back(u->parameters());
+    forward.push_back(own_params(*u));
     for (Parameter* p : forward.back())
       if (!in_unit.insert(p).second)
         throw std::invalid_argument("ZeRO-3: parameter " + p->name +
@@ -161,8 +170,10 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
   const int stage = options_.zero_stage;
   const int world = comm_.size(), rank = comm_.rank();
   const DType cdt = options_.compute_dtype;
-  std::vector<Parameter*> all = model.parameters();
-  if (all.empty()) throw std::invalid_argument(name() + ": the model has no parameters");
+  std::vector<Parameter*> all = own_params(model);
+  if (all.empty())
+    throw std::invalid_argument(name() + ": the model has no parameters" +
+                                (options_.param_filter ? " of this engine's share" : ""));
   for (size_t i = 0; i < all.size(); ++i) {
     model_order_[all[i]->name] = static_cast<int64_t>(i);
     model_names_.push_back(all[i]->name);
@@ -459,26 +470,36 @@ std::string FlatDataParallel::first_non_finite_param(const std::vector<Tensor>& 
   return model_names_.at(static_cast<size_t>(first));
 }
 
-StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_scale) {
+std::vector<Tensor> FlatDataParallel::finish_gradients() {
   if (readiness_ && readiness_->pending()) end_micro_batch();
   wait_pending(0);
-  const int stage = options_.zero_stage;
-  std::vector<Tensor> grads = owned_grads();
+  return owned_grads();
+}
+
+double FlatDataParallel::grad_sum_of_squares(const std::vector<Tensor>& grads) {
   std::vector<Tensor> present;  // per-parameter gradients: parameters without one are skipped
   for (const Tensor& t : grads)
     if (t.defined()) present.push_back(t);
-  StepResult r;
-  r.grad_norm = global_grad_norm(present, comm_, /*sharded=*/stage >= 1, device_) * grad_scale;
-  if (!std::isfinite(r.grad_norm)) {
-    r.skipped = true;
-    r.first_non_finite = first_non_finite_param(grads);
-  } else {
-    std::vector<Tensor> opt_grads = grads;
-    if (options_.offload_optimizer)
-      for (Tensor& t : opt_grads) t = t.to(Device::cpu());
-    optimizer_->step(opt_grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
-    refresh_compute(/*after_update=*/true);
-  }
+  // As global_grad_norm, without the root: step()'s norm stays bit-identical to before.
+  const double sq = sum_of_squares(present);
+  return options_.zero_stage >= 1 ? comm_.sum(sq, device_) : sq;
+}
+
+std::string FlatDataParallel::first_non_finite(const std::vector<Tensor>& grads) {
+  return first_non_finite_param(grads);
+}
+
+void FlatDataParallel::apply_update(const std::vector<Tensor>& grads, double lr,
+                                    double multiplier) {
+  std::vector<Tensor> opt_grads = grads;
+  if (options_.offload_optimizer)
+    for (Tensor& t : opt_grads) t = t.to(Device::cpu());
+  optimizer_->step(opt_grads, lr, multiplier);
+  refresh_compute(/*after_update=*/true);
+}
+
+void FlatDataParallel::clear_gradients() {
+  const int stage = options_.zero_stage;
   for (Group& g : groups_) {
     if (!options_.flat_grads)
       for (const Tensor& p : g.flat->params()) p.zero_grad();  // drops it, as autograd made it
@@ -487,6 +508,19 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
     else
       g.shard_grad = Tensor();  // the next reduction makes a new one
   }
+}
+
+StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_scale) {
+  std::vector<Tensor> grads = finish_gradients();
+  StepResult r;
+  r.grad_norm = std::sqrt(grad_sum_of_squares(grads)) * grad_scale;
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+    r.first_non_finite = first_non_finite(grads);
+  } else {
+    apply_update(grads, lr, grad_scale * clip_coefficient(r.grad_norm, max_grad_norm));
+  }
+  clear_gradients();
   return r;
 }
 

@@ -56,6 +56,10 @@ struct DataParallelOptions {
   // so no gradient memory between steps; a parameter without one is skipped by the update). The
   // single process (SingleProcessStrategy, parallel/ddp.h) sets it.
   bool flat_grads = true;
+  // The model parameters this engine takes, by name (empty: all of them). Expert parallelism
+  // runs two engines over one model, the expert parameters over another group than the rest
+  // (parallel/expert_parallel_strategy.h); stage 3's units then gather only their own share.
+  std::function<bool(const std::string& name)> param_filter;
 };
 
 // The outermost modules below `root` whose type_name() is one of `types`, in pre-order (= forward
@@ -96,6 +100,27 @@ class FlatDataParallel : public Strategy {
 
   // The fp32 master weights, gathered (every rank calls this; for tests and tools).
   std::vector<std::pair<std::string, Tensor>> gather_fp32_weights();
+
+  // step() in phases, for a strategy that composes engines (expert parallelism):
+  //   finish_gradients()      waits for the step's reductions; this rank's gradients as the
+  //                           optimizer takes them (undefined where a parameter has none)
+  //   grad_sum_of_squares(g)  their squared L2 norm over this engine's group (each element
+  //                           counted once: summed over the ranks when sharded); collective
+  //                           when sharded
+  //   first_non_finite(g)     the first parameter whose gradient holds NaN/Inf on any rank of
+  //                           the group, or ""; collective
+  //   apply_update(g, lr, m)  the optimizer step with the gradients times m (grad scale and
+  //                           clipping), then the compute weights refreshed (collective at
+  //                           stages 1-2)
+  //   clear_gradients()       ready for the next step
+  std::vector<Tensor> finish_gradients();
+  double grad_sum_of_squares(const std::vector<Tensor>& grads);
+  std::string first_non_finite(const std::vector<Tensor>& grads);
+  virtual void apply_update(const std::vector<Tensor>& grads, double lr, double multiplier);
+  void clear_gradients();
+  // This engine's process group (null over one process without one).
+  ProcessGroup* process_group() const { return comm_.group(); }
+  const std::vector<std::string>& param_names() const { return model_names_; }  // model order
 
   const DataParallelOptions& options() const { return options_; }
   int num_groups() const { return static_cast<int>(groups_.size()); }
@@ -151,6 +176,7 @@ class FlatDataParallel : public Strategy {
     std::function<void()> done;
   };
 
+  std::vector<Parameter*> own_params(Module& m) const;  // m's parameters this engine takes
   void build_groups(Module& model, std::vector<std::vector<Parameter*>>* group_params,
                     std::vector<Module*>* units, bool* root_unit);
   void launch_reduction(int g);

@@ -1190,6 +1190,11 @@ std::vector<Field> build_schema() {
                true, "Gradient bucket size (MiB) for DDP/ZeRO reductions."));
   add(f_bool("distributed.find_unused_parameters", ACCEL_REF(distributed.find_unused_parameters),
              "Tolerate parameters that get no gradient (otherwise that is an error)."));
+  add(f_int("distributed.expert_parallel_size", ACCEL_REF(distributed.expert_parallel_size), 1,
+            std::numeric_limits<int>::max(),
+            "Expert parallelism (mixture-of-experts models): each layer's experts are split over "
+            "this many consecutive ranks and tokens travel to them by all-to-all; must divide "
+            "num_processes and the model's number of experts. 1 = off."));
 
   for (auto& f : s)
     if (!f.group.empty() && f.group == f.path) f.alias = false;
@@ -1917,6 +1922,31 @@ void collect_notices(Config& c) {
 
 // ---- public API -------------------------------------------------------------------------------
 
+namespace {
+// The MoE fields are the model section's (written apart from the distributed code); whichever of
+// the two Hugging Face spellings ModelConfig has is read, so this needs no change when they come.
+template <class M>
+auto experts_field(const M& m, int) -> decltype(static_cast<int64_t>(m.num_experts)) {
+  return m.num_experts;
+}
+template <class M>
+int64_t experts_field(const M&, long) {
+  return 0;
+}
+template <class M>
+auto local_experts_field(const M& m, int) -> decltype(static_cast<int64_t>(m.num_local_experts)) {
+  return m.num_local_experts;
+}
+template <class M>
+int64_t local_experts_field(const M&, long) {
+  return 0;
+}
+}  // namespace
+
+int64_t model_num_experts(const ModelConfig& m) {
+  return std::max(experts_field(m, 0), local_experts_field(m, 0));
+}
+
 void validate_config(const Config& c) {
   auto err = [&](const std::string& key, const std::string& msg) {
     throw ConfigError(origin(c, key) + ": " + msg);
@@ -2008,6 +2038,34 @@ void validate_config(const Config& c) {
     if (n < per_machine)
       err("gpu_ids", "gpu_ids " + c.gpu_ids + " lists " + std::to_string(n) + " GPU(s) but " +
                          std::to_string(per_machine) + " processes run on each machine");
+  }
+
+  if (const int64_t ep = c.distributed.expert_parallel_size; ep != 1) {
+    const std::string what = "distributed.expert_parallel_size " + std::to_string(ep);
+    const int64_t experts = model_num_experts(c.model);
+    if (experts == 0)
+      err("distributed.expert_parallel_size",
+          what + " splits a mixture-of-experts model's experts over ranks, but the model (" +
+              c.model.name +
+              ") has no experts (model.num_experts / model.num_local_experts): set "
+              "distributed.expert_parallel_size: 1 or train a MoE model");
+    if (c.num_processes % ep != 0)
+      err("distributed.expert_parallel_size",
+          what + " does not divide num_processes " + std::to_string(c.num_processes) +
+              ": expert-parallel groups are blocks of " + std::to_string(ep) +
+              " consecutive ranks; launch a multiple of " + std::to_string(ep) +
+              " processes or pick a divisor of num_processes");
+    if (experts % ep != 0)
+      err("distributed.expert_parallel_size",
+          what + " does not divide the model's " + std::to_string(experts) +
+              " experts: every rank of an expert-parallel group holds the same number of them; "
+              "pick a divisor of " +
+              std::to_string(experts));
+    if (dt == DistributedType::Fsdp && c.fsdp.fsdp_cpu_ram_efficient_loading)
+      err("distributed.expert_parallel_size",
+          what + " with fsdp_config.fsdp_cpu_ram_efficient_loading: only rank 0 would read the "
+                 "weights, but the experts of the other expert-parallel ranks live elsewhere; set "
+                 "fsdp_cpu_ram_efficient_loading: false");
   }
 
   const ModelConfig& m = c.model;

@@ -171,7 +171,14 @@ struct DistributedConfig {
   double timeout_s = 300;
   double ddp_bucket_cap_mb = 25;
   bool find_unused_parameters = false;
+  // Expert parallelism: a mixture-of-experts model's experts split over this many consecutive
+  // ranks (parallel/expert_parallel.h); 1 = every rank holds every expert.
+  int64_t expert_parallel_size = 1;
 };
+
+// The model section's number of experts (num_experts, qwen3_moe; num_local_experts, mixtral), or
+// 0 for a dense model.
+int64_t model_num_experts(const ModelConfig& m);
 
 // Accelerate's fsdp_config. FSDP1-only keys are accepted and kept in Config::inert.
 struct FsdpConfig {

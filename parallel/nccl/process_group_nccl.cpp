@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "parallel/process_group.h"
 #include "runtime/cuda/context.h"
@@ -331,6 +332,43 @@ class NcclProcessGroup : public ProcessGroup {
       return ncclAllReduce(barrier_buf_.get(), barrier_buf_.get(), 1, ncclInt32, ncclSum,
                            comm_->comm, s);
     });
+  }
+
+  // One ncclSend/ncclRecv per peer with rows to move, fused by ncclGroupStart/End into one
+  // launch; this rank's own rows are a device copy on the communication stream.
+  WorkPtr all_to_all(const Tensor& out, const Tensor& in, const std::vector<int64_t>& out_splits,
+                     const std::vector<int64_t>& in_splits) override {
+    const int64_t row = check_all_to_all(out, in, out_splits, in_splits);
+    int64_t wire = 0;
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) wire += in_splits[p] * row;
+    const int64_t S = static_cast<int64_t>(in.nbytes());
+    // Bytes, so that every dtype (fp8 and bool included) moves the same way.
+    return launch(
+        CommKind::AllToAll, S, wire, {out, in}, dtype_name(in.dtype()), [&](cudaStream_t s) {
+          const char* x = static_cast<const char*>(in.data_ptr());
+          char* o = static_cast<char*>(out.data_ptr());
+          std::vector<int64_t> in_at(size_ + 1, 0), out_at(size_ + 1, 0);
+          for (int p = 0; p < size_; ++p) {
+            in_at[p + 1] = in_at[p] + in_splits[p] * row;
+            out_at[p + 1] = out_at[p] + out_splits[p] * row;
+          }
+          if (const int64_t own = in_splits[rank_] * row)
+            ACCEL_CUDA_CHECK(cudaMemcpyAsync(o + out_at[rank_], x + in_at[rank_],
+                                             static_cast<size_t>(own), cudaMemcpyDeviceToDevice,
+                                             s));
+          auto ok = [](ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; };
+          ncclResult_t r = ncclGroupStart();
+          for (int p = 0; p < size_ && ok(r); ++p) {
+            if (p == rank_) continue;
+            const size_t sb = static_cast<size_t>(in_splits[p] * row);
+            const size_t rb = static_cast<size_t>(out_splits[p] * row);
+            if (sb) r = ncclSend(x + in_at[p], sb, ncclUint8, p, comm_->comm, s);
+            if (rb && ok(r)) r = ncclRecv(o + out_at[p], rb, ncclUint8, p, comm_->comm, s);
+          }
+          const ncclResult_t e = ncclGroupEnd();  // closes the group in any case
+          return ok(r) ? e : r;
+        });
   }
 
   WorkPtr send(const Tensor& t, int dst) override {

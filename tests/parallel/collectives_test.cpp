@@ -1,6 +1,7 @@
 // Every collective of the CPU process group with 2, 3 and 4 forked ranks, all dtypes, uneven and
 // zero sizes, both the direct (small message) and the ring/chain (large message) algorithms.
 #include <cmath>
+#include <thread>
 
 #include "tests/parallel/harness.h"
 
@@ -246,6 +247,196 @@ TEST_P(Collectives, Subgroups) {
   testing::expect_all_ok(exits);
 }
 
+// Rows rank `from` sends rank `to` in all_to_all round `salt`: uneven, often zero.
+int64_t a2a_rows(int from, int to, int salt) { return (from * 3 + to * 5 + salt) % 4; }
+// Element j of row i of the block rank `from` sends rank `to`.
+double a2a_value(DType d, int from, int to, int64_t i, int64_t j, int salt) {
+  return value(d, from * 5 + to, i * 3 + j, salt);
+}
+
+// all_to_all of [rows, cols] blocks in every dtype; returns 0 or fails naming the case.
+int check_all_to_all(ProcessGroup& pg, const char* label, int64_t cols, int salt) {
+  const int n = pg.size(), r = pg.rank();
+  for (DType d : kAll) {
+    ++salt;
+    std::vector<int64_t> in_splits(n), out_splits(n);
+    std::vector<double> src;
+    for (int p = 0; p < n; ++p) {
+      in_splits[p] = a2a_rows(r, p, salt);
+      out_splits[p] = a2a_rows(p, r, salt);
+      for (int64_t i = 0; i < in_splits[p]; ++i)
+        for (int64_t j = 0; j < cols; ++j) src.push_back(a2a_value(d, r, p, i, j, salt));
+    }
+    int64_t in_rows = 0, out_rows = 0;
+    for (int p = 0; p < n; ++p) {
+      in_rows += in_splits[p];
+      out_rows += out_splits[p];
+    }
+    Tensor in = Tensor::from_vector(src, {in_rows, cols}, d);
+    Tensor out = Tensor::full({out_rows, cols}, 99, d);
+    pg.all_to_all(out, in, out_splits, in_splits)->wait();
+    std::vector<double> got = out.to_vector();
+    size_t k = 0;
+    for (int p = 0; p < n; ++p)
+      for (int64_t i = 0; i < out_splits[p]; ++i)
+        for (int64_t j = 0; j < cols; ++j, ++k) {
+          double e = a2a_value(d, p, r, i, j, salt);
+          if (d == DType::Bool) e = e != 0;
+          RANK_CHECK(got[k] == e,
+                     "%s all_to_all %s: row %lld from rank %d col %lld: got %f, want %f", label,
+                     dtype_name(d), static_cast<long long>(i), p, static_cast<long long>(j), got[k],
+                     e);
+        }
+  }
+  return 0;
+}
+
+TEST_P(Collectives, AllToAllUnevenAndZeroSplits) {
+  const int n = GetParam();
+  const int port = pick_free_port();
+  auto exits = run_ranks(n, [&](int r) {
+    auto w = make_world(r, n, port);
+    ProcessGroupOptions small_segments;
+    small_segments.segment_bytes = 64;  // rows arrive in many segments
+    auto pg2 = make_cpu_process_group(w.store, r, n, small_segments);
+    for (int64_t cols : {1, 3, 40})
+      for (int salt = 0; salt < 4; ++salt) {
+        if (int rc = check_all_to_all(*w.pg, "world", cols, salt * 100)) return rc;
+        if (int rc = check_all_to_all(*pg2, "segments", cols, salt * 100 + 50)) return rc;
+      }
+
+    // Nothing to send at all, and 1-d tensors (a row is one element).
+    std::vector<int64_t> zeros(n, 0);
+    w.pg->all_to_all(Tensor::zeros({0, 4}), Tensor::zeros({0, 4}), zeros, zeros)->wait();
+    std::vector<int64_t> one(n, 1);
+    Tensor v = Tensor::full({n}, r, DType::I64), got = Tensor::zeros({n}, DType::I64);
+    w.pg->all_to_all(got, v, one, one)->wait();
+    for (int p = 0; p < n; ++p) RANK_CHECK(got.to_vector()[p] == p, "1-d all_to_all");
+
+    // Stats: bytes = the input, wire = the rows for the other ranks.
+    w.pg->reset_stats();
+    std::vector<int64_t> in_splits(n), out_splits(n);
+    int64_t in_rows = 0, out_rows = 0, sent = 0;
+    for (int p = 0; p < n; ++p) {
+      in_splits[p] = p + 1;
+      out_splits[p] = r + 1;
+      in_rows += p + 1;
+      out_rows += r + 1;
+      if (p != r) sent += p + 1;
+    }
+    w.pg->all_to_all(Tensor::zeros({out_rows, 5}), Tensor::ones({in_rows, 5}), out_splits,
+                     in_splits)
+        ->wait();
+    CommCounter c = w.pg->stats()[CommKind::AllToAll];
+    RANK_CHECK(c.calls == 1 && c.bytes == in_rows * 5 * 4 && c.wire_bytes == sent * 5 * 4,
+               "all_to_all stats: calls %lld bytes %lld wire %lld", static_cast<long long>(c.calls),
+               static_cast<long long>(c.bytes), static_cast<long long>(c.wire_bytes));
+    RANK_CHECK(std::string(comm_kind_name(CommKind::AllToAll)) == "all_to_all", "kind name");
+
+    // In a subgroup (the ranks above 0), interleaved with the world group.
+    std::vector<int> upper;
+    for (int i = 1; i < n; ++i) upper.push_back(i);
+    auto sub = w.pg->new_group(upper);
+    if (sub) {
+      if (int rc = check_all_to_all(*sub, "subgroup", 2, 7)) return rc;
+    }
+    return check_all_to_all(*w.pg, "after subgroup", 2, 9);
+  });
+  testing::expect_all_ok(exits);
+}
+
+// Rank 0 expects one row more from rank 1 than rank 1 sends it: both ranks fail, rank 0 (which
+// sees the mismatch) naming the counts, rank 1 pointing at rank 0's failure.
+TEST(Collectives, AllToAllMismatchedSplitsAreRefused) {
+  const int port = pick_free_port();
+  auto exits = run_ranks(2, [&](int r) {
+    ProcessGroupOptions o;
+    o.timeout = std::chrono::seconds(10);
+    auto w = make_world(r, 2, port, o);
+    // Rank 0 sends rank 1 two rows and rank 1 expects two; rank 1 sends rank 0 two rows, but
+    // rank 0 expects three.
+    std::vector<int64_t> in_splits = {1, 2}, out_splits = {1, 3};
+    if (r == 1) in_splits = {2, 1}, out_splits = {2, 1};
+    int64_t in_rows = in_splits[0] + in_splits[1], out_rows = out_splits[0] + out_splits[1];
+    std::string msg;
+    try {
+      w.pg->all_to_all(Tensor::zeros({out_rows, 2}), Tensor::ones({in_rows, 2}), out_splits,
+                       in_splits)
+          ->wait();
+    } catch (const DistributedError& e) {
+      msg = e.what();
+    }
+    std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
+    RANK_CHECK(msg.find("rank 1 sends 2 rows to rank 0, which expects 3") != std::string::npos,
+               "unclear: %s", msg.c_str());
+    // The group is aborted: later calls fail at once.
+    bool failed = false;
+    try {
+      w.pg->barrier()->wait();
+    } catch (const DistributedError&) {
+      failed = true;
+    }
+    RANK_CHECK(failed, "the group kept working after a refused all_to_all");
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));  // store for rank 1
+    return 0;
+  });
+  testing::expect_all_ok(exits);
+}
+
+// A peer that exits, and one that stalls past the timeout: all_to_all fails naming it, as the
+// other collectives do.
+TEST(Collectives, AllToAllDeadOrStalledPeerIsNamed) {
+  for (bool stall : {false, true}) {
+    const int port = pick_free_port();
+    auto exits = run_ranks(2, [&](int r) {
+      ProcessGroupOptions o;
+      o.timeout = std::chrono::milliseconds(stall ? 500 : 10000);
+      auto w = make_world(r, 2, port, o);
+      w.pg->barrier()->wait();
+      if (r == 1) {
+        if (stall) std::this_thread::sleep_for(std::chrono::seconds(2));
+        return 0;  // never joins the all_to_all
+      }
+      std::vector<int64_t> splits = {1, 1};
+      std::string msg;
+      try {
+        w.pg->all_to_all(Tensor::zeros({2, 3}), Tensor::ones({2, 3}), splits, splits)->wait();
+      } catch (const DistributedError& e) {
+        msg = e.what();
+      }
+      RANK_CHECK(msg.find("all_to_all") != std::string::npos &&
+                     msg.find("rank 1") != std::string::npos &&
+                     (stall ? msg.find("timed out") : msg.find("closed")) != std::string::npos,
+                 "%s: unclear: %s", stall ? "stalled" : "dead", msg.c_str());
+      return 0;
+    });
+    testing::expect_all_ok(exits);
+  }
+}
+
+TEST(Collectives, AllToAllMismatchedRowSizesAreRefused) {
+  const int port = pick_free_port();
+  auto exits = run_ranks(2, [&](int r) {
+    ProcessGroupOptions o;
+    o.timeout = std::chrono::seconds(10);
+    auto w = make_world(r, 2, port, o);
+    std::vector<int64_t> splits = {1, 1};
+    const DType d = r == 0 ? DType::F32 : DType::BF16;  // rows of 8 vs 4 bytes
+    std::string msg;
+    try {
+      w.pg->all_to_all(Tensor::zeros({2, 2}, d), Tensor::ones({2, 2}, d), splits, splits)->wait();
+    } catch (const DistributedError& e) {
+      msg = e.what();
+    }
+    RANK_CHECK(msg.find("rows of") != std::string::npos &&
+                   msg.find("same dtype and shape past dim 0") != std::string::npos,
+               "unclear: %s", msg.c_str());
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    return 0;
+  });
+  testing::expect_all_ok(exits);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Values(2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return "world" + std::to_string(i.param);
@@ -264,6 +455,12 @@ TEST(Collectives, SingleRankGroupIsLocal) {
   w.pg->broadcast(t, 0)->wait();
   w.pg->barrier()->wait();
   EXPECT_THROW(w.pg->send(t, 0), std::invalid_argument);
+  // all_to_all over one rank is a copy of the rank's own rows.
+  Tensor rows = Tensor::from_vector(std::vector<double>{1, 2, 3, 4}, {2, 2});
+  Tensor moved = Tensor::zeros({2, 2});
+  w.pg->all_to_all(moved, rows, {2}, {2})->wait();
+  EXPECT_EQ(moved.to_vector(), rows.to_vector());
+  EXPECT_EQ(w.pg->stats()[CommKind::AllToAll].wire_bytes, 0);
 }
 
 TEST(Collectives, BadArgumentsAreClearErrors) {
@@ -289,6 +486,37 @@ TEST(Collectives, BadArgumentsAreClearErrors) {
   expect_message([&] { w.pg->broadcast(m, 3); }, "root 3");
   expect_message([&] { w.pg->all_reduce(Tensor::zeros({2}, DType::Bool), ReduceOp::Avg); }, "bool");
   expect_message([&] { w.pg->new_group({0, 0}); }, "distinct");
+  // all_to_all's local contract.
+  Tensor rows = Tensor::zeros({3, 2});
+  expect_message(
+      [&] {
+        w.pg->all_to_all(Tensor::zeros({3, 2}), rows, {3, 0}, {3});
+      },
+      "out_splits has 2 entries");
+  expect_message(
+      [&] {
+        w.pg->all_to_all(Tensor::zeros({3, 2}), rows, {3}, {2});
+      },
+      "in_splits sums to 2 rows");
+  expect_message([&] { w.pg->all_to_all(Tensor::zeros({3, 2}), rows, {3}, {-1}); }, ">= 0");
+  expect_message(
+      [&] {
+        w.pg->all_to_all(Tensor::zeros({3, 3}), rows, {3}, {3});
+      },
+      "same shape past dim 0");
+  expect_message(
+      [&] {
+        w.pg->all_to_all(Tensor::zeros({3, 2}, DType::BF16), rows, {3}, {3});
+      },
+      "same dtype");
+  expect_message(
+      [&] {
+        w.pg->all_to_all(Tensor::zeros({4, 2}), rows, {4}, {3});
+      },
+      "sends itself 3 rows");
+  expect_message([&] { w.pg->all_to_all(rows, rows, {3}, {3}); }, "overlap");
+  expect_message([&] { w.pg->all_to_all(Tensor::zeros({}), Tensor::zeros({}), {1}, {1}); },
+                 "at least one dimension");
   // fp8 still moves as bytes.
   w.pg->all_gather(Tensor::zeros({4}, DType::E4M3), fp8)->wait();
 }

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "tools/trainer/bench_report.h"
 
@@ -80,6 +82,36 @@ TEST(BenchReport, ModelStateFormulasMatchTheZeroPaper) {
   EXPECT_EQ(accel::expected_model_state_bytes("zero3", "bf16", P, 4), 16 * P / 4);
   EXPECT_EQ(accel::expected_model_state_bytes("fsdp", "bf16", P, 4), 16 * P / 4);
   EXPECT_EQ(accel::expected_model_state_bytes("ddp", "no", P, 4), 16 * P);
+}
+
+// Expert parallelism's all-to-all gets a column of its own, only where a row has some.
+TEST(BenchReport, AllToAllColumnOnlyWithExpertParallelTraffic) {
+  accel::BenchRow dense;
+  dense.strategy = "ddp";
+  dense.precision = "no";
+  dense.world_size = 2;
+  dense.comm_bytes_per_step = {{"all_reduce", 1000}};
+  accel::BenchRow failed = dense;
+  failed.status = "failed";
+  failed.reason = "boom";
+  EXPECT_EQ(accel::bench_table({dense, failed}).find("all-to-all"), std::string::npos);
+  accel::BenchRow ep = dense;
+  ep.comm_bytes_per_step = {{"all_reduce", 1000}, {"all_to_all", 4096}};
+  ep.all_to_all_bytes_per_step = 4096;
+  const std::string table = accel::bench_table({dense, ep, failed});
+  EXPECT_NE(table.find("all-to-all/step"), std::string::npos) << table;
+  const std::string md = accel::bench_markdown({dense, ep, failed});
+  // Every markdown line has as many cells as the header.
+  std::istringstream lines(md);
+  std::string line;
+  size_t cells = 0;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] != '|') continue;
+    const size_t n = static_cast<size_t>(std::count(line.begin(), line.end(), '|'));
+    if (!cells) cells = n;
+    EXPECT_EQ(n, cells) << line;
+  }
+  EXPECT_EQ(accel::bench_json({ep})[0]["all_to_all_wire_bytes_per_step"].get<int64_t>(), 4096);
 }
 
 }  // namespace

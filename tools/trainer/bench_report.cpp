@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "parallel/process_group.h"
 #include "runtime/json.h"
 #include "tools/trainer/progress.h"
 
@@ -54,6 +55,8 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
     row.peak_bytes_max_rank = std::max<int64_t>(row.peak_bytes_max_rank, r.at("total"));
   if (!row.peak_bytes_max_rank) row.peak_bytes_max_rank = row.peak_by_category.at("total");
   row.comm_bytes_per_step = last_step.value("comm_wire_bytes_per_step", nlohmann::json::object());
+  row.all_to_all_bytes_per_step =
+      row.comm_bytes_per_step.value(comm_kind_name(CommKind::AllToAll), int64_t{0});
   row.expected_model_state_bytes = expected_model_state_bytes(
       row.strategy, row.precision, summary.at("num_parameters").get<int64_t>(), row.world_size);
 }
@@ -85,13 +88,18 @@ std::string fmt(const char* f, double v) {
 }
 
 std::vector<std::vector<std::string>> cells(const std::vector<BenchRow>& rows) {
+  // The all-to-all column only where a row has expert parallelism's traffic.
+  bool a2a = false;
+  for (const BenchRow& r : rows) a2a |= r.all_to_all_bytes_per_step > 0;
   std::vector<std::vector<std::string>> out{
       {"strategy", "precision", "ranks", "tok/s", "tok/s/dev", "step ms (p50/p90)", "MFU",
        "peak mem/rank", "model states (formula)", "comm/step", "loss", "status"}};
+  if (a2a) out[0].insert(out[0].end() - 2, "all-to-all/step");
   for (const BenchRow& r : rows) {
     if (r.status != "ok") {
       out.push_back({r.strategy, r.precision, std::to_string(r.world_size), "-", "-", "-", "-", "-",
                      "-", "-", "-", r.status + ": " + r.reason});
+      if (a2a) out.back().insert(out.back().end() - 2, "-");
       continue;
     }
     int64_t comm = 0;
@@ -102,6 +110,10 @@ std::vector<std::vector<std::string>> cells(const std::vector<BenchRow>& rows) {
                    r.mfu >= 0 ? fmt("%.1f%%", 100 * r.mfu) : "-",
                    format_bytes(r.peak_bytes_max_rank), format_bytes(r.expected_model_state_bytes),
                    comm ? format_bytes(comm) : "0", fmt("%.4f", r.final_loss), "ok"});
+    if (a2a)
+      out.back().insert(out.back().end() - 2, r.all_to_all_bytes_per_step
+                                                  ? format_bytes(r.all_to_all_bytes_per_step)
+                                                  : "0");
   }
   return out;
 }
@@ -157,7 +169,8 @@ nlohmann::json bench_json(const std::vector<BenchRow>& rows) {
                  {"peak_bytes_by_category_rank0", r.peak_by_category},
                  {"peak_bytes_by_category_per_rank", r.peak_by_rank},
                  {"expected_model_state_bytes", r.expected_model_state_bytes},
-                 {"comm_wire_bytes_per_step", r.comm_bytes_per_step}});
+                 {"comm_wire_bytes_per_step", r.comm_bytes_per_step},
+                 {"all_to_all_wire_bytes_per_step", r.all_to_all_bytes_per_step}});
   return a;
 }
 

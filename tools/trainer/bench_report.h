@@ -23,6 +23,8 @@ struct BenchRow {
   nlohmann::json peak_by_rank;             // every rank's peak bytes by category
   int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
   nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
+  // Of which expert parallelism's all-to-all (token dispatch and return), 0 without.
+  int64_t all_to_all_bytes_per_step = 0;
 };
 
 // Fills the measured fields of `row` from a run's metrics.jsonl, ignoring the first `warmup`

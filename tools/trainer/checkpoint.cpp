@@ -785,7 +785,9 @@ void check_checkpoint_matches_run(const LoadedCheckpoint& ck, Module& model, Str
       "with model.init_from pointing at a model folder";
   std::map<std::string, OfferedWeight> offered;
   const std::string file = (fs::path(ck.dir) / "trainer_state.json").string() + " (\"state\")";
-  for (const auto& [name, p] : ck.params) offered[name] = {file, "F32", p.shape};
+  // Expert parallelism: other ranks' experts are in the checkpoint but not in this rank's model.
+  for (const auto& [name, p] : ck.params)
+    if (!strategy.param_held_elsewhere(name)) offered[name] = {file, "F32", p.shape};
   check_offered_weights(model, offered, ck.dir, advice, /*allow_tied_lm_head=*/false);
   const std::vector<std::string> kinds = strategy.state_kinds();
   auto list = [](const std::vector<std::string>& v) {

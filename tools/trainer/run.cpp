@@ -245,6 +245,18 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   if (!c.model.init_from.empty()) adopt_loaded_shape(run.cfg, run.model_config);
   set_allow_tf32(run.device, c.training.allow_tf32);
   run.dist = init_distributed(c, env, run.device);
+  if (c.distributed.expert_parallel_size > 1) {
+    // The groups are made here, in the same order on every rank, before anything else makes
+    // groups.
+    if (!run.dist.pg || run.dist.world() % c.distributed.expert_parallel_size != 0)
+      throw UsageError("distributed.expert_parallel_size " +
+                       std::to_string(c.distributed.expert_parallel_size) +
+                       " does not divide the " + std::to_string(run.dist.world()) +
+                       " processes launched: launch a multiple of it, or set it to a divisor");
+    run.expert_parallel = std::make_shared<const ExpertParallelContext>(
+        make_expert_parallel(run.dist.pg, static_cast<int>(c.distributed.expert_parallel_size),
+                             model_num_experts(c.model), run.device));
+  }
 
   // 2. The output folder.
   const std::string& out_dir = c.training.output_dir;
@@ -268,6 +280,11 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   // 3. The model: seeded initialization, then init_from's weights (with
   // fsdp_cpu_ram_efficient_loading only rank 0 reads them; setup() hands them out).
   run.model = std::make_unique<CausalLM>(run.model_config, DType::F32, run.device, c.training.seed);
+  // HOOK (expert parallelism, the MoE model's side): with run.expert_parallel set, the MoE
+  // layers must hold only experts [expert_begin, expert_end) under their global names and
+  // dispatch through the context (parallel/expert_parallel.h), e.g.
+  //   run.model->set_expert_parallel(*run.expert_parallel);
+  // The strategy's setup refuses a model that holds other ranks' experts.
   if (!c.model.init_from.empty() && reads_init_weights(c, run.dist.rank())) {
     load_hf_weights(*run.model, c.model.init_from);
     if (run.main_rank()) {
@@ -285,7 +302,8 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.precision->convert(*run.model, run.device);
 
   // 5. The strategy.
-  run.strategy = make_strategy(c, run.dist.pg, run.precision->compute_dtype());
+  run.strategy =
+      make_strategy(c, run.dist.pg, run.precision->compute_dtype(), run.expert_parallel.get());
   run.precision->attach(*run.strategy);
   run.strategy->setup(*run.model, optimizer_options(c.optimizer));
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/decoder.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/launch_env.h"
 #include "parallel/strategy.h"
 #include "runtime/config.h"
@@ -50,6 +51,9 @@ struct Run {
   std::chrono::steady_clock::time_point start_time;
   Device device = Device::cpu();
   Distributed dist;
+  // distributed.expert_parallel_size > 1: the mesh the MoE layers and the strategy share (null
+  // otherwise).
+  std::shared_ptr<const ExpertParallelContext> expert_parallel;
   DecoderConfig model_config;
   std::unique_ptr<CausalLM> model;
   std::unique_ptr<Precision> precision;

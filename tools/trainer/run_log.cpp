@@ -21,6 +21,21 @@ double peak_flops(Device d, DType compute, bool tf32) {
   return tf32 ? 494e12 : 67e12;
 }
 
+// What this rank's collectives moved: the world group's and the strategy's own groups' (expert
+// parallelism's all-to-alls).
+CommStats comm_stats(const Run& run) {
+  CommStats s = run.dist.pg->stats();
+  if (run.strategy) {
+    const CommStats g = run.strategy->group_comm_stats();
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      s.kind[k].calls += g.kind[k].calls;
+      s.kind[k].bytes += g.kind[k].bytes;
+      s.kind[k].wire_bytes += g.kind[k].wire_bytes;
+    }
+  }
+  return s;
+}
+
 // Bytes this rank sent per step, by collective, since `last` (which is then updated).
 nlohmann::json comm_delta(const CommStats& now, CommStats& last, int64_t steps) {
   nlohmann::json j = nlohmann::json::object();
@@ -158,7 +173,7 @@ RunLog::RunLog(const Run& run, int64_t first_step)
                  run.strategy->name() + " x " + std::to_string(run.dist.world());
   flops_per_token_ = run.model_config.flops_per_token(run.cfg.training.seq_len);
   peak_flops_ = peak_flops(run.device, run.precision->compute_dtype(), run.cfg.training.allow_tf32);
-  if (run.dist.pg) last_comm_ = run.dist.pg->stats();
+  if (run.dist.pg) last_comm_ = comm_stats(run);
   last_host_wait_ = cuda::host_wait_seconds();
   reset_peak_memory_stats(run.device);
   train_start_ = last_log_ = std::chrono::steady_clock::now();
@@ -238,7 +253,7 @@ void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
   const nlohmann::json precision_entries = run_.precision->metrics();
   if (precision_entries.is_object()) j.update(precision_entries);
   if (run_.dist.pg)
-    j["comm_wire_bytes_per_step"] = comm_delta(run_.dist.pg->stats(), last_comm_, steps_logged);
+    j["comm_wire_bytes_per_step"] = comm_delta(comm_stats(run_), last_comm_, steps_logged);
   if (run_.device.is_cuda()) {  // how long the host sat waiting for the GPU, per step
     const double wait = cuda::host_wait_seconds();
     j["host_wait_ms_per_step"] = (wait - last_host_wait_) * 1e3 / steps_logged;
