@@ -799,8 +799,10 @@ Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
     const int64_t H = x.size(-1);
     Tensor flat = reshape(x, {-1, H});
     // transformers: router logits in the activations' dtype, softmax and top-k in fp32, the
-    // routing weights cast back to the activations' dtype.
-    Tensor probs = softmax(cast(gate.forward(flat), DType::F32), -1);
+    // routing weights cast back to the activations' dtype. (An f64 model, for the tests' finite
+    // differences, keeps f64.)
+    const DType router_dtype = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+    Tensor probs = softmax(cast(gate.forward(flat), router_dtype), -1);
     auto [top, chosen] = topk(probs, config.num_experts_per_tok);
     if (config.renormalizes_topk()) top = div(top, sum(top, {-1}, true));
     Tensor weights = cast(top, x.dtype());
@@ -916,7 +918,8 @@ Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayo
       x = layer->forward(x, &cache->layers[i], {}, stats);
     } else if (checkpoint_layers_ && stats) {
       // checkpoint() has one output: the layer's output and its router probability sums travel
-      // in one fp32 tensor (exact for bf16 / f16 outputs), so that both stay differentiable. The
+      // in one tensor of the router's dtype (fp32: exact for bf16 / f16 outputs), so that both
+      // stay differentiable. The
       // expert counts are constants, written again (the same) when backward recomputes the layer.
       const Shape shape = x.shape();
       const DType dtype = x.dtype();
@@ -926,7 +929,7 @@ Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayo
             Tensor y = layer->forward(in[0], nullptr, layout, &fresh);
             stats->expert_counts = fresh.expert_counts;
             stats->tokens = fresh.tokens;
-            return cat({reshape(cast(y, DType::F32), {-1}), fresh.prob_sum}, 0);
+            return cat({reshape(cast(y, fresh.prob_sum.dtype()), {-1}), fresh.prob_sum}, 0);
           },
           {x});
       const int64_t n = shape_numel(shape);
@@ -988,7 +991,8 @@ Tensor CausalLM::router_aux_loss() const {
   const double T = static_cast<double>(rows);
   for (size_t e = 0; e < counts.size(); ++e)
     scale[e] = static_cast<double>(E) * counts[e] / (T * T);
-  return sum(mul(prob_total, Tensor::from_vector(scale, {E}, DType::F32, prob_total.device())));
+  return sum(
+      mul(prob_total, Tensor::from_vector(scale, {E}, prob_total.dtype(), prob_total.device())));
 }
 
 Tensor CausalLM::add_router_aux_loss(const Tensor& lm_loss) const {

@@ -230,7 +230,7 @@ class ModuleList : public Module {
 // What the load-balancing loss needs from one sparse layer's forward.
 struct RouterStats {
   std::vector<int64_t> expert_counts;  // [num_experts] routed slots per expert (constants)
-  Tensor prob_sum;  // f32 [num_experts]: the router probabilities summed over tokens
+  Tensor prob_sum;  // [num_experts] (fp32; f64 models f64): router probabilities summed over tokens
   int64_t tokens = 0;
 };
 
