@@ -1054,6 +1054,67 @@ void check_offered_weights(Module& model, const std::map<std::string, OfferedWei
                                advice);
 }
 
+namespace {
+
+// Where a per-expert parameter lies in transformers 5's fused layout (save_pretrained with
+// save_original_format=False): expert `expert`'s rows [row_begin, row_begin + rows) of the
+// [E, R, C] tensor `source`; expert -1: all of `source` (a renamed tensor).
+struct FusedExpertSlice {
+  std::string source;
+  int64_t expert = -1, row_begin = 0, rows = 0;
+};
+
+// Rewrites `offered` so that fused expert tensors (model.layers.{i}.mlp.experts.gate_up_proj
+// [E, 2I, H], gate rows first, and .down_proj [E, H, I]; Mixtral's router as mlp.gate) appear
+// under the per-expert names the model's parameters carry; returns where each one comes from.
+std::map<std::string, FusedExpertSlice> unfuse_expert_tensors(
+    Module& model, std::map<std::string, OfferedWeight>& offered) {
+  std::set<std::string> params;
+  for (Parameter* p : model.parameters()) params.insert(p->name);
+  std::map<std::string, FusedExpertSlice> out;
+  std::map<std::string, OfferedWeight> added;
+  std::vector<std::string> replaced;
+  const std::string experts = ".mlp.experts.";
+  for (const auto& [name, w] : offered) {
+    const size_t at = name.find(experts);
+    const std::string prefix = at == std::string::npos ? "" : name.substr(0, at);
+    const std::string kind = at == std::string::npos ? "" : name.substr(at + experts.size());
+    if (kind == "gate_up_proj" || kind == "down_proj") {
+      if (w.shape.size() != 3) continue;  // check_offered_weights names it
+      // The model's naming of expert 0 tells the family (Qwen3-MoE or Mixtral).
+      const bool mixtral = params.count(prefix + ".block_sparse_moe.experts.0.w1.weight") > 0;
+      const std::string base = prefix + (mixtral ? ".block_sparse_moe.experts." : experts);
+      if (!params.count(base + "0." + (mixtral ? "w2" : "down_proj") + ".weight"))
+        continue;  // no experts there: check_offered_weights names the stray tensor
+      const int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ex = base + std::to_string(e) + ".";
+        if (kind == "gate_up_proj") {
+          out[ex + (mixtral ? "w1" : "gate_proj") + ".weight"] = {name, e, 0, R / 2};
+          out[ex + (mixtral ? "w3" : "up_proj") + ".weight"] = {name, e, R / 2, R - R / 2};
+          added[ex + (mixtral ? "w1" : "gate_proj") + ".weight"] = {w.file, w.dtype, {R / 2, C}};
+          added[ex + (mixtral ? "w3" : "up_proj") + ".weight"] = {w.file, w.dtype, {R - R / 2, C}};
+        } else {
+          out[ex + (mixtral ? "w2" : "down_proj") + ".weight"] = {name, e, 0, R};
+          added[ex + (mixtral ? "w2" : "down_proj") + ".weight"] = {w.file, w.dtype, {R, C}};
+        }
+      }
+      replaced.push_back(name);
+    } else if (name.size() > 16 && name.compare(name.size() - 16, 16, ".mlp.gate.weight") == 0) {
+      const std::string target = name.substr(0, name.size() - 16) + ".block_sparse_moe.gate.weight";
+      if (!params.count(target) || params.count(name)) continue;
+      out[target] = {name, -1, 0, 0};
+      added[target] = w;
+      replaced.push_back(name);
+    }
+  }
+  for (const std::string& n : replaced) offered.erase(n);
+  for (auto& [n, w] : added) offered[n] = w;
+  return out;
+}
+
+}  // namespace
+
 void load_hf_weights(Module& model, const std::string& dir) {
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;  // by file
   std::map<std::string, SafetensorsReader*> reader_of;                // tensor name -> its file
@@ -1091,19 +1152,37 @@ void load_hf_weights(Module& model, const std::string& dir) {
   std::map<std::string, OfferedWeight> offered;
   for (const auto& [name, r] : reader_of)
     offered[name] = {r->path(), r->info(name).dtype_name, r->info(name).shape};
+  const std::map<std::string, FusedExpertSlice> fused = unfuse_expert_tensors(model, offered);
   check_offered_weights(model, offered, dir,
                         "check the folder's config.json (the model it describes) against its "
                         "weights",
                         /*allow_tied_lm_head=*/true);
   NoGradGuard no_grad;
-  for (Parameter* p : model.parameters()) {
-    SafetensorsReader* r = reader_of.at(p->name);
-    Tensor t = r->load(p->name, MemCategory::Other);
+  std::map<std::string, Tensor> fused_loaded;  // fused tensors, each loaded once
+  auto load_checked = [&](const std::string& name) {
+    SafetensorsReader* r = reader_of.at(name);
+    Tensor t = r->load(name, MemCategory::Other);
     if (has_non_finite(t))
-      throw std::runtime_error(r->path() + ": tensor '" + p->name +
+      throw std::runtime_error(r->path() + ": tensor '" + name +
                                "' holds NaN or Inf values; the weights are damaged (or come from "
                                "a run that diverged): load another checkpoint");
-    p->value.copy_(t);
+    return t;
+  };
+  for (Parameter* p : model.parameters()) {
+    auto f = fused.find(p->name);
+    if (f == fused.end()) {
+      p->value.copy_(load_checked(p->name));
+      continue;
+    }
+    const FusedExpertSlice& s = f->second;
+    Tensor& whole = fused_loaded[s.source];
+    if (!whole.defined()) whole = load_checked(s.source);
+    if (s.expert < 0) {  // a renamed tensor (Mixtral's router)
+      p->value.copy_(whole);
+      continue;
+    }
+    Tensor slab = reshape(narrow(whole, 0, s.expert, 1), {whole.size(1), whole.size(2)});
+    p->value.copy_(contiguous(narrow(slab, 0, s.row_begin, s.rows)));
   }
 }
 

@@ -329,6 +329,51 @@ TEST(MoeHfFolder, SaveThenLoadRoundTripsWithPerExpertNames) {
   }
 }
 
+// transformers 5's fused layout (save_pretrained(save_original_format=False)): a layer's experts
+// stacked into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I]; Mixtral's router
+// under mlp.gate. The loader slices the experts back out.
+TEST(MoeHfFolder, LoadsTransformers5FusedExperts) {
+  for (const char* type : {"qwen3_moe", "mixtral"}) {
+    SCOPED_TRACE(type);
+    const bool mixtral = std::string(type) == "mixtral";
+    DecoderConfig c = tiny_moe(type);
+    CausalLM model(c, DType::F32, Device::cpu(), 21);
+    const std::string dir = temp_dir(std::string("fused_") + type);
+    write_hf_model_config(c, dir + "/config.json");
+    std::map<std::string, Tensor> by_name;
+    for (Parameter* p : model.parameters()) by_name[p->name] = p->value;
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    const std::string block = mixtral ? ".block_sparse_moe." : ".mlp.";
+    for (Parameter* p : model.parameters())
+      if (p->name.find(".experts.") == std::string::npos &&
+          p->name.find(block + "gate.weight") == std::string::npos)
+        tensors.push_back({p->name, p->value});
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if (!c.layer_is_sparse(l)) continue;
+      const std::string pre = "model.layers." + std::to_string(l);
+      std::vector<Tensor> gate_up, down;
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string ex = pre + block + "experts." + std::to_string(e) + ".";
+        gate_up.push_back(cat({by_name.at(ex + (mixtral ? "w1" : "gate_proj") + ".weight"),
+                               by_name.at(ex + (mixtral ? "w3" : "up_proj") + ".weight")},
+                              0));
+        down.push_back(by_name.at(ex + (mixtral ? "w2" : "down_proj") + ".weight"));
+      }
+      tensors.push_back({pre + ".mlp.experts.gate_up_proj", contiguous(stack(gate_up, 0))});
+      tensors.push_back({pre + ".mlp.experts.down_proj", contiguous(stack(down, 0))});
+      tensors.push_back({pre + ".mlp.gate.weight", by_name.at(pre + block + "gate.weight")});
+    }
+    save_safetensors(dir + "/model.safetensors", tensors);
+    CausalLM loaded(read_hf_model_config(dir + "/config.json"), DType::F32, Device::cpu(), 77);
+    load_hf_weights(loaded, dir);
+    auto pa = model.parameters(), pb = loaded.parameters();
+    ASSERT_EQ(pa.size(), pb.size());
+    for (size_t i = 0; i < pa.size(); ++i)
+      EXPECT_EQ(pa[i]->value.to_vector(), pb[i]->value.to_vector()) << pa[i]->name;
+    std::filesystem::remove_all(dir);
+  }
+}
+
 // A handwritten config.json; `edit` changes it before it is written.
 std::string write_config(const std::string& dir, nlohmann::json j) {
   const std::string path = dir + "/config.json";

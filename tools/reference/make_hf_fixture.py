@@ -313,12 +313,13 @@ def make_fixture(out_dir, family, o):
         if not blocks:
             raise SystemExit("no mixture-of-experts layer found in the model")
 
-        def capture(module, args, output):
-            hidden = args[0]
+        def capture(module, args, kwargs, output):
+            # The router's input, however it is passed (positionally or by keyword).
+            hidden = args[0] if args else next(iter(kwargs.values()))
             router_logits.append(torch.nn.functional.linear(
                 hidden.reshape(-1, module.weight.shape[1]), module.weight).detach())
 
-        hooks = [gate.register_forward_hook(capture) for _, gate in blocks]
+        hooks = [gate.register_forward_hook(capture, with_kwargs=True) for _, gate in blocks]
     out = model(input_ids=ids, labels=ids)
     for h in hooks:
         h.remove()

@@ -3,6 +3,7 @@
 // chart.
 #pragma once
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -23,6 +24,10 @@ struct BenchRow {
   nlohmann::json peak_by_rank;             // every rank's peak bytes by category
   int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
   nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
+  // Mixture of experts (null otherwise): tokens per expert over the run, {min, max, mean,
+  // imbalance = max / mean}, and the final router aux loss.
+  nlohmann::json expert_load;
+  double final_aux_loss = NAN;
 };
 
 // Fills the measured fields of `row` from a run's metrics.jsonl, ignoring the first `warmup`
