@@ -432,7 +432,17 @@ DecoderConfig read_hf_model_config(const std::string& path) {
         refuse(key, "is not supported (shared experts are not implemented)");
     if (c.is_moe()) {
       const bool mixtral = type == "mixtral";
-      c.num_experts = need(mixtral ? "num_local_experts" : "num_experts");
+      // The expert count's key: Mixtral's num_local_experts; Qwen3-MoE's num_experts, which
+      // transformers 5.17 writes as num_local_experts (either is read; both must agree).
+      if (given("num_experts") && given("num_local_experts") &&
+          integer("num_experts") != integer("num_local_experts"))
+        throw std::invalid_argument(path + ": num_experts " + json_excerpt(j["num_experts"]) +
+                                    " and num_local_experts " +
+                                    json_excerpt(j["num_local_experts"]) + " disagree");
+      const char* count_key = mixtral ? "num_local_experts" : "num_experts";
+      if (!given(count_key) && given(mixtral ? "num_experts" : "num_local_experts"))
+        count_key = mixtral ? "num_experts" : "num_local_experts";
+      c.num_experts = need(count_key);
       c.num_experts_per_tok = need("num_experts_per_tok");
       if (!mixtral) {
         c.moe_intermediate_size = need("moe_intermediate_size");
@@ -544,7 +554,9 @@ nlohmann::json hf_model_config_json(const DecoderConfig& c, const std::string& t
   if (c.model_type == "mistral" || c.model_type == "mixtral")
     j["sliding_window"] = c.sliding_window ? nlohmann::json(c.sliding_window) : nlohmann::json();
   if (c.model_type == "qwen3_moe") {
+    // transformers 4.x reads num_experts, 5.17 writes num_local_experts: both, the same.
     j["num_experts"] = c.num_experts;
+    j["num_local_experts"] = c.num_experts;
     j["moe_intermediate_size"] = c.moe_intermediate_size;
     j["norm_topk_prob"] = c.norm_topk_prob;
     j["decoder_sparse_step"] = c.decoder_sparse_step;

@@ -459,6 +459,12 @@ TEST(MoeConfigFile, ReadsQwen3MoeAndMixtralKeys) {
   for (Parameter* p : qm.parameters()) counted += p->value.numel();
   EXPECT_EQ(counted, q.num_parameters());
 
+  // transformers 5.17 writes Qwen3-MoE's expert count as num_local_experts.
+  nlohmann::json q5 = qwen3_moe_json();
+  q5.erase("num_experts");
+  q5["num_local_experts"] = 8;
+  EXPECT_EQ(read_hf_model_config(write_config(dir, q5)).num_experts, 8);
+
   DecoderConfig m = read_hf_model_config(write_config(dir, mixtral_json()));
   EXPECT_EQ(m.num_experts, 8);
   EXPECT_EQ(m.expert_intermediate_size(), 48);
@@ -505,6 +511,7 @@ TEST(MoeConfigFile, RefusesWhatIsNotImplementedNamingTheKey) {
   cases.push_back({with(qwen3_moe_json(), "use_sliding_window", true), "use_sliding_window"});
   cases.push_back({with(qwen3_moe_json(), "router_aux_loss_coef", "big"), "router_aux_loss_coef"});
   cases.push_back({without(qwen3_moe_json(), "num_experts"), "num_experts"});
+  cases.push_back({with(qwen3_moe_json(), "num_local_experts", 16), "num_local_experts"});
   cases.push_back({without(mixtral_json(), "num_local_experts"), "num_local_experts"});
   cases.push_back(
       {with(with(qwen3_moe_json(), "model_type", "qwen3"), "num_experts", 8), "num_experts"});
