@@ -94,6 +94,56 @@ TEST(MoeTraining, LossFallsAndTheAuxLossIsLoggedWithTheExpertLoad) {
   fs::remove_all(d);
 }
 
+// Prompt/completion documents (the loss weighted by trained tokens, the aux loss a mean over
+// micro-batches) on two CPU ranks with two micro-batches each: every rank's routing is counted.
+TEST(MoeTraining, DocumentsOnTwoRanksLogTheAuxLossAndAllRanksExperts) {
+  fs::path d = accel::tool_test::fresh_temp_dir("moe_train_test", "sft_ddp");
+  {
+    std::ofstream out(d / "sft.jsonl");
+    for (int i = 0; i < 40; ++i)
+      out << nlohmann::json{{"prompt", "Q" + std::to_string(i % 7) + ": colors?\n"},
+                            {"completion", std::string(i % 3 ? "red green" : "blue") + "\n"}}
+                 .dump()
+          << "\n";
+  }
+  fs::path cfg = write_config(d, R"(
+distributed_type: MULTI_CPU
+num_processes: 2
+gradient_accumulation_steps: 2
+model: {name: mixtral, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,
+        num_key_value_heads: 2, intermediate_size: 32, num_local_experts: 4,
+        num_experts_per_tok: 2, router_aux_loss_coef: 0.02, output_router_logits: true,
+        vocab_size: 256, max_position_embeddings: 64}
+training: {seed: 3, max_steps: 4, micro_batch_size: 2, seq_len: 32, log_every: 1, progress: plain,
+           device: cpu}
+optimizer: {lr: 0.01}
+data: {source: jsonl, tokenizer: byte, eval_fraction: 0, packing: false, jsonl_files: [)" +
+                                     (d / "sft.jsonl").string() + R"(]}
+checkpoint: {every_steps: 0, at_end: false}
+)");
+  Result r = run_accel_train("--config " + cfg.string() + " --output-dir " + (d / "out").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto m = read_metrics(d / "out" / "metrics.jsonl");
+  ASSERT_EQ(m.size(), 5u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_GT(m[i]["aux_loss"].get<double>(), 0.5) << m[i].dump();
+    EXPECT_TRUE(m[i].contains("trained_fraction"));
+  }
+  // 2 sparse layers x 4 experts; every slot of both ranks' 2 x 2 rows is counted once.
+  const nlohmann::json& tokens = m.back()["expert_tokens"];
+  ASSERT_EQ(tokens.size(), 2u) << m.back().dump();
+  double slots = 0;
+  for (double v : tokens["0"]) slots += v;
+  double slots1 = 0;
+  for (double v : tokens["1"]) slots1 += v;
+  EXPECT_EQ(slots, slots1);
+  // top-2 slots for every position of both ranks (trained_tokens / trained_fraction positions).
+  const double positions =
+      m.back()["trained_tokens"].get<double>() / m.back()["trained_fraction"].get<double>();
+  EXPECT_NEAR(slots, 2 * positions, 1e-6 * slots);
+  fs::remove_all(d);
+}
+
 TEST(MoeTraining, AccelBenchReportsTheExpertLoad) {
   fs::path d = accel::tool_test::fresh_temp_dir("moe_train_test", "bench");
   fs::path cfg = write_config(d, tiny_moe_config(d));
