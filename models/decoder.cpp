@@ -804,9 +804,9 @@ Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
         if (l->linear_fn || l->has_forward_hooks() || e->fused_fn || e->has_forward_hooks())
           throw std::logic_error(
               "[" + config.model_type +
-              "] an expert's linear layer has a conversion (fp8) or a forward hook; the experts "
-              "run as grouped GEMMs and would skip it. Exclude the experts from fp8 "
-              "(fp8_config.exclude_modules: experts) and wrap whole decoder layers");
+              "] an expert's linear layer has a conversion or a forward hook, which the experts' "
+              "grouped GEMMs would skip (fp8 training leaves the experts alone by itself); "
+              "convert or hook whole decoder layers instead");
     const Shape shape = x.shape();
     const int64_t H = x.size(-1);
     Tensor flat = reshape(x, {-1, H});
