@@ -51,8 +51,20 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     c.fp8 = true;
     out.push_back(c);
   }
+  // A mixture-of-experts block's experts run as grouped GEMMs in the compute dtype, never through
+  // their Linear modules: they stay out of fp8 (fp8 experts are not implemented).
+  std::vector<std::string> expert_prefixes;
+  for (auto& [name, m] : model.named_modules())
+    if (dynamic_cast<SparseMoeBlock*>(m)) expert_prefixes.push_back(name + ".experts.");
+  for (Fp8LayerChoice& c : out)
+    for (const std::string& prefix : expert_prefixes)
+      if (c.name.compare(0, prefix.size(), prefix) == 0) {
+        c.fp8 = false;
+        c.reason = "a mixture-of-experts expert (grouped GEMMs; fp8 experts are not implemented)";
+      }
   const bool ao = cfg.backend == Fp8Backend::AO;
   for (Fp8LayerChoice& c : out) {
+    if (!c.fp8) continue;
     bool aligned = c.in_features % 16 == 0 && c.out_features % 16 == 0;
     if (!aligned && !(ao && cfg.pad_inner_dim)) {
       c.fp8 = false;

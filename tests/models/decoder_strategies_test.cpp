@@ -1,8 +1,8 @@
 // The families beyond Llama under the strategies, activation checkpointing and fp8: a tiny Qwen3
-// (q/k norms, biases, head_dim apart from hidden / heads, tied embeddings) and a tiny Mistral (a
-// sliding window shorter than the sequence) trained with FSDP and ZeRO-2 on 2 CPU ranks must
-// follow the single process; fp8 (TE and AO, CPU emulation) converts their projections and
-// learns.
+// (q/k norms, biases, head_dim apart from hidden / heads, tied embeddings), a tiny Mistral (a
+// sliding window shorter than the sequence) and tiny Qwen3-MoE / Mixtral (experts in their
+// decoder layers, FSDP's units) trained with FSDP and ZeRO-2 on 2 CPU ranks must follow the
+// single process; fp8 (TE and AO, CPU emulation) converts their projections and learns.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -26,6 +26,16 @@ DecoderConfig family_config(const std::string& family) {
     c.tie_word_embeddings = true;
   }
   if (family == "mistral") c.sliding_window = 5;  // over 8 tokens
+  // Mixtures of experts: 4 experts, top-2; Qwen3-MoE's layer 1 stays dense (mlp_only_layers).
+  if (family == "qwen3_moe" || family == "mixtral") {
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    if (family == "qwen3_moe") {
+      c.moe_intermediate_size = 16;
+      c.norm_topk_prob = true;
+      c.mlp_only_layers = {1};
+    }
+  }
   return c;
 }
 
@@ -98,7 +108,8 @@ TEST_P(FamilyStrategies, FsdpAndZero2OnTwoRanksFollowTheSingleProcess) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyStrategies, ::testing::Values("qwen3", "mistral"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyStrategies,
+                         ::testing::Values("qwen3", "mistral", "qwen3_moe", "mixtral"));
 
 class FamilyFp8 : public ::testing::TestWithParam<const char*> {};
 
