@@ -32,11 +32,6 @@ double rel_error(const Tensor& a, const Tensor& b) {
   return diff / std::max(ref, 1e-30);
 }
 
-// Fixtures make_hf_fixture.py writes that are not committed yet (made on a machine with torch):
-// skipped while their folder is absent, checked like the others once it is there. Drop a name
-// from here when its folder is committed.
-bool fixture_pending(const std::string& name) { return name == "qwen3_moe" || name == "mixtral"; }
-
 // (fixture, device): the same fixture on the CPU and, where one is present, on the GPU.
 class DecoderFixture : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
 
@@ -45,9 +40,6 @@ TEST_P(DecoderFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   const std::string dir = fixture_dir(name);
   const bool on_gpu = std::get<1>(GetParam());
   if (on_gpu && !cuda::available()) GTEST_SKIP() << "no CUDA device: GPU fixture test skipped";
-  if (fixture_pending(name) && !std::filesystem::exists(dir))
-    GTEST_SKIP() << dir << " is not generated yet: run tools/reference/make_hf_fixture.py " << name
-                 << " where torch and transformers are installed (tests/data/hf/README.md)";
   ASSERT_TRUE(std::filesystem::exists(dir + "/config.json"))
       << dir << " is missing: generate it with tools/reference/make_hf_fixture.py (tests/data/hf/"
       << "README.md)";
