@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -18,10 +19,30 @@ namespace fs = std::filesystem;
 int64_t DecoderConfig::layer_window(int64_t i) const {
   if (!layer_types.empty())
     return layer_types[static_cast<size_t>(i)] == "sliding_attention" ? sliding_window : 0;
-  if (model_type == "mistral") return sliding_window;
-  if (model_type == "qwen2" || model_type == "qwen3")
+  if (model_type == "mistral" || model_type == "mixtral") return sliding_window;
+  if (model_type == "qwen2" || model_type == "qwen3" || model_type == "qwen3_moe")
     return use_sliding_window && i >= max_window_layers ? sliding_window : 0;
   return 0;
+}
+
+bool DecoderConfig::layer_is_sparse(int64_t i) const {
+  if (!is_moe() || num_experts <= 0) return false;
+  if (model_type == "mixtral") return true;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end())
+    return false;
+  return decoder_sparse_step > 0 && (i + 1) % decoder_sparse_step == 0;
+}
+
+int64_t DecoderConfig::num_sparse_layers() const {
+  if (!is_moe() || num_experts <= 0 || num_hidden_layers <= 0) return 0;
+  if (model_type == "mixtral") return num_hidden_layers;
+  if (decoder_sparse_step <= 0) return 0;
+  // Counted without a loop over the layers (validate() runs on any num_hidden_layers).
+  int64_t n = num_hidden_layers / decoder_sparse_step;
+  std::set<int64_t> dense(mlp_only_layers.begin(), mlp_only_layers.end());
+  for (int64_t i : dense)
+    if (i >= 0 && i < num_hidden_layers && (i + 1) % decoder_sparse_step == 0) --n;
+  return n;
 }
 
 std::string DecoderConfig::hf_class(const std::string& suffix) const {
@@ -34,7 +55,7 @@ void DecoderConfig::validate() const {
   if (std::find(std::begin(kModelTypes), std::end(kModelTypes), model_type) ==
       std::end(kModelTypes))
     fail("model_type '" + text_excerpt(model_type) +
-         "' is not supported (supported: llama, qwen2, qwen3, mistral)");
+         "' is not supported (supported: llama, qwen2, qwen3, mistral, qwen3_moe, mixtral)");
   auto positive = [&](const char* key, int64_t v) {
     if (v <= 0) fail(std::string(key) + " must be positive, got " + std::to_string(v));
   };
@@ -61,7 +82,8 @@ void DecoderConfig::validate() const {
   if (!(std::isfinite(initializer_range) && initializer_range >= 0))
     fail("initializer_range must be a non-negative number, got " +
          std::to_string(initializer_range));
-  if (attention_bias && (model_type == "qwen2" || model_type == "mistral"))
+  if (attention_bias &&
+      (model_type == "qwen2" || model_type == "mistral" || model_type == "mixtral"))
     fail("attention_bias is not an option of " + model_type +
          (model_type == "qwen2" ? " (its q/k/v projections always have biases, o_proj none)"
                                 : " (no biases)"));
@@ -69,6 +91,52 @@ void DecoderConfig::validate() const {
     fail("sliding_window must not be negative, got " + std::to_string(sliding_window));
   if (max_window_layers < 0)
     fail("max_window_layers must not be negative, got " + std::to_string(max_window_layers));
+  // Mixture of experts.
+  if (!is_moe()) {
+    const std::string moe_families = " is an option of qwen3_moe and mixtral, not " + model_type;
+    if (num_experts != 0) fail("num_experts" + moe_families);
+    if (num_experts_per_tok != 0) fail("num_experts_per_tok" + moe_families);
+    if (moe_intermediate_size != 0) fail("moe_intermediate_size" + moe_families);
+    if (norm_topk_prob) fail("norm_topk_prob" + moe_families);
+    if (decoder_sparse_step != 1) fail("decoder_sparse_step" + moe_families);
+    if (!mlp_only_layers.empty()) fail("mlp_only_layers" + moe_families);
+    if (output_router_logits) fail("output_router_logits" + moe_families);
+    if (router_aux_loss_coef != 0.001) fail("router_aux_loss_coef" + moe_families);
+  } else {
+    const bool mixtral = model_type == "mixtral";
+    positive(mixtral ? "num_local_experts (num_experts)" : "num_experts", num_experts);
+    if (num_experts_per_tok < 1 || num_experts_per_tok > num_experts)
+      fail("num_experts_per_tok must be in [1, " + std::to_string(num_experts) +
+           "] (num_experts), got " + std::to_string(num_experts_per_tok));
+    if (mixtral) {
+      const std::string why =
+          " is not an option of mixtral (every layer is sparse, experts take intermediate_size, "
+          "routing weights are always renormalized)";
+      if (moe_intermediate_size != 0) fail("moe_intermediate_size" + why);
+      if (norm_topk_prob) fail("norm_topk_prob" + why);
+      if (decoder_sparse_step != 1) fail("decoder_sparse_step" + why);
+      if (!mlp_only_layers.empty()) fail("mlp_only_layers" + why);
+    } else {
+      positive("moe_intermediate_size", moe_intermediate_size);
+      positive("decoder_sparse_step", decoder_sparse_step);
+      std::set<int64_t> seen;
+      for (int64_t i : mlp_only_layers) {
+        if (i < 0 || i >= num_hidden_layers)
+          fail("mlp_only_layers: layer " + std::to_string(i) + " is not in [0, " +
+               std::to_string(num_hidden_layers) + ") (num_hidden_layers)");
+        if (!seen.insert(i).second)
+          fail("mlp_only_layers lists layer " + std::to_string(i) + " twice");
+      }
+    }
+    if (!(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0))
+      fail("router_aux_loss_coef must be a non-negative number, got " +
+           std::to_string(router_aux_loss_coef));
+    if (use_sliding_window)
+      fail("use_sliding_window is not supported for " + model_type +
+           (mixtral ? " (its sliding_window applies to every layer; 0 = none)"
+                    : " (Qwen3-MoE checkpoints attend fully; set it to false)"));
+    if (!layer_types.empty()) fail("layer_types is not supported for " + model_type);
+  }
   if (model_type == "llama" && (sliding_window || use_sliding_window || !layer_types.empty()))
     fail(
         "llama has no sliding-window attention (sliding_window, use_sliding_window, "
@@ -105,13 +173,16 @@ void DecoderConfig::validate() const {
       {"num_key_value_heads x head_dim x hidden_size (k_proj.weight)",
        {num_key_value_heads, head_dim, hidden_size}},
       {"intermediate_size x hidden_size (mlp.gate_proj.weight)", {intermediate_size, hidden_size}},
+      {"num_experts x expert width x hidden_size (the experts of a layer)",
+       {std::max<int64_t>(num_experts, 1), std::max<int64_t>(expert_intermediate_size(), 1),
+        hidden_size}},
       {"max_position_embeddings x head_dim (RoPE tables)", {max_position_embeddings, head_dim}},
   };
   for (const Product& p : products)
     if (checked_numel(p.factors) < 0)
       fail(std::string(p.what) + " = " + shape_str(p.factors) +
            " is more elements than a tensor can hold (2^60); check the sizes");
-  if (num_parameters() < 0)
+  if (num_parameters() < 0 || num_active_parameters() < 0)
     fail("the parameter count of " + std::to_string(num_hidden_layers) +
          " layers overflows; check num_hidden_layers and the sizes");
 }
@@ -126,31 +197,43 @@ void DecoderConfig::check_batch(int64_t micro_batch_size, int64_t seq_len) const
           " (a layer width of the model) is more elements than a tensor can hold (2^60)");
 }
 
-int64_t DecoderConfig::num_parameters() const {
-  // Overflow-checked: validate() relies on a negative result for sizes that do not fit.
-  int64_t attn = 0, extra = 0, mlp = 0, layer = 0, emb = 0, layers = 0, n = 0, body = 0;
-  // Biases and q/k norms: at most (Hq + 2 Hkv) D + hidden + 2 D per layer.
-  int64_t heads = 0, qkv_out = 0;
-  bool bad = __builtin_add_overflow(num_attention_heads, 2 * num_key_value_heads, &heads) ||
-             __builtin_mul_overflow(heads, head_dim, &qkv_out);
-  if (!bad) {
-    extra = (qkv_bias() ? qkv_out : 0) + (o_proj_bias() ? hidden_size : 0) +
-            (qk_norm() ? 2 * head_dim : 0);
-  }
-  bad = bad ||
-        __builtin_mul_overflow(hidden_size * head_dim,
-                               2 * (num_attention_heads + num_key_value_heads), &attn) ||
-        __builtin_mul_overflow(3 * hidden_size, intermediate_size, &mlp) ||
-        __builtin_add_overflow(attn, mlp + 2 * hidden_size + extra, &layer) ||
-        __builtin_mul_overflow(vocab_size * hidden_size, tie_word_embeddings ? 1 : 2, &emb) ||
-        __builtin_mul_overflow(num_hidden_layers, layer, &layers) ||
-        __builtin_add_overflow(layers, hidden_size, &body) || __builtin_add_overflow(emb, body, &n);
-  return bad ? -1 : n;
+namespace {
+// The parameter count of `c`: all parameters, or (active) those one token computes with (a
+// sparse layer's router and num_experts_per_tok of its experts). -1 when it overflows int64.
+int64_t count_parameters(const DecoderConfig& c, bool active) {
+  using Wide = __int128;
+  // Sizes past 2^40 are no model's; they would overflow even 128-bit products below.
+  for (int64_t v : {c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                    c.intermediate_size, c.expert_intermediate_size(), c.num_experts,
+                    c.num_experts_per_tok, c.vocab_size})
+    if (v > (int64_t{1} << 40) || v < 0) return -1;
+  const Wide H = c.hidden_size, D = c.head_dim, Hq = c.num_attention_heads,
+             Hkv = c.num_key_value_heads;
+  const Wide qkv_out = (Hq + 2 * Hkv) * D;
+  const Wide extra =
+      (c.qkv_bias() ? qkv_out : 0) + (c.o_proj_bias() ? H : 0) + (c.qk_norm() ? 2 * D : 0);
+  const Wide attn = H * D * 2 * (Hq + Hkv);
+  const Wide dense_mlp = 3 * H * Wide(c.intermediate_size);
+  const Wide experts_used = active ? c.num_experts_per_tok : c.num_experts;
+  const Wide sparse_mlp =
+      Wide(c.num_experts) * H + experts_used * 3 * H * Wide(c.expert_intermediate_size());
+  const Wide sparse_layers = c.num_sparse_layers(),
+             dense_layers = c.num_hidden_layers - sparse_layers;
+  const Wide n = H + Wide(c.vocab_size) * H * (c.tie_word_embeddings ? 1 : 2) +
+                 dense_layers * (attn + extra + 2 * H + dense_mlp) +
+                 sparse_layers * (attn + extra + 2 * H + sparse_mlp);
+  return n > std::numeric_limits<int64_t>::max() || n < 0 ? -1 : static_cast<int64_t>(n);
 }
+}  // namespace
+
+int64_t DecoderConfig::num_parameters() const { return count_parameters(*this, false); }
+
+int64_t DecoderConfig::num_active_parameters() const { return count_parameters(*this, true); }
 
 double DecoderConfig::flops_per_token(int64_t seq_len) const {
   // Same formula as the PyTorch reference (tools/reference/llama_shapes.py; docs/algorithms.md).
-  double matmul_params = static_cast<double>(num_parameters() - vocab_size * hidden_size);
+  // Active parameters: a token runs through its experts only (the MFU of a mixture of experts).
+  double matmul_params = static_cast<double>(num_active_parameters() - vocab_size * hidden_size);
   if (tie_word_embeddings) matmul_params += static_cast<double>(vocab_size * hidden_size);
   return 6.0 * matmul_params +
          12.0 * static_cast<double>(num_hidden_layers * seq_len * hidden_size);
@@ -183,6 +266,14 @@ DecoderConfig decoder_config(const ModelConfig& m) {
   c.use_sliding_window = m.use_sliding_window;
   c.max_window_layers = m.max_window_layers;
   c.layer_types = m.layer_types;
+  c.num_experts = m.num_experts;
+  c.num_experts_per_tok = m.num_experts_per_tok;
+  c.moe_intermediate_size = m.moe_intermediate_size;
+  c.norm_topk_prob = m.norm_topk_prob;
+  c.decoder_sparse_step = m.decoder_sparse_step;
+  c.mlp_only_layers = m.mlp_only_layers;
+  c.router_aux_loss_coef = m.router_aux_loss_coef;
+  c.output_router_logits = m.output_router_logits;
   try {
     c.validate();
   } catch (const std::invalid_argument& e) {
@@ -212,6 +303,14 @@ ModelConfig model_section(const DecoderConfig& c) {
   m.use_sliding_window = c.use_sliding_window;
   m.max_window_layers = c.max_window_layers;
   m.layer_types = c.layer_types;
+  m.num_experts = c.num_experts;
+  m.num_experts_per_tok = c.num_experts_per_tok;
+  m.moe_intermediate_size = c.moe_intermediate_size;
+  m.norm_topk_prob = c.norm_topk_prob;
+  m.decoder_sparse_step = c.decoder_sparse_step;
+  m.mlp_only_layers = c.mlp_only_layers;
+  m.router_aux_loss_coef = c.router_aux_loss_coef;
+  m.output_router_logits = c.output_router_logits;
   return m;
 }
 
@@ -254,7 +353,8 @@ DecoderConfig read_hf_model_config(const std::string& path) {
       if (std::find(std::begin(kModelTypes), std::end(kModelTypes), c.model_type) ==
           std::end(kModelTypes))
         refuse("model_type",
-               "is not supported (supported: \"llama\", \"qwen2\", \"qwen3\", \"mistral\")");
+               "is not supported (supported: \"llama\", \"qwen2\", \"qwen3\", \"mistral\", "
+               "\"qwen3_moe\", \"mixtral\")");
     }
     const std::string& type = c.model_type;
     // Options these families do not compute: refused rather than loaded as something else.
@@ -271,7 +371,8 @@ DecoderConfig read_hf_model_config(const std::string& path) {
         (!j["attention_dropout"].is_number() || j["attention_dropout"].get<double>() != 0.0))
       refuse("attention_dropout", "is not supported (accel-train has no dropout; set it to 0)");
     if (flag("attention_bias")) {
-      if (type == "mistral") refuse("attention_bias", "is not supported for mistral");
+      if (type == "mistral" || type == "mixtral")
+        refuse("attention_bias", "is not supported for " + type);
       // Qwen2's class ignores the field: q/k/v always have biases there.
       if (type != "qwen2") c.attention_bias = true;
     }
@@ -319,10 +420,63 @@ DecoderConfig read_hf_model_config(const std::string& path) {
       c.rope_scaling = legacy;
     }
 
+    // Mixture of experts: the keys of Qwen3MoeConfig and MixtralConfig (absent ones take their
+    // defaults), and refusals of what is not computed here.
+    auto number = [&](const char* key) {
+      if (!j[key].is_number()) refuse(key, "must be a number");
+      return j[key].get<double>();
+    };
+    for (const char* key : {"shared_expert_intermediate_size", "num_shared_experts",
+                            "n_shared_experts", "moe_shared_expert_intermediate_size"})
+      if (given(key) && !(j[key].is_number() && j[key].get<double>() == 0))
+        refuse(key, "is not supported (shared experts are not implemented)");
+    if (c.is_moe()) {
+      const bool mixtral = type == "mixtral";
+      // The expert count's key: Mixtral's num_local_experts; Qwen3-MoE's num_experts, which
+      // transformers 5.17 writes as num_local_experts (either is read; both must agree).
+      if (given("num_experts") && given("num_local_experts") &&
+          integer("num_experts") != integer("num_local_experts"))
+        throw std::invalid_argument(path + ": num_experts " + json_excerpt(j["num_experts"]) +
+                                    " and num_local_experts " +
+                                    json_excerpt(j["num_local_experts"]) + " disagree");
+      const char* count_key = mixtral ? "num_local_experts" : "num_experts";
+      if (!given(count_key) && given(mixtral ? "num_experts" : "num_local_experts"))
+        count_key = mixtral ? "num_experts" : "num_local_experts";
+      c.num_experts = need(count_key);
+      c.num_experts_per_tok = need("num_experts_per_tok");
+      if (!mixtral) {
+        c.moe_intermediate_size = need("moe_intermediate_size");
+        c.norm_topk_prob = flag("norm_topk_prob");
+        if (given("decoder_sparse_step")) c.decoder_sparse_step = integer("decoder_sparse_step");
+        if (given("mlp_only_layers")) {
+          if (!j["mlp_only_layers"].is_array())
+            refuse("mlp_only_layers", "must be a list of layer indices");
+          for (const auto& v : j["mlp_only_layers"]) {
+            if (!v.is_number_integer())
+              refuse("mlp_only_layers", "must be a list of integer layer indices");
+            c.mlp_only_layers.push_back(v.get<int64_t>());
+          }
+        }
+      }
+      if (given("router_aux_loss_coef")) c.router_aux_loss_coef = number("router_aux_loss_coef");
+      c.output_router_logits = flag("output_router_logits");
+      if (given("router_jitter_noise") && number("router_jitter_noise") != 0.0)
+        refuse("router_jitter_noise",
+               "is not supported (routing without noise only; set it to 0.0)");
+      if (!mixtral && flag("use_sliding_window"))
+        refuse("use_sliding_window",
+               "is not supported for qwen3_moe (full attention only; set it to false)");
+    } else {
+      for (const char* key : {"num_experts", "num_local_experts"})
+        if (given(key) && !(j[key].is_number() && j[key].get<double>() == 0))
+          refuse(key, "is a mixture-of-experts key, but model_type " + type +
+                          " has no experts (qwen3_moe and mixtral do)");
+    }
+
     // Sliding windows, as each family's Hugging Face config reads them.
-    if (type == "mistral") {
+    if (type == "mistral" || type == "mixtral") {
       if (given("sliding_window")) c.sliding_window = integer("sliding_window");
-    } else if (type == "qwen2" || type == "qwen3") {
+    } else if (type == "qwen2" || type == "qwen3" || type == "qwen3_moe") {
       c.use_sliding_window = flag("use_sliding_window");
       // Hugging Face drops the window unless use_sliding_window is set.
       if (c.use_sliding_window && given("sliding_window"))
@@ -342,7 +496,7 @@ DecoderConfig read_hf_model_config(const std::string& path) {
     } else if (given("layer_types")) {
       for (const auto& t : j["layer_types"])
         if (t != "full_attention")
-          refuse("layer_types", "is not supported for llama (only full_attention layers)");
+          refuse("layer_types", "is not supported for " + type + " (only full_attention layers)");
     }
     if (!c.layer_types.empty() &&
         c.layer_types.size() == static_cast<size_t>(c.num_hidden_layers)) {
@@ -395,10 +549,29 @@ nlohmann::json hf_model_config_json(const DecoderConfig& c, const std::string& t
     j["attention_bias"] = c.attention_bias;
     j["mlp_bias"] = false;
   }
-  if (c.model_type == "qwen3") j["attention_bias"] = c.attention_bias;
-  if (c.model_type == "mistral")
+  if (c.model_type == "qwen3" || c.model_type == "qwen3_moe")
+    j["attention_bias"] = c.attention_bias;
+  if (c.model_type == "mistral" || c.model_type == "mixtral")
     j["sliding_window"] = c.sliding_window ? nlohmann::json(c.sliding_window) : nlohmann::json();
-  if (c.model_type == "qwen2" || c.model_type == "qwen3") {
+  if (c.model_type == "qwen3_moe") {
+    // transformers 4.x reads num_experts, 5.17 writes num_local_experts: both, the same.
+    j["num_experts"] = c.num_experts;
+    j["num_local_experts"] = c.num_experts;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = c.decoder_sparse_step;
+    j["mlp_only_layers"] = c.mlp_only_layers;
+  }
+  if (c.model_type == "mixtral") {
+    j["num_local_experts"] = c.num_experts;
+    j["router_jitter_noise"] = 0.0;
+  }
+  if (c.is_moe()) {
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+    j["output_router_logits"] = c.output_router_logits;
+  }
+  if (c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "qwen3_moe") {
     j["use_sliding_window"] = c.use_sliding_window;
     j["sliding_window"] = c.sliding_window ? nlohmann::json(c.sliding_window) : nlohmann::json();
     j["max_window_layers"] = c.max_window_layers;
@@ -576,6 +749,16 @@ GatedMLP::GatedMLP(const DecoderConfig& c, DType dtype, Device device)
           std::make_unique<Linear>(c.intermediate_size, c.hidden_size, dtype, device))),
       type_name_(c.hf_class("MLP")) {}
 
+GatedMLP::GatedMLP(const DecoderConfig& c, int64_t intermediate_size, DType dtype, Device device,
+                   const std::array<const char*, 3>& names, std::string type_name)
+    : gate_proj(register_module(
+          names[0], std::make_unique<Linear>(c.hidden_size, intermediate_size, dtype, device))),
+      up_proj(register_module(
+          names[1], std::make_unique<Linear>(c.hidden_size, intermediate_size, dtype, device))),
+      down_proj(register_module(
+          names[2], std::make_unique<Linear>(intermediate_size, c.hidden_size, dtype, device))),
+      type_name_(std::move(type_name)) {}
+
 Tensor GatedMLP::forward(const Tensor& x) {
   return with_forward_hooks(*this, [&] {
     if (fused_fn) {
@@ -595,10 +778,76 @@ Tensor GatedMLP::forward(const Tensor& x) {
   });
 }
 
+SparseMoeBlock::SparseMoeBlock(const DecoderConfig& c, DType dtype, Device device)
+    : gate(register_module("gate",
+                           std::make_unique<Linear>(c.hidden_size, c.num_experts, dtype, device))),
+      experts_list(register_module("experts", std::make_unique<ModuleList>())),
+      config(c) {
+  // The checkpoints' per-expert names: Qwen3-MoE's experts are Qwen3MoeMLPs (gate_proj, up_proj,
+  // down_proj), Mixtral's MixtralBlockSparseTop2MLPs (w1 gate, w3 up, w2 down).
+  const bool mixtral = c.model_type == "mixtral";
+  const std::array<const char*, 3> names =
+      mixtral ? std::array<const char*, 3>{"w1", "w3", "w2"}
+              : std::array<const char*, 3>{"gate_proj", "up_proj", "down_proj"};
+  const std::string type = mixtral ? "MixtralBlockSparseTop2MLP" : c.hf_class("MLP");
+  for (int64_t e = 0; e < c.num_experts; ++e)
+    experts.push_back(&experts_list.append(
+        std::make_unique<GatedMLP>(c, c.expert_intermediate_size(), dtype, device, names, type)));
+}
+
+Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
+  return with_forward_hooks(*this, [&] {
+    // The experts' weights go to grouped GEMMs directly: anything that would act through their
+    // Linear modules (an fp8 conversion, a per-module hook) would be skipped, so it is refused.
+    for (GatedMLP* e : experts)
+      for (Linear* l : {&e->gate_proj, &e->up_proj, &e->down_proj})
+        if (l->linear_fn || l->has_forward_hooks() || e->fused_fn || e->has_forward_hooks())
+          throw std::logic_error(
+              "[" + config.model_type +
+              "] an expert's linear layer has a conversion (fp8) or a forward hook; the experts "
+              "run as grouped GEMMs and would skip it. Exclude the experts from fp8 "
+              "(fp8_config.exclude_modules: experts) and wrap whole decoder layers");
+    const Shape shape = x.shape();
+    const int64_t H = x.size(-1);
+    Tensor flat = reshape(x, {-1, H});
+    // transformers: router logits in the activations' dtype, softmax and top-k in fp32, the
+    // routing weights cast back to the activations' dtype. (An f64 model, for the tests' finite
+    // differences, keeps f64.)
+    const DType router_dtype = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+    Tensor probs = softmax(cast(gate.forward(flat), router_dtype), -1);
+    auto [top, chosen] = topk(probs, config.num_experts_per_tok);
+    if (config.renormalizes_topk()) top = div(top, sum(top, {-1}, true));
+    Tensor weights = cast(top, x.dtype());
+    MoeRouting routing = moe_routing(chosen, config.num_experts);
+    std::vector<Tensor> gate_w, up_w, down_w;
+    for (GatedMLP* e : experts) {
+      gate_w.push_back(e->gate_proj.weight.value);
+      up_w.push_back(e->up_proj.weight.value);
+      down_w.push_back(e->down_proj.weight.value);
+    }
+    const std::vector<int64_t>& rows = routing.expert_counts;
+    Tensor xs = moe_permute(flat, routing);
+    Tensor h = swiglu(grouped_linear(xs, gate_w, rows), grouped_linear(xs, up_w, rows));
+    Tensor y = moe_unpermute(grouped_linear(h, down_w, rows), weights, routing);
+    if (stats) {
+      stats->expert_counts = routing.expert_counts;
+      stats->prob_sum = sum(probs, {0});
+      stats->tokens = flat.size(0);
+    }
+    return reshape(y, shape);
+  });
+}
+
 DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device)
     : self_attn(register_module("self_attn", std::make_unique<SelfAttention>(
                                                  c, c.layer_window(layer_index), dtype, device))),
-      mlp(register_module("mlp", std::make_unique<GatedMLP>(c, dtype, device))),
+      mlp(c.layer_is_sparse(layer_index)
+              ? nullptr
+              : &register_module("mlp", std::make_unique<GatedMLP>(c, dtype, device))),
+      moe(c.layer_is_sparse(layer_index)
+              ? &register_module(c.sparse_block_name(),
+                                 std::make_unique<SparseMoeBlock>(c, dtype, device))
+              : nullptr),
       input_layernorm(register_module(
           "input_layernorm", std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device,
                                                        c.hf_class("RMSNorm")))),
@@ -608,12 +857,13 @@ DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dt
                                                     c.hf_class("RMSNorm")))),
       type_name_(c.hf_class("DecoderLayer")) {}
 
-Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache, const TokenLayout& layout) {
+Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache, const TokenLayout& layout,
+                             RouterStats* router_stats) {
   return with_forward_hooks(*this, [&] {
     // h = x + attn(norm(x)); the residual add is fused into the post-attention norm.
     auto [h, normed] = post_attention_layernorm.add_forward(
         x, self_attn.forward(input_layernorm.forward(x), cache, layout));
-    return add(h, mlp.forward(normed));
+    return add(h, moe ? moe->forward(normed, router_stats) : mlp->forward(normed));
   });
 }
 
@@ -671,11 +921,32 @@ Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayo
                                 " exceeds max_position_embeddings " +
                                 std::to_string(config.max_position_embeddings));
   if (cache) cache->layers.resize(model.layers.size());
+  router_stats_.assign(model.layers.size(), RouterStats());
   Tensor x = model.embed_tokens.forward(ids);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     DecoderLayer* layer = model.layers[i];
+    RouterStats* stats = layer->moe ? &router_stats_[i] : nullptr;
     if (cache) {
-      x = layer->forward(x, &cache->layers[i]);
+      x = layer->forward(x, &cache->layers[i], {}, stats);
+    } else if (checkpoint_layers_ && stats) {
+      // checkpoint() has one output: the layer's output and its router probability sums travel
+      // in one tensor of the router's dtype (fp32: exact for bf16 / f16 outputs), so that both
+      // stay differentiable. The
+      // expert counts are constants, written again (the same) when backward recomputes the layer.
+      const Shape shape = x.shape();
+      const DType dtype = x.dtype();
+      Tensor packed = checkpoint(
+          [layer, layout, stats](const std::vector<Tensor>& in) {
+            RouterStats fresh;
+            Tensor y = layer->forward(in[0], nullptr, layout, &fresh);
+            stats->expert_counts = fresh.expert_counts;
+            stats->tokens = fresh.tokens;
+            return cat({reshape(cast(y, fresh.prob_sum.dtype()), {-1}), fresh.prob_sum}, 0);
+          },
+          {x});
+      const int64_t n = shape_numel(shape);
+      x = cast(reshape(narrow(packed, 0, 0, n), shape), dtype);
+      stats->prob_sum = narrow(packed, 0, n, config.num_experts);
     } else if (checkpoint_layers_) {
       x = checkpoint(
           [layer, layout](const std::vector<Tensor>& in) {
@@ -683,7 +954,7 @@ Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayo
           },
           {x});
     } else {
-      x = layer->forward(x, nullptr, layout);
+      x = layer->forward(x, nullptr, layout, stats);
     }
   }
   return model.norm.forward(x);
@@ -700,12 +971,53 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& l
 Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout) {
   return with_forward_hooks(*this, [&] {
     Tensor x = final_hidden(ids, nullptr, layout);
-    if (!lm_head) return linear_cross_entropy(x, model.embed_tokens.weight.value, targets);
-    if (lm_head->linear_fn) return loss(lm_head->forward(x), targets);
-    // The head's hooks run as in Linear::forward (FSDP gathers its weight there).
-    return with_forward_hooks(
-        *lm_head, [&] { return linear_cross_entropy(x, lm_head->weight.value, targets); });
+    Tensor lm_loss;
+    if (!lm_head) {
+      lm_loss = linear_cross_entropy(x, model.embed_tokens.weight.value, targets);
+    } else if (lm_head->linear_fn) {
+      lm_loss = loss(lm_head->forward(x), targets);
+    } else {
+      // The head's hooks run as in Linear::forward (FSDP gathers its weight there).
+      lm_loss = with_forward_hooks(
+          *lm_head, [&] { return linear_cross_entropy(x, lm_head->weight.value, targets); });
+    }
+    return add_router_aux_loss(lm_loss);
   });
+}
+
+Tensor CausalLM::router_aux_loss() const {
+  // transformers' load_balancing_loss_func over the concatenated sparse layers' T token rows:
+  // num_experts * sum_e (slots routed to e / T) * (summed probability of e / T).
+  const int64_t E = config.num_experts;
+  Tensor prob_total;
+  std::vector<double> counts(static_cast<size_t>(std::max<int64_t>(E, 0)), 0.0);
+  int64_t rows = 0;
+  for (const RouterStats& s : router_stats_) {
+    if (!s.prob_sum.defined()) continue;
+    prob_total = prob_total.defined() ? add(prob_total, s.prob_sum) : s.prob_sum;
+    for (int64_t e = 0; e < E; ++e) counts[static_cast<size_t>(e)] += s.expert_counts[e];
+    rows += s.tokens;
+  }
+  if (!prob_total.defined() || rows == 0) return Tensor();
+  std::vector<double> scale(counts.size());
+  const double T = static_cast<double>(rows);
+  for (size_t e = 0; e < counts.size(); ++e)
+    scale[e] = static_cast<double>(E) * counts[e] / (T * T);
+  return sum(
+      mul(prob_total, Tensor::from_vector(scale, {E}, prob_total.dtype(), prob_total.device())));
+}
+
+Tensor CausalLM::add_router_aux_loss(const Tensor& lm_loss) const {
+  if (!config.output_router_logits) return lm_loss;
+  Tensor aux = router_aux_loss();
+  if (!aux.defined()) return lm_loss;
+  return add(lm_loss, mul(cast(aux, lm_loss.dtype()), config.router_aux_loss_coef));
+}
+
+std::vector<std::vector<int64_t>> CausalLM::expert_counts() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const RouterStats& s : router_stats_) out.push_back(s.expert_counts);
+  return out;
 }
 
 Tensor CausalLM::loss(const Tensor& logits, const Tensor& targets) {
@@ -754,6 +1066,67 @@ void check_offered_weights(Module& model, const std::map<std::string, OfferedWei
                                advice);
 }
 
+namespace {
+
+// Where a per-expert parameter lies in transformers 5's fused layout (save_pretrained with
+// save_original_format=False): expert `expert`'s rows [row_begin, row_begin + rows) of the
+// [E, R, C] tensor `source`; expert -1: all of `source` (a renamed tensor).
+struct FusedExpertSlice {
+  std::string source;
+  int64_t expert = -1, row_begin = 0, rows = 0;
+};
+
+// Rewrites `offered` so that fused expert tensors (model.layers.{i}.mlp.experts.gate_up_proj
+// [E, 2I, H], gate rows first, and .down_proj [E, H, I]; Mixtral's router as mlp.gate) appear
+// under the per-expert names the model's parameters carry; returns where each one comes from.
+std::map<std::string, FusedExpertSlice> unfuse_expert_tensors(
+    Module& model, std::map<std::string, OfferedWeight>& offered) {
+  std::set<std::string> params;
+  for (Parameter* p : model.parameters()) params.insert(p->name);
+  std::map<std::string, FusedExpertSlice> out;
+  std::map<std::string, OfferedWeight> added;
+  std::vector<std::string> replaced;
+  const std::string experts = ".mlp.experts.";
+  for (const auto& [name, w] : offered) {
+    const size_t at = name.find(experts);
+    const std::string prefix = at == std::string::npos ? "" : name.substr(0, at);
+    const std::string kind = at == std::string::npos ? "" : name.substr(at + experts.size());
+    if (kind == "gate_up_proj" || kind == "down_proj") {
+      if (w.shape.size() != 3) continue;  // check_offered_weights names it
+      // The model's naming of expert 0 tells the family (Qwen3-MoE or Mixtral).
+      const bool mixtral = params.count(prefix + ".block_sparse_moe.experts.0.w1.weight") > 0;
+      const std::string base = prefix + (mixtral ? ".block_sparse_moe.experts." : experts);
+      if (!params.count(base + "0." + (mixtral ? "w2" : "down_proj") + ".weight"))
+        continue;  // no experts there: check_offered_weights names the stray tensor
+      const int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ex = base + std::to_string(e) + ".";
+        if (kind == "gate_up_proj") {
+          out[ex + (mixtral ? "w1" : "gate_proj") + ".weight"] = {name, e, 0, R / 2};
+          out[ex + (mixtral ? "w3" : "up_proj") + ".weight"] = {name, e, R / 2, R - R / 2};
+          added[ex + (mixtral ? "w1" : "gate_proj") + ".weight"] = {w.file, w.dtype, {R / 2, C}};
+          added[ex + (mixtral ? "w3" : "up_proj") + ".weight"] = {w.file, w.dtype, {R - R / 2, C}};
+        } else {
+          out[ex + (mixtral ? "w2" : "down_proj") + ".weight"] = {name, e, 0, R};
+          added[ex + (mixtral ? "w2" : "down_proj") + ".weight"] = {w.file, w.dtype, {R, C}};
+        }
+      }
+      replaced.push_back(name);
+    } else if (name.size() > 16 && name.compare(name.size() - 16, 16, ".mlp.gate.weight") == 0) {
+      const std::string target = name.substr(0, name.size() - 16) + ".block_sparse_moe.gate.weight";
+      if (!params.count(target) || params.count(name)) continue;
+      out[target] = {name, -1, 0, 0};
+      added[target] = w;
+      replaced.push_back(name);
+    }
+  }
+  for (const std::string& n : replaced) offered.erase(n);
+  for (auto& [n, w] : added) offered[n] = w;
+  return out;
+}
+
+}  // namespace
+
 void load_hf_weights(Module& model, const std::string& dir) {
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;  // by file
   std::map<std::string, SafetensorsReader*> reader_of;                // tensor name -> its file
@@ -791,19 +1164,37 @@ void load_hf_weights(Module& model, const std::string& dir) {
   std::map<std::string, OfferedWeight> offered;
   for (const auto& [name, r] : reader_of)
     offered[name] = {r->path(), r->info(name).dtype_name, r->info(name).shape};
+  const std::map<std::string, FusedExpertSlice> fused = unfuse_expert_tensors(model, offered);
   check_offered_weights(model, offered, dir,
                         "check the folder's config.json (the model it describes) against its "
                         "weights",
                         /*allow_tied_lm_head=*/true);
   NoGradGuard no_grad;
-  for (Parameter* p : model.parameters()) {
-    SafetensorsReader* r = reader_of.at(p->name);
-    Tensor t = r->load(p->name, MemCategory::Other);
+  std::map<std::string, Tensor> fused_loaded;  // fused tensors, each loaded once
+  auto load_checked = [&](const std::string& name) {
+    SafetensorsReader* r = reader_of.at(name);
+    Tensor t = r->load(name, MemCategory::Other);
     if (has_non_finite(t))
-      throw std::runtime_error(r->path() + ": tensor '" + p->name +
+      throw std::runtime_error(r->path() + ": tensor '" + name +
                                "' holds NaN or Inf values; the weights are damaged (or come from "
                                "a run that diverged): load another checkpoint");
-    p->value.copy_(t);
+    return t;
+  };
+  for (Parameter* p : model.parameters()) {
+    auto f = fused.find(p->name);
+    if (f == fused.end()) {
+      p->value.copy_(load_checked(p->name));
+      continue;
+    }
+    const FusedExpertSlice& s = f->second;
+    Tensor& whole = fused_loaded[s.source];
+    if (!whole.defined()) whole = load_checked(s.source);
+    if (s.expert < 0) {  // a renamed tensor (Mixtral's router)
+      p->value.copy_(whole);
+      continue;
+    }
+    Tensor slab = reshape(narrow(whole, 0, s.expert, 1), {whole.size(1), whole.size(2)});
+    p->value.copy_(contiguous(narrow(slab, 0, s.row_begin, s.rows)));
   }
 }
 

@@ -1,9 +1,10 @@
-// The decoder-only transformer of the Hugging Face Llama, Qwen2, Qwen3 and Mistral families
-// (LlamaForCausalLM, Qwen2ForCausalLM, ...) in C++: one decoder whose options are the families'
-// differences, with the same parameter names and module class names, loadable from and savable to
-// a Hugging Face model folder.
+// The decoder-only transformer of the Hugging Face Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and
+// Mixtral families (LlamaForCausalLM, Qwen2ForCausalLM, ...) in C++: one decoder whose options are
+// the families' differences (mixture-of-experts MLPs included), with the same parameter names and
+// module class names, loadable from and savable to a Hugging Face model folder.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
@@ -19,7 +20,7 @@
 namespace accel {
 
 // The Hugging Face families one decoder covers, by config.json's model_type.
-const char* const kModelTypes[] = {"llama", "qwen2", "qwen3", "mistral"};
+const char* const kModelTypes[] = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"};
 
 struct DecoderConfig {
   std::string model_type = "llama";  // one of kModelTypes
@@ -46,10 +47,38 @@ struct DecoderConfig {
   bool use_sliding_window = false;
   int64_t max_window_layers = 0;
   std::vector<std::string> layer_types;
+  // Mixture of experts (qwen3_moe, mixtral). A sparse layer's MLP is a router (gate: hidden ->
+  // num_experts, softmax in fp32, top num_experts_per_tok) over num_experts SwiGLU experts of
+  // width expert_intermediate_size(). Qwen3-MoE: layer i is sparse when (i + 1) %
+  // decoder_sparse_step == 0 and i is not in mlp_only_layers; dense layers keep
+  // intermediate_size. Mixtral: every layer sparse, experts of width intermediate_size.
+  int64_t num_experts = 0;  // 0: a dense family
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;  // qwen3_moe
+  bool norm_topk_prob = false;        // qwen3_moe (mixtral always renormalizes)
+  int64_t decoder_sparse_step = 1;    // qwen3_moe
+  std::vector<int64_t> mlp_only_layers;
+  // The loss adds router_aux_loss_coef x the load-balancing loss when output_router_logits is
+  // set, as transformers' *ForCausalLM does.
+  double router_aux_loss_coef = 0.001;
+  bool output_router_logits = false;
 
   bool qkv_bias() const { return model_type == "qwen2" || attention_bias; }
   bool o_proj_bias() const { return model_type != "qwen2" && attention_bias; }
-  bool qk_norm() const { return model_type == "qwen3"; }  // per-head RMSNorm of q and k
+  // Per-head RMSNorm of q and k.
+  bool qk_norm() const { return model_type == "qwen3" || model_type == "qwen3_moe"; }
+  bool is_moe() const { return model_type == "qwen3_moe" || model_type == "mixtral"; }
+  bool layer_is_sparse(int64_t i) const;
+  int64_t num_sparse_layers() const;
+  int64_t expert_intermediate_size() const {
+    return model_type == "mixtral" ? intermediate_size : moe_intermediate_size;
+  }
+  bool renormalizes_topk() const { return model_type == "mixtral" || norm_topk_prob; }
+  // Where a sparse layer's block sits: "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral), the
+  // checkpoints' tensor names.
+  const char* sparse_block_name() const {
+    return model_type == "mixtral" ? "block_sparse_moe" : "mlp";
+  }
   // The attention window of layer i: 0 = full causal attention.
   int64_t layer_window(int64_t i) const;
   // The family's Hugging Face class name for `suffix` ("DecoderLayer" -> "Qwen3DecoderLayer").
@@ -64,8 +93,11 @@ struct DecoderConfig {
   // Throws std::invalid_argument when one micro-batch's activations would hold more elements than
   // a tensor can (micro_batch_size x seq_len x the widest layer).
   void check_batch(int64_t micro_batch_size, int64_t seq_len) const;
-  int64_t num_parameters() const;  // -1 when the count overflows int64
-  // Training FLOPs per token: 6 * (non-embedding params + lm_head) + attention
+  int64_t num_parameters() const;  // every parameter; -1 when the count overflows int64
+  // The parameters one token computes with: a sparse layer counts its router and
+  // num_experts_per_tok of its experts (all parameters for a dense model).
+  int64_t num_active_parameters() const;
+  // Training FLOPs per token: 6 * (active non-embedding params + lm_head) + attention
   // 12 * layers * seq * hidden (causal attention counted as the full matrix, like nanoGPT/PaLM).
   double flops_per_token(int64_t seq_len) const;
 };
@@ -164,6 +196,10 @@ class SelfAttention : public Module {
 class GatedMLP : public Module {
  public:
   GatedMLP(const DecoderConfig& c, DType dtype, Device device);
+  // An MLP of another width, its projections registered under `names` (gate, up, down; Mixtral's
+  // experts: w1, w3, w2) with class name `type_name`: the experts of a sparse block.
+  GatedMLP(const DecoderConfig& c, int64_t intermediate_size, DType dtype, Device device,
+           const std::array<const char*, 3>& names, std::string type_name);
   std::string type_name() const override { return type_name_; }
   Tensor forward(const Tensor& x);
   Linear &gate_proj, &up_proj, &down_proj;
@@ -179,19 +215,6 @@ class GatedMLP : public Module {
   std::string type_name_;
 };
 
-class DecoderLayer : public Module {
- public:
-  DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device);
-  std::string type_name() const override { return type_name_; }
-  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {});
-  SelfAttention& self_attn;
-  GatedMLP& mlp;
-  RMSNorm &input_layernorm, &post_attention_layernorm;
-
- private:
-  std::string type_name_;
-};
-
 class ModuleList : public Module {
  public:
   std::string type_name() const override { return "ModuleList"; }
@@ -202,6 +225,43 @@ class ModuleList : public Module {
 
  private:
   int64_t size_ = 0;
+};
+
+// What the load-balancing loss needs from one sparse layer's forward.
+struct RouterStats {
+  std::vector<int64_t> expert_counts;  // [num_experts] routed slots per expert (constants)
+  Tensor prob_sum;  // [num_experts] (fp32; f64 models f64): router probabilities summed over tokens
+  int64_t tokens = 0;
+};
+
+// A mixture-of-experts MLP (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): the router `gate`
+// and `experts`, run as grouped GEMMs over the tokens sorted by expert.
+class SparseMoeBlock : public Module {
+ public:
+  SparseMoeBlock(const DecoderConfig& c, DType dtype, Device device);
+  std::string type_name() const override { return config.hf_class("SparseMoeBlock"); }
+  // [B, S, hidden] -> [B, S, hidden]; `stats`, when given, receives the routing of this forward.
+  Tensor forward(const Tensor& x, RouterStats* stats = nullptr);
+  Linear& gate;  // [num_experts, hidden], no bias
+  ModuleList& experts_list;
+  std::vector<GatedMLP*> experts;
+  const DecoderConfig config;
+};
+
+class DecoderLayer : public Module {
+ public:
+  DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device);
+  std::string type_name() const override { return type_name_; }
+  // `router_stats` receives a sparse layer's routing (ignored by dense layers).
+  Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {},
+                 RouterStats* router_stats = nullptr);
+  SelfAttention& self_attn;
+  GatedMLP* mlp = nullptr;        // a dense layer's MLP
+  SparseMoeBlock* moe = nullptr;  // a sparse layer's (config.layer_is_sparse)
+  RMSNorm &input_layernorm, &post_attention_layernorm;
+
+ private:
+  std::string type_name_;
 };
 
 class DecoderModel : public Module {
@@ -236,6 +296,16 @@ class CausalLM : public Module {
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
   static Tensor loss(const Tensor& logits, const Tensor& targets);
+  // The router's load-balancing loss of the latest forward (transformers'
+  // load_balancing_loss_func without an attention mask, over every sparse layer's tokens);
+  // undefined for a dense model or before a forward.
+  Tensor router_aux_loss() const;
+  // lm_loss + router_aux_loss_coef * router_aux_loss() when output_router_logits is set (as
+  // transformers' loss), else lm_loss. forward_loss adds it itself; callers of loss() add it here.
+  Tensor add_router_aux_loss(const Tensor& lm_loss) const;
+  // Routed slots per expert of every layer in the latest forward ([layer][expert]; empty rows
+  // for dense layers).
+  std::vector<std::vector<int64_t>> expert_counts() const;
   // Recompute each decoder layer in backward instead of keeping its activations.
   void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
 
@@ -247,6 +317,7 @@ class CausalLM : public Module {
   // The final norm's output [B, S, hidden] (forward without the LM head).
   Tensor final_hidden(const Tensor& ids, KVCache* cache, const TokenLayout& layout);
   bool checkpoint_layers_ = false;
+  std::vector<RouterStats> router_stats_;  // per layer, from the latest forward
 };
 
 // Hugging Face targets for a causal LM: targets[b, t] = ids[b, t + 1], the last one ignored.

@@ -507,6 +507,26 @@ Field f_list(std::string path, A acc, std::string doc) {
   return f;
 }
 
+template <class A>
+Field f_int_list(std::string path, A acc, int64_t lo, std::string doc) {
+  Field f;
+  f.path = std::move(path);
+  f.type = "list of integers";
+  f.doc = std::move(doc);
+  f.set = [acc, lo](Config& c, const YAML::Node& n, Ctx& ctx) {
+    std::vector<int64_t> values;
+    for (const std::string& s : parse_str_list(ctx, n))
+      values.push_back(parse_int(ctx, YAML::Node(s), lo, std::numeric_limits<int64_t>::max()));
+    acc(c) = values;
+  };
+  f.get = [acc](const Config& c) {
+    std::string out = "[";
+    for (size_t i = 0; i < acc(c).size(); ++i) out += (i ? ", " : "") + std::to_string(acc(c)[i]);
+    return out + "]";
+  };
+  return f;
+}
+
 Field inert(std::string path, std::string why, std::vector<std::string> neutral = {}) {
   Field f;
   f.path = std::move(path);
@@ -546,6 +566,8 @@ std::string hf_class_prefix(const std::string& model_name) {
   if (model_name == "qwen2") return "Qwen2";
   if (model_name == "qwen3") return "Qwen3";
   if (model_name == "mistral") return "Mistral";
+  if (model_name == "qwen3_moe") return "Qwen3Moe";
+  if (model_name == "mixtral") return "Mixtral";
   return "Llama";
 }
 
@@ -952,9 +974,11 @@ std::vector<Field> build_schema() {
 
   // ---- model ----
   const int64_t kMax = std::numeric_limits<int64_t>::max();
-  add(f_enum("model.name", ACCEL_REF(model.name), {"llama", "qwen2", "qwen3", "mistral"},
+  add(f_enum("model.name", ACCEL_REF(model.name),
+             {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"},
              "Model family: Hugging Face's model_type (LlamaForCausalLM, Qwen2ForCausalLM, "
-             "Qwen3ForCausalLM, MistralForCausalLM); the families differ in the options below."));
+             "Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM); "
+             "the families differ in the options below."));
   add(f_int("model.hidden_size", ACCEL_REF(model.hidden_size), 1, kMax, "Model width."));
   add(f_int("model.num_hidden_layers", ACCEL_REF(model.num_hidden_layers), 1, kMax,
             "Decoder layers."));
@@ -1044,6 +1068,33 @@ std::vector<Field> build_schema() {
   add(f_list("model.layer_types", ACCEL_REF(model.layer_types),
              "qwen2, qwen3: full_attention or sliding_attention per layer (transformers 5); "
              "replaces the use_sliding_window / max_window_layers rule. Empty = that rule."));
+  add(f_int("model.num_experts", ACCEL_REF(model.num_experts), 0, kMax,
+            "qwen3_moe, mixtral: experts per mixture-of-experts layer (mixtral's "
+            "num_local_experts). 0 elsewhere."));
+  add(grouped(f_int("model.num_local_experts", ACCEL_REF(model.num_experts), 0, kMax,
+                    "Mixtral's spelling of num_experts."),
+              "model.num_experts", true));
+  add(f_int("model.num_experts_per_tok", ACCEL_REF(model.num_experts_per_tok), 0, kMax,
+            "qwen3_moe, mixtral: experts each token is routed to (top-k)."));
+  add(f_int(
+      "model.moe_intermediate_size", ACCEL_REF(model.moe_intermediate_size), 0, kMax,
+      "qwen3_moe: each expert's MLP width (intermediate_size is the dense layers'). mixtral's "
+      "experts take intermediate_size."));
+  add(f_bool("model.norm_topk_prob", ACCEL_REF(model.norm_topk_prob),
+             "qwen3_moe: renormalize the top-k routing weights to sum to 1 (default false, as "
+             "transformers; Qwen3-30B-A3B sets true). mixtral always renormalizes."));
+  add(f_int("model.decoder_sparse_step", ACCEL_REF(model.decoder_sparse_step), 1, kMax,
+            "qwen3_moe: layer i is a mixture-of-experts layer when (i + 1) % decoder_sparse_step "
+            "== 0 and i is not in mlp_only_layers (default 1)."));
+  add(f_int_list("model.mlp_only_layers", ACCEL_REF(model.mlp_only_layers), 0,
+                 "qwen3_moe: layer indices that keep a dense MLP."));
+  add(f_double("model.router_aux_loss_coef", ACCEL_REF(model.router_aux_loss_coef), 0,
+               std::numeric_limits<double>::infinity(), false,
+               "qwen3_moe, mixtral: weight of the router's load-balancing loss in the training "
+               "loss (default 0.001), added only with output_router_logits."));
+  add(f_bool("model.output_router_logits", ACCEL_REF(model.output_router_logits),
+             "qwen3_moe, mixtral: add router_aux_loss_coef x the load-balancing loss to the "
+             "loss, as transformers does with output_router_logits (default false)."));
   add(f_enum("model.hidden_act", ACCEL_REF(model.hidden_act), {"silu"},
              "MLP activation: silu (SwiGLU), the only one these families use."));
   add(f_bool("model.mlp_bias", ACCEL_REF(model.mlp_bias),

@@ -83,7 +83,7 @@ const char* name_of(E e) {
 // Hugging Face config.json names (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig).
 struct ModelConfig {
   std::string name =
-      "llama";  // the family: config.json's model_type (llama, qwen2, qwen3, mistral)
+      "llama";  // config.json's model_type (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral)
   int64_t hidden_size = 256, num_hidden_layers = 4, num_attention_heads = 4,
           num_key_value_heads = 0 /* 0 = same as num_attention_heads */, intermediate_size = 688,
           vocab_size = 256, max_position_embeddings = 2048,
@@ -97,6 +97,14 @@ struct ModelConfig {
   int64_t sliding_window = 0, max_window_layers = 0;
   bool use_sliding_window = false;
   std::vector<std::string> layer_types;
+  // Mixture of experts (qwen3_moe, mixtral; the defaults elsewhere). num_experts is qwen3_moe's
+  // num_experts and mixtral's num_local_experts; moe_intermediate_size is qwen3_moe's expert
+  // width (mixtral's experts take intermediate_size). The defaults are transformers'.
+  int64_t num_experts = 0, num_experts_per_tok = 0, moe_intermediate_size = 0,
+          decoder_sparse_step = 1;
+  bool norm_topk_prob = false, output_router_logits = false;
+  std::vector<int64_t> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;
   // Hugging Face fields with one supported value (others are refused naming the key).
   std::string hidden_act = "silu";
   bool mlp_bias = false;

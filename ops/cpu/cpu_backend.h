@@ -64,6 +64,21 @@ class CpuBackend final : public Backend {
                           const Tensor& out, const Tensor& lse, const AttentionMask& mask,
                           double scale) override;
 
+  // moe.cpp
+  void topk(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t k) override;
+  void topk_backward(const Tensor& grad_x, const Tensor& grad_values,
+                     const Tensor& indices) override;
+  void moe_permute(const Tensor& out, const Tensor& x, const Tensor& order, int64_t top_k) override;
+  void moe_permute_backward(const Tensor& grad_x, const Tensor& grad_out, const Tensor& inverse,
+                            int64_t top_k) override;
+  void moe_unpermute(const Tensor& out, const Tensor& y, const Tensor& weights,
+                     const Tensor& inverse) override;
+  void moe_unpermute_backward(const Tensor& grad_y, const Tensor& grad_weights,
+                              const Tensor& grad_out, const Tensor& y, const Tensor& weights,
+                              const Tensor& order) override;
+  void grouped_matmul(const std::vector<Tensor>& outs, const std::vector<Tensor>& as,
+                      const std::vector<Tensor>& bs, bool trans_a, bool trans_b) override;
+
   // random.cpp
   void rand_uniform(const Tensor& out, uint64_t seed, uint64_t offset, double low,
                     double high) override;

@@ -32,13 +32,22 @@ double rel_error(const Tensor& a, const Tensor& b) {
   return diff / std::max(ref, 1e-30);
 }
 
+// Fixtures make_hf_fixture.py writes that are not committed yet (made on a machine with torch):
+// skipped while their folder is absent, checked like the others once it is there. Drop a name
+// from here when its folder is committed.
+bool fixture_pending(const std::string& name) { return name == "qwen3_moe" || name == "mixtral"; }
+
 // (fixture, device): the same fixture on the CPU and, where one is present, on the GPU.
 class DecoderFixture : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
 
 TEST_P(DecoderFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
-  const std::string dir = fixture_dir(std::get<0>(GetParam()));
+  const std::string name = std::get<0>(GetParam());
+  const std::string dir = fixture_dir(name);
   const bool on_gpu = std::get<1>(GetParam());
   if (on_gpu && !cuda::available()) GTEST_SKIP() << "no CUDA device: GPU fixture test skipped";
+  if (fixture_pending(name) && !std::filesystem::exists(dir))
+    GTEST_SKIP() << dir << " is not generated yet: run tools/reference/make_hf_fixture.py " << name
+                 << " where torch and transformers are installed (tests/data/hf/README.md)";
   ASSERT_TRUE(std::filesystem::exists(dir + "/config.json"))
       << dir << " is missing: generate it with tools/reference/make_hf_fixture.py (tests/data/hf/"
       << "README.md)";
@@ -54,7 +63,16 @@ TEST_P(DecoderFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
 
   Tensor logits = model.forward(ids);
   EXPECT_LT(rel_error(logits, expected.load("logits")), 1e-4);
-  Tensor loss = CausalLM::loss(logits, targets);
+  // Mixture-of-experts fixtures: the loss includes router_aux_loss_coef x the load-balancing
+  // loss, which they also hold on its own.
+  ASSERT_EQ(expected.contains("aux_loss"), cfg.is_moe() && cfg.output_router_logits);
+  if (expected.contains("aux_loss")) {
+    Tensor aux = model.router_aux_loss();
+    ASSERT_TRUE(aux.defined());
+    const double want = expected.load("aux_loss").item();
+    EXPECT_NEAR(aux.item(), want, 1e-4 * std::abs(want));
+  }
+  Tensor loss = model.add_router_aux_loss(CausalLM::loss(logits, targets));
   EXPECT_NEAR(loss.item(), expected.load("loss").item(),
               1e-4 * std::abs(expected.load("loss").item()));
   loss.backward();
@@ -87,7 +105,7 @@ TEST_P(DecoderFixture, LogitsLossGradientsAndAdamWMatchTransformers) {
   opts.weight_decay = o["weight_decay"];
   Optimizer opt(opts, params, names);
   for (size_t step = 0; step < train["losses_before_each_step"].size(); ++step) {
-    Tensor l = CausalLM::loss(model.forward(ids), targets);
+    Tensor l = model.add_router_aux_loss(CausalLM::loss(model.forward(ids), targets));
     double want = train["losses_before_each_step"][step];
     EXPECT_NEAR(l.item(), want, 1e-4) << "step " << step;
     l.backward();
@@ -104,7 +122,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values("llama_default", "llama_tied_mha", "llama_gqa4_theta",
                                          "llama31_rope", "llama_rope_linear", "llama_rope_dynamic",
                                          "llama_rope_yarn", "qwen2_bias_tied", "qwen2_sliding",
-                                         "qwen3_qknorm_head_dim", "mistral_window"),
+                                         "qwen3_qknorm_head_dim", "mistral_window", "qwen3_moe",
+                                         "mixtral"),
                        ::testing::Values(false, true)),
     [](const ::testing::TestParamInfo<DecoderFixture::ParamType>& info) {
       return std::string(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_cuda" : "_cpu");

@@ -23,7 +23,7 @@ Tensor unfused_forward(CausalLM& m, const Tensor& ids) {
   Tensor x = m.model.embed_tokens.forward(ids);
   for (DecoderLayer* l : m.model.layers) {
     Tensor h = add(x, l->self_attn.forward(norm(l->input_layernorm, x)));
-    x = add(h, l->mlp.forward(norm(l->post_attention_layernorm, h)));
+    x = add(h, l->mlp->forward(norm(l->post_attention_layernorm, h)));
   }
   x = norm(m.model.norm, x);
   return m.lm_head ? m.lm_head->forward(x) : linear(x, m.model.embed_tokens.weight.value);

@@ -17,7 +17,12 @@ A fixture folder OUT_ROOT/NAME (default OUT_ROOT: tests/data/hf) holds:
                          shifts them itself)
   expected.safetensors   logits f32 [batch, seq, vocab], loss f32 [] and grad.<name> f32 for
                          every parameter in named_parameters() (a tied lm_head is not listed), all
-                         at the initial weights
+                         at the initial weights. Gradients are named as the parameters are in
+                         model.safetensors: transformers 5 keeps a mixture-of-experts layer's
+                         experts fused (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I])
+                         but save_pretrained writes them per expert, so their gradients are split
+                         the same way. MoE fixtures also hold aux_loss f32 [] (the router's
+                         load-balancing loss; loss includes router_aux_loss_coef * aux_loss)
   train.json             the AdamW settings and the loss before each of --steps AdamW steps on the
                          same batch (torch.optim.AdamW, weight decay on every parameter, constant
                          lr, no clipping)
@@ -27,7 +32,8 @@ agree, the batch and the initial weights must be equal (same seed, same torch), 
 difference of every other tensor and of the losses is printed. It exits with status 1 when
 something differs.
 
-Model families: FAMILIES below maps a family name (llama, mistral, qwen2, qwen3) to its
+Model families: FAMILIES below maps a family name (llama, mistral, qwen2, qwen3, qwen3_moe,
+mixtral) to its
 transformers classes and a function that turns the shape options into config arguments; FIXTURES
 has one or more presets per family (RoPE scalings, biases, q/k norms, sliding windows).
 """
@@ -45,7 +51,15 @@ DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, se
                 # rope: "" (default RoPE) or a JSON object of the scaling parameters, e.g.
                 # '{"rope_type": "linear", "factor": 2.0}'; max_pos: max_position_embeddings
                 # (0: max(seq, 64)); head_dim: 0 = hidden / heads; window: sliding window (0: none)
-                rope="", max_pos=0, head_dim=0, window=0, max_window_layers=0)
+                rope="", max_pos=0, head_dim=0, window=0, max_window_layers=0,
+                # Mixture of experts (qwen3_moe, mixtral): experts per MoE layer, experts per
+                # token, the experts' ffn width (qwen3_moe's moe_intermediate_size; mixtral's
+                # experts take --ffn), norm_topk_prob, decoder_sparse_step, mlp_only_layers (a JSON
+                # list), router_aux_loss_coef, and the std the routers' weights are drawn with
+                # (wider than initializer_range so that no token's k-th and (k+1)-th expert are
+                # near a tie, which rounding could break differently in the C++ model).
+                experts=0, top_k=2, moe_ffn=0, norm_topk=1, sparse_step=1, mlp_only="[]",
+                aux_coef=0.0, router_std=0.1)
 
 # The AdamW settings written to train.json, which the C++ test reads back (its optimizer defaults).
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -96,12 +110,43 @@ def qwen3_config_args(o):
     return dict(qwen2_config_args(o), attention_bias=False)
 
 
+def qwen3_moe_config_args(o):
+    # Qwen3-MoE: Qwen3's attention (q/k norms, free head_dim); layer i is sparse unless listed in
+    # mlp_only_layers or (i + 1) % decoder_sparse_step != 0, dense layers use intermediate_size.
+    # output_router_logits makes the loss include router_aux_loss_coef * aux_loss.
+    return dict(common_config_args(o), attention_bias=False, use_sliding_window=False,
+                sliding_window=None, num_experts=o["experts"], num_experts_per_tok=o["top_k"],
+                moe_intermediate_size=o["moe_ffn"], norm_topk_prob=bool(o["norm_topk"]),
+                decoder_sparse_step=o["sparse_step"], mlp_only_layers=json.loads(o["mlp_only"]),
+                output_router_logits=True, router_aux_loss_coef=o["aux_coef"])
+
+
+def mixtral_config_args(o):
+    # Mixtral: every layer sparse, experts of width intermediate_size, routing weights always
+    # renormalised over the top k; Mistral's sliding window (None: full attention).
+    return dict(common_config_args(o), sliding_window=o["window"] or None,
+                num_local_experts=o["experts"], num_experts_per_tok=o["top_k"],
+                output_router_logits=True, router_aux_loss_coef=o["aux_coef"],
+                router_jitter_noise=0.0)
+
+
 # family -> (config class, model class, options -> config keyword arguments)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", llama_config_args),
     "mistral": ("MistralConfig", "MistralForCausalLM", mistral_config_args),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", qwen2_config_args),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", qwen3_config_args),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", qwen3_moe_config_args),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", mixtral_config_args),
+}
+
+# The per-expert tensor names save_pretrained writes (Hub checkpoints' layout), by family:
+# (gate, up, down) projections of expert {e}, and the router, under model.layers.{i}.
+MOE_DISK_NAMES = {
+    "qwen3_moe": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                  "mlp.experts.{e}.down_proj.weight", "mlp.gate.weight"),
+    "mixtral": ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+                "block_sparse_moe.experts.{e}.w2.weight", "block_sparse_moe.gate.weight"),
 }
 
 # The committed fixtures (tests/data/hf/NAME): family and the options that differ from DEFAULTS.
@@ -131,6 +176,15 @@ FIXTURES = {
     "qwen3_qknorm_head_dim": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, rms_eps=1e-6)),
     # Mistral v0.1: a sliding window of 5, shorter than the 16-token sequence, in every layer.
     "mistral_window": ("mistral", dict(window=5, kv_heads=1)),
+    # Qwen3-MoE: 4 layers, layer 1 dense (mlp_only_layers) and 0, 2, 3 sparse: 8 experts of width
+    # 32, top-2 renormalised; head_dim 32 (hidden / heads = 16); the aux loss weighted 0.05.
+    "qwen3_moe": ("qwen3_moe", dict(layers=4, head_dim=32, experts=8, top_k=2, moe_ffn=32,
+                                    norm_topk=1, sparse_step=1, mlp_only="[1]", aux_coef=0.05,
+                                    rope_theta=1000000.0, rms_eps=1e-6)),
+    # Mixtral: 2 sparse layers of 8 experts (width --ffn 128), top-2; a sliding window of 6 over
+    # the 16 tokens; aux loss weighted 0.02 (Mixtral's default).
+    "mixtral": ("mixtral", dict(experts=8, top_k=2, window=6, aux_coef=0.02,
+                                rope_theta=1000000.0)),
 }
 
 
@@ -142,33 +196,164 @@ def build_model(family, o):
     cfg = getattr(transformers, config_cls)(**config_args(o))
     # The plain attention: no fused kernel whose rounding could differ between machines.
     cfg._attn_implementation = "eager"
+    if family in MOE_DISK_NAMES and hasattr(cfg, "_experts_implementation"):
+        # transformers 5: the per-expert loop, not a grouped-GEMM kernel.
+        cfg._experts_implementation = "eager"
     return getattr(transformers, model_cls)(cfg).to(torch.float32)
+
+
+def sparse_blocks(model):
+    """(layer index, router module) of every mixture-of-experts layer: the layer's MLP (or 4.x
+    Mixtral's block_sparse_moe) that has a `gate` whose weight is the router's [E, hidden]."""
+    found = []
+    for i, layer in enumerate(model.model.layers):
+        for attr in ("mlp", "block_sparse_moe"):
+            block = getattr(layer, attr, None)
+            gate = getattr(block, "gate", None) if block is not None else None
+            if gate is not None and getattr(gate, "weight", None) is not None:
+                found.append((i, gate))
+                break
+    return found
+
+
+def to_disk_names(family, name, tensor, saved_names):
+    """{name in model.safetensors: tensor} for a parameter (or its gradient) named `name` in
+    named_parameters(): the same name, or the per-expert pieces of transformers 5's fused expert
+    tensors (gate_up_proj [E, 2I, H] is gate rows then up rows; down_proj [E, H, I]), or Mixtral's
+    router mlp.gate renamed to block_sparse_moe.gate."""
+    import re
+
+    if name in saved_names:
+        return {name: tensor}
+    if family not in MOE_DISK_NAMES:
+        raise SystemExit(f"{name}: not in the saved model.safetensors")
+    gate_name, up_name, down_name, router_name = MOE_DISK_NAMES[family]
+    m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+    out = {}
+    if m:
+        prefix, kind = m.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "gate_up_proj":
+                half = tensor.shape[1] // 2
+                out[f"{prefix}.{gate_name.format(e=e)}"] = tensor[e, :half]
+                out[f"{prefix}.{up_name.format(e=e)}"] = tensor[e, half:]
+            else:
+                out[f"{prefix}.{down_name.format(e=e)}"] = tensor[e]
+    else:
+        m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.gate\.weight", name)
+        if m:
+            out[f"{m.group(1)}.{router_name}"] = tensor
+    missing = [n for n in out if n not in saved_names]
+    if not out or missing:
+        raise SystemExit(f"{name}: save_pretrained wrote no tensor of that name nor the per-expert "
+                         f"names {missing or '(no known layout)'}; update to_disk_names for this "
+                         "transformers version")
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def reference_aux_loss(router_logits, num_experts, top_k):
+    """transformers' load_balancing_loss_func without an attention mask, computed here from the raw
+    router logits of every sparse layer (concatenated over layers, ONE softmax): num_experts times
+    the sum over experts of (fraction of routed slots) x (mean router probability)."""
+    import torch
+
+    logits = torch.cat(router_logits, dim=0)
+    probs = torch.softmax(logits, dim=-1)
+    _, chosen = torch.topk(probs, top_k, dim=-1)
+    mask = torch.nn.functional.one_hot(chosen, num_experts).float()  # [T, k, E]
+    return (mask.mean(dim=0) * probs.mean(dim=0).unsqueeze(0)).sum() * num_experts, probs
 
 
 def make_fixture(out_dir, family, o):
     import torch
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     # The order of the random draws fixes the fixture: the seed, then the model's initialisation,
     # then the batch. Nothing else may draw from torch's generator in between.
     torch.manual_seed(o["seed"])
     model = build_model(family, o)
+    moe = family in MOE_DISK_NAMES
     # transformers initialises biases to zero, which would leave their addition untested by the
-    # logits; fixtures with biases (qwen2) draw them instead.
+    # logits; fixtures with biases (qwen2) draw them instead. MoE fixtures draw their experts
+    # (normal(0, initializer_range), whatever the version's own initialisation) and routers
+    # (normal(0, router_std)).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.02)
+            elif moe and ".experts." in name:
+                p.normal_(0.0, model.config.initializer_range)
+        if moe:
+            for _, gate in sparse_blocks(model):
+                gate.weight.normal_(0.0, o["router_std"])
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     ids = torch.randint(0, o["vocab"], (o["batch"], o["seq"]), dtype=torch.int64)
     save_file({"input_ids": ids}, os.path.join(out_dir, "batch.safetensors"))
 
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    expected = {"logits": out.logits.detach().contiguous(), "loss": out.loss.detach().reshape(())}
+    with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
+        saved = {n: f.get_tensor(n) for n in f.keys()}
+    # The name mapping must reproduce exactly what save_pretrained wrote.
+    mapped = {}
     for name, p in model.named_parameters():
-        expected["grad." + name] = p.grad.detach().contiguous()
+        mapped.update(to_disk_names(family, name, p.detach(), saved))
+    for n, t in mapped.items():
+        if not torch.equal(t, saved[n]):
+            raise SystemExit(f"{n}: the split of the in-memory parameter differs from what "
+                             "save_pretrained wrote; the fused layout is not what to_disk_names "
+                             "assumes")
+    unmapped = set(saved) - set(mapped) - {"lm_head.weight"}
+    if unmapped:
+        raise SystemExit(f"save_pretrained wrote tensors no parameter maps to: {sorted(unmapped)}")
+
+    router_logits, hooks = [], []
+    if moe:
+        blocks = sparse_blocks(model)
+        if not blocks:
+            raise SystemExit("no mixture-of-experts layer found in the model")
+
+        def capture(module, args, kwargs, output):
+            # The router's input, however it is passed (positionally or by keyword).
+            hidden = args[0] if args else next(iter(kwargs.values()))
+            router_logits.append(torch.nn.functional.linear(
+                hidden.reshape(-1, module.weight.shape[1]), module.weight).detach())
+
+        hooks = [gate.register_forward_hook(capture, with_kwargs=True) for _, gate in blocks]
+    out = model(input_ids=ids, labels=ids)
+    for h in hooks:
+        h.remove()
+    expected = {"logits": out.logits.detach().contiguous(), "loss": out.loss.detach().reshape(())}
+    if moe:
+        aux = out.aux_loss.detach().reshape(())
+        want_aux, probs = reference_aux_loss(router_logits, o["experts"], o["top_k"])
+        if abs(aux.item() - want_aux.item()) > 1e-6 * max(1.0, abs(want_aux.item())):
+            twice, _ = reference_aux_loss([torch.softmax(x, -1) for x in router_logits],
+                                          o["experts"], o["top_k"])
+            raise SystemExit(
+                f"transformers' aux_loss {aux.item()} is not the load-balancing loss of the raw "
+                f"router logits ({want_aux.item()}; with a second softmax: {twice.item()}). The "
+                "C++ model computes it with one softmax (docs/models.md); check this version's "
+                "router and load_balancing_loss_func")
+        logits = out.logits.detach()
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                               ids[:, 1:].reshape(-1))
+        if abs(out.loss.item() - (ce.item() + o["aux_coef"] * aux.item())) > 1e-5:
+            raise SystemExit(f"loss {out.loss.item()} is not cross-entropy {ce.item()} + "
+                             f"{o['aux_coef']} * aux_loss {aux.item()}")
+        # Rounding must not be able to change a token's experts: the k-th and (k+1)-th router
+        # probabilities of every token are kept apart.
+        top = torch.topk(probs, o["top_k"] + 1, dim=-1).values
+        gap = (top[:, -2] - top[:, -1]).min().item()
+        print(f"  smallest gap between a token's expert {o['top_k']} and {o['top_k'] + 1}: {gap:.2e}")
+        if gap < 1e-5:
+            raise SystemExit("a token's router probabilities are nearly tied at the top-k boundary; "
+                             "pick another --seed or --router-std")
+        expected["aux_loss"] = aux
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        for n, g in to_disk_names(family, name, p.grad.detach(), saved).items():
+            expected["grad." + n] = g.contiguous()
     save_file(expected, os.path.join(out_dir, "expected.safetensors"))
 
     # AdamW from the same initial weights on the same batch; the loss is taken before each step.
@@ -188,6 +373,10 @@ def make_fixture(out_dir, family, o):
         "losses_before_each_step": losses,
         "torch": torch.__version__,
     }
+    if moe:
+        import transformers
+
+        train["transformers"] = transformers.__version__
     with open(os.path.join(out_dir, "train.json"), "w") as f:
         json.dump(train, f, indent=1)
     return expected["loss"].item(), losses

@@ -57,6 +57,9 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
   row.comm_bytes_per_step = last_step.value("comm_wire_bytes_per_step", nlohmann::json::object());
   row.all_to_all_bytes_per_step =
       row.comm_bytes_per_step.value(comm_kind_name(CommKind::AllToAll), int64_t{0});
+  row.expert_load = summary.value("expert_load", nlohmann::json());
+  if (summary.contains("final_aux_loss") && summary["final_aux_loss"].is_number())
+    row.final_aux_loss = summary["final_aux_loss"].get<double>();
   row.expected_model_state_bytes = expected_model_state_bytes(
       row.strategy, row.precision, summary.at("num_parameters").get<int64_t>(), row.world_size);
 }
@@ -132,6 +135,20 @@ std::string bench_table(const std::vector<BenchRow>& rows) {
     }
     o << "\n";
   }
+  // Mixture-of-experts runs: how evenly the routers spread the tokens over the experts.
+  for (const BenchRow& r : rows) {
+    if (!r.expert_load.is_object()) continue;
+    char line[256];
+    std::snprintf(
+        line, sizeof line,
+        "expert load %s/%s: tokens per expert min %.0f, max %.0f, mean %.1f, "
+        "max/mean %.2f; router aux loss %.4f\n",
+        r.strategy.c_str(), r.precision.c_str(), r.expert_load.value("min", 0.0),
+        r.expert_load.value("max", 0.0), r.expert_load.value("mean", 0.0),
+        r.expert_load["imbalance"].is_number() ? r.expert_load["imbalance"].get<double>() : 0.0,
+        r.final_aux_loss);
+    o << line;
+  }
   return o.str();
 }
 
@@ -171,6 +188,11 @@ nlohmann::json bench_json(const std::vector<BenchRow>& rows) {
                  {"expected_model_state_bytes", r.expected_model_state_bytes},
                  {"comm_wire_bytes_per_step", r.comm_bytes_per_step},
                  {"all_to_all_wire_bytes_per_step", r.all_to_all_bytes_per_step}});
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i].expert_load.is_object()) {
+      a[i]["expert_load"] = rows[i].expert_load;
+      a[i]["final_aux_loss"] = rows[i].final_aux_loss;
+    }
   return a;
 }
 

@@ -3,6 +3,7 @@
 // chart.
 #pragma once
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -25,6 +26,10 @@ struct BenchRow {
   nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
   // Of which expert parallelism's all-to-all (token dispatch and return), 0 without.
   int64_t all_to_all_bytes_per_step = 0;
+  // Mixture of experts (null otherwise): tokens per expert over the run, {min, max, mean,
+  // imbalance = max / mean}, and the final router aux loss.
+  nlohmann::json expert_load;
+  double final_aux_loss = NAN;
 };
 
 // Fills the measured fields of `row` from a run's metrics.jsonl, ignoring the first `warmup`

@@ -142,6 +142,14 @@ void adopt_loaded_shape(Config& cfg, const DecoderConfig& mc) {
   take("use_sliding_window", m.use_sliding_window, loaded.use_sliding_window);
   take("max_window_layers", m.max_window_layers, loaded.max_window_layers);
   take("layer_types", m.layer_types, loaded.layer_types);
+  take("num_experts", m.num_experts, loaded.num_experts);
+  take("num_experts_per_tok", m.num_experts_per_tok, loaded.num_experts_per_tok);
+  take("moe_intermediate_size", m.moe_intermediate_size, loaded.moe_intermediate_size);
+  take("norm_topk_prob", m.norm_topk_prob, loaded.norm_topk_prob);
+  take("decoder_sparse_step", m.decoder_sparse_step, loaded.decoder_sparse_step);
+  take("mlp_only_layers", m.mlp_only_layers, loaded.mlp_only_layers);
+  take("router_aux_loss_coef", m.router_aux_loss_coef, loaded.router_aux_loss_coef);
+  take("output_router_logits", m.output_router_logits, loaded.output_router_logits);
 }
 
 // The previous run's files in an output folder we are about to write into.

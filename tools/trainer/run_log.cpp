@@ -195,9 +195,38 @@ void RunLog::write_chart() {
   }
 }
 
+nlohmann::json expert_load_json(const std::vector<std::vector<double>>& expert_tokens) {
+  double lo = INFINITY, hi = 0, sum = 0;
+  int64_t n = 0;
+  for (const auto& layer : expert_tokens)
+    for (double v : layer) {
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+      sum += v;
+      ++n;
+    }
+  if (n == 0) return nullptr;
+  const double mean = sum / static_cast<double>(n);
+  return {{"min", lo},
+          {"max", hi},
+          {"mean", mean},
+          {"imbalance", mean > 0 ? nlohmann::json(hi / mean) : nlohmann::json(nullptr)}};
+}
+
 void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
-                  std::optional<double> eval_loss, const StepTokens& tokens) {
+                  std::optional<double> eval_loss, const StepTokens& tokens,
+                  const MoeStepStats* moe) {
   last_loss_ = loss;
+  if (moe) {
+    moe_ = true;
+    last_aux_loss_ = moe->aux_loss;
+    expert_tokens_total_.resize(moe->expert_tokens.size());
+    for (size_t l = 0; l < moe->expert_tokens.size(); ++l) {
+      expert_tokens_total_[l].resize(moe->expert_tokens[l].size(), 0.0);
+      for (size_t e = 0; e < moe->expert_tokens[l].size(); ++e)
+        expert_tokens_total_[l][e] += moe->expert_tokens[l][e];
+    }
+  }
   since_log_.positions += tokens.positions;
   since_log_.trained += tokens.trained;
   total_.positions += tokens.positions;
@@ -261,6 +290,13 @@ void RunLog::step(int64_t step, double loss, double lr, const StepResult& r,
     j["host_busy_ms_per_step"] = host_.take_ms_per_step(steps_logged);
   }
   if (eval_loss) j["eval_loss"] = *eval_loss;
+  if (moe) {
+    j["aux_loss"] = moe->aux_loss;
+    const nlohmann::json load = expert_load_json(moe->expert_tokens);
+    if (load.is_object())
+      for (const char* k : {"min", "max", "mean", "imbalance"})
+        j[std::string("expert_tokens_") + k] = load[k];
+  }
   metrics_.write(j);
   loss_history_.add_train(step, loss);
   if (eval_loss) write_chart();
@@ -292,6 +328,16 @@ void RunLog::finish(int64_t step, double final_eval,
                             {"world_size", run_.dist.world()},
                             {"strategy", strategy.name()}};
   if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
+  if (moe_) {
+    summary["num_active_parameters"] = run_.model_config.num_active_parameters();
+    summary["final_aux_loss"] = last_aux_loss_;
+    // Routed slots per expert over the run, by layer index (sparse layers only).
+    nlohmann::json per_layer = nlohmann::json::object();
+    for (size_t l = 0; l < expert_tokens_total_.size(); ++l)
+      if (!expert_tokens_total_[l].empty()) per_layer[std::to_string(l)] = expert_tokens_total_[l];
+    summary["expert_tokens"] = per_layer;
+    summary["expert_load"] = expert_load_json(expert_tokens_total_);
+  }
   if (run_.data.train->has_documents()) {
     summary["data"] = run_.data.train->stats().to_json();
     summary["trained_tokens"] = total_.trained;
@@ -307,8 +353,9 @@ void RunLog::finish(int64_t step, double final_eval,
   const std::string report_line = strategy.run_report_line();
   if (!report_line.empty()) std::fprintf(stderr, "%s\n", report_line.c_str());
   std::fprintf(
-      stderr, "done: %lld steps, final loss %.4f%s, %.1fs, peak memory %s\n",
+      stderr, "done: %lld steps, final loss %.4f%s%s, %.1fs, peak memory %s\n",
       static_cast<long long>(step), last_loss_,
+      moe_ ? (" (router aux loss " + std::to_string(last_aux_loss_) + ")").c_str() : "",
       std::isfinite(final_eval) ? (", eval loss " + std::to_string(final_eval)).c_str() : "",
       train_s, format_bytes(memory_stats(run_.device).peak_total).c_str());
   if (!sample.empty())

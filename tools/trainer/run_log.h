@@ -79,6 +79,17 @@ class MetricsFile {
 // The file is rewritten through a temporary file and a rename.
 void truncate_metrics_after(const std::string& path, int64_t step);
 
+// A mixture-of-experts step: the router's load-balancing loss (mean over micro-batches and
+// ranks) and the slots routed to each expert ([layer][expert], all ranks and micro-batches;
+// empty rows for dense layers).
+struct MoeStepStats {
+  double aux_loss = 0;
+  std::vector<std::vector<double>> expert_tokens;
+};
+
+// min / max / mean tokens per expert over the sparse layers' experts, and max / mean (1 = even).
+nlohmann::json expert_load_json(const std::vector<std::vector<double>>& expert_tokens);
+
 class RunLog {
  public:
   // At the start of training, `first_step` being the step a resumed run continues from.
@@ -91,8 +102,11 @@ class RunLog {
   // After each optimizer step (every rank: the evaluation result, when there is one, is the
   // same everywhere): the metrics line of a logged step, the evaluation's line, the chart.
   // tokens/s in the log counts trained tokens; trained_fraction = trained / positions.
+  // `moe` (mixture-of-experts models): aux_loss and the expert load join the metrics line, and
+  // the totals the summary.
   void step(int64_t step, double loss, double lr, const StepResult& r,
-            std::optional<double> eval_loss, const StepTokens& tokens);
+            std::optional<double> eval_loss, const StepTokens& tokens,
+            const MoeStepStats* moe = nullptr);
   // After the last step, before the final checkpoint: the progress bar is done.
   void end_of_steps() { progress_.finish(); }
   // At the end: every rank's peak memory (all-gathered: every rank calls this), then `sample`
@@ -117,6 +131,9 @@ class RunLog {
   int64_t last_log_step_ = 0;
   StepTokens since_log_, total_;  // since the last logged step; since the start of this process
   double last_loss_ = NAN;
+  bool moe_ = false;
+  double last_aux_loss_ = NAN;
+  std::vector<std::vector<double>> expert_tokens_total_;  // since the start of this process
   CommStats last_comm_;
   double last_host_wait_ = 0;
 };

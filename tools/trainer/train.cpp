@@ -37,13 +37,25 @@ struct NanInjection {
 
 enum class Poison { None, Loss, Gradients };
 
-// One micro-batch: forward, loss, backward of loss * scale. Returns the loss (unscaled).
-Tensor forward_backward(Run& run, const Batch& b, double scale, Poison poison, HostTimes& t) {
+// One micro-batch: forward, loss, backward of loss * scale. Returns the loss (unscaled; for a
+// mixture of experts with output_router_logits it includes router_aux_loss_coef x aux). `aux`
+// receives the router's load-balancing loss of the micro-batch (undefined for a dense model);
+// its term in the loss is backpropagated with `aux_scale` instead of `scale`: it is a mean over
+// micro-batches, not over trained tokens.
+Tensor forward_backward(Run& run, const Batch& b, double scale, double aux_scale, Poison poison,
+                        HostTimes& t, Tensor& aux) {
   Tensor loss, scaled;
   t.time(HostTimes::kForward, [&] {
     loss = batch_loss(run, b);
+    aux = run.model->router_aux_loss();
     if (poison == Poison::Loss) loss = mul(loss, NAN);
-    scaled = mul(loss, scale);
+    const DecoderConfig& mc = run.model->config;
+    if (aux.defined() && mc.output_router_logits && aux_scale != scale) {
+      Tensor term = mul(cast(aux, loss.dtype()), mc.router_aux_loss_coef);
+      scaled = add(mul(sub(loss, term), scale), mul(term, aux_scale));
+    } else {
+      scaled = mul(loss, scale);
+    }
     if (poison == Poison::Gradients) scaled = mul(scaled, NAN);
   });
   t.time(HostTimes::kBackward, [&] { scaled.backward(); });
@@ -55,6 +67,7 @@ struct StepOutput {
   double lr = 0;
   StepResult result;
   StepTokens tokens;  // all ranks
+  MoeStepStats moe;   // mixture of experts: the aux loss and the tokens per expert
 };
 
 // Optimizer step `step` (0-based): the micro-batches' gradients, then the update.
@@ -87,6 +100,14 @@ StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
   }
   out.tokens = {static_cast<int64_t>(positions), static_cast<int64_t>(trained)};
   double loss_sum = 0;  // by_tokens: the sum over this rank's trained tokens
+  // Mixture of experts: the aux loss summed over this rank's micro-batches (its term joins the
+  // loss as a mean over micro-batches and ranks, whatever their token counts), and the routed
+  // slots per layer and expert.
+  const bool moe = run.model->config.is_moe();
+  const double aux_coef =
+      run.model->config.output_router_logits ? run.model->config.router_aux_loss_coef : 0.0;
+  double aux_sum = 0;
+  std::vector<std::vector<double>> expert_slots;
   for (int64_t micro = 0; micro < accum; ++micro) {
     const bool last = micro == accum - 1;
     run.strategy->begin_micro_batch(last);
@@ -97,9 +118,21 @@ StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
     const double n = static_cast<double>(b.trained_tokens);
     const double ls = run.precision->loss_scale();
     const double scale = by_tokens ? ls * n * world / trained : ls / static_cast<double>(accum);
-    Tensor loss = forward_backward(run, b, scale, poison, t);
+    Tensor aux;
+    Tensor loss = forward_backward(run, b, scale, ls / static_cast<double>(accum), poison, t, aux);
     // After backward is queued: reading the loss earlier drains the GPU.
-    loss_sum += by_tokens ? loss.item() * n : loss.item();
+    const double aux_value = aux.defined() ? aux.item() : 0.0;
+    aux_sum += aux_value;
+    loss_sum += by_tokens ? (loss.item() - aux_coef * aux_value) * n : loss.item();
+    if (moe) {
+      const std::vector<std::vector<int64_t>> counts = run.model->expert_counts();
+      expert_slots.resize(counts.size());
+      for (size_t l = 0; l < counts.size(); ++l) {
+        expert_slots[l].resize(counts[l].size(), 0.0);
+        for (size_t e = 0; e < counts[l].size(); ++e)
+          expert_slots[l][e] += static_cast<double>(counts[l][e]);
+      }
+    }
     run.strategy->end_micro_batch();
   }
   t.time(HostTimes::kOptimizer, [&] {
@@ -107,10 +140,34 @@ StepOutput train_step(Run& run, int64_t step, const LRSchedule& schedule,
         run.strategy->step(out.lr, run.cfg.optimizer.grad_clip, 1.0 / run.precision->loss_scale());
     run.precision->after_optimizer_step(run.dist.pg.get());
   });
-  out.loss = by_tokens
-                 ? run.dist.mean_across_ranks(loss_sum, run.device) * world / trained
-                 : run.dist.mean_across_ranks(loss_sum / static_cast<double>(accum), run.device);
+  const double aux_mean =
+      moe ? run.dist.mean_across_ranks(aux_sum / static_cast<double>(accum), run.device) : 0.0;
+  out.loss =
+      by_tokens
+          ? run.dist.mean_across_ranks(loss_sum, run.device) * world / trained + aux_coef * aux_mean
+          : run.dist.mean_across_ranks(loss_sum / static_cast<double>(accum), run.device);
+  if (moe) {
+    out.moe.aux_loss = aux_mean;
+    // Every rank's counts, summed (one all-gather of the flattened table).
+    std::vector<double> flat;
+    for (const auto& row : expert_slots) flat.insert(flat.end(), row.begin(), row.end());
+    const std::vector<double> all = run.dist.all_gather(flat, run.device);
+    out.moe.expert_tokens = expert_slots;
+    size_t at = 0;
+    for (auto& row : out.moe.expert_tokens)
+      for (double& v : row) {
+        v = 0;
+        for (size_t r = at; r < all.size(); r += flat.size()) v += all[r];
+        ++at;
+      }
+  }
   return out;
+}
+
+std::string format_millions(int64_t n) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1fM", static_cast<double>(n) / 1e6);
+  return buf;
 }
 
 void print_run_line(const Run& run) {
@@ -118,9 +175,10 @@ void print_run_line(const Run& run) {
   const DecoderConfig& mc = run.model_config;
   std::fprintf(
       stderr,
-      "model: %s %.1fM params, %lld layers, hidden %lld | device %s | precision %s | "
+      "model: %s %.1fM params%s, %lld layers, hidden %lld | device %s | precision %s | "
       "strategy %s x %d | data %s | %lld tokens/step | startup %.1fs\n",
       mc.model_type.c_str(), static_cast<double>(mc.num_parameters()) / 1e6,
+      mc.is_moe() ? (" (" + format_millions(mc.num_active_parameters()) + " active)").c_str() : "",
       static_cast<long long>(mc.num_hidden_layers), static_cast<long long>(mc.hidden_size),
       run.device.str().c_str(), run.precision->mixed_precision(), run.strategy->name().c_str(),
       run.dist.world(), run.data.train->describe().c_str(),
@@ -164,7 +222,8 @@ int train(Run& run, const ResumeRequest& resume) {
     if (!warning.empty()) log.println(warning);
     std::optional<double> eval_loss;
     if (tc.eval_every > 0 && step % tc.eval_every == 0) eval_loss = evaluate(run);
-    log.step(step, out.loss, out.lr, out.result, eval_loss, out.tokens);
+    log.step(step, out.loss, out.lr, out.result, eval_loss, out.tokens,
+             run.model->config.is_moe() ? &out.moe : nullptr);
     if (checkpoints.after_step(step, tc.max_steps, log)) return kExitPreempted;  // SIGTERM
   }
   log.end_of_steps();
