@@ -62,6 +62,7 @@ DecoderConfig tiny_moe(const std::string& family) {
   }
   c.output_router_logits = true;
   c.router_aux_loss_coef = 0.05;
+  c.initializer_range = 0.2;  // experts that weigh in the loss and the gradient norm
   return c;
 }
 
