@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 
@@ -129,6 +130,22 @@ TEST_F(MoeEpTrain, CheckpointUnderEpResumesEverywhereAndConsolidates) {
   for (int st = 1; st <= 2; ++st)
     EXPECT_NEAR(got.at(st), want.at(st), 1e-5 * std::abs(want.at(st))) << "init_from step " << st;
   EXPECT_GT(std::abs(want.at(1) - ref.at(1)), 1e-3) << "init_from should start elsewhere";
+  // A YAML whose model section names only init_from: the experts come from the folder.
+  const fs::path bare = dir_ / "bare.yaml";
+  {
+    std::string text = kConfig;
+    text.replace(text.find("model: {"), text.find("training:") - text.find("model: {"),
+                 "model: {init_from: " + (dir_ / "hf").string() + "}\n");
+    std::ofstream(bare) << text;
+  }
+  Result ic = accel::tool_test::run_command(
+      "OMP_NUM_THREADS=1 " + std::string(ACCEL_BIN_DIR) + "/accel-train --config " + bare.string() +
+      " --output-dir " + (dir_ / "init_bare").string() +
+      " --set distributed_type=MULTI_CPU --set num_processes=2 --set "
+      "gradient_accumulation_steps=4 --set training.max_steps=1 --set checkpoint.every_steps=0" +
+      kEp2);
+  ASSERT_EQ(ic.code, 0) << ic.output;
+  EXPECT_NEAR(losses("init_bare").at(1), want.at(1), 1e-5 * std::abs(want.at(1)));
 }
 
 }  // namespace
