@@ -148,4 +148,25 @@ TEST_F(MoeEpTrain, CheckpointUnderEpResumesEverywhereAndConsolidates) {
   EXPECT_NEAR(losses("init_bare").at(1), want.at(1), 1e-5 * std::abs(want.at(1)));
 }
 
+// Evaluation and the final greedy sample run their forwards on every rank together (the
+// all-to-all makes them collective): the run ends instead of hanging.
+TEST_F(MoeEpTrain, EvaluationAndSamplingRunOnEveryRank) {
+  {
+    std::ofstream t(dir_ / "text.txt");
+    for (int i = 0; i < 300; ++i) t << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  Result r = accel::tool_test::run_command(
+      "OMP_NUM_THREADS=1 timeout 120 " + std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
+      (dir_ / "config.yaml").string() + " --output-dir " + (dir_ / "eval").string() +
+      " --set model.vocab_size=256 --set data.source=text --set data.tokenizer=byte --set "
+      "data.eval_fraction=0.1 --set data.text_files=" +
+      (dir_ / "text.txt").string() +
+      " --set training.eval_every=2 --set training.sample_tokens=4 --set "
+      "distributed_type=MULTI_CPU --set num_processes=2 --set gradient_accumulation_steps=4" +
+      kEp2);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("eval loss"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sample (greedy):"), std::string::npos) << r.output;
+}
+
 }  // namespace
