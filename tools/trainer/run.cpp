@@ -297,8 +297,9 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
       const std::vector<Parameter*> params = run.model->parameters();
       int64_t numel = 0;
       for (const Parameter* p : params) numel += p->value.numel();
-      std::fprintf(stderr, "model.init_from: read %zu tensors (%.2f M parameters) from %s\n",
-                   params.size(), static_cast<double>(numel) / 1e6, c.model.init_from.c_str());
+      std::fprintf(stderr, "model.init_from: read %zu tensors (%.2f M parameters%s) from %s\n",
+                   params.size(), static_cast<double>(numel) / 1e6,
+                   run.expert_parallel ? ", rank 0's experts only" : "", c.model.init_from.c_str());
     }
   }
   run.model->set_activation_checkpointing(c.training.activation_checkpointing ||
