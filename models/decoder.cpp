@@ -778,11 +778,21 @@ Tensor GatedMLP::forward(const Tensor& x) {
   });
 }
 
-SparseMoeBlock::SparseMoeBlock(const DecoderConfig& c, DType dtype, Device device)
+SparseMoeBlock::SparseMoeBlock(const DecoderConfig& c, DType dtype, Device device,
+                               const ExpertParallelContext* ep)
     : gate(register_module("gate",
                            std::make_unique<Linear>(c.hidden_size, c.num_experts, dtype, device))),
       experts_list(register_module("experts", std::make_unique<ModuleList>())),
-      config(c) {
+      config(c),
+      ep_(ep && ep->ep_size > 1 ? std::make_shared<const ExpertParallelContext>(*ep) : nullptr) {
+  if (ep_ && (ep_->num_experts != c.num_experts || ep_->expert_begin < 0 ||
+              ep_->expert_end > c.num_experts || ep_->num_local_experts() < 1))
+    throw std::invalid_argument(
+        "[" + c.model_type + "] the expert-parallel context splits " +
+        std::to_string(ep_->num_experts) + " experts (holding " +
+        std::to_string(ep_->expert_begin) + ".." + std::to_string(ep_->expert_end - 1) +
+        "), but the model has " + std::to_string(c.num_experts) +
+        ": make_expert_parallel needs the model's expert count (model.num_experts)");
   // The checkpoints' per-expert names: Qwen3-MoE's experts are Qwen3MoeMLPs (gate_proj, up_proj,
   // down_proj), Mixtral's MixtralBlockSparseTop2MLPs (w1 gate, w3 up, w2 down).
   const bool mixtral = c.model_type == "mixtral";
@@ -790,9 +800,22 @@ SparseMoeBlock::SparseMoeBlock(const DecoderConfig& c, DType dtype, Device devic
       mixtral ? std::array<const char*, 3>{"w1", "w3", "w2"}
               : std::array<const char*, 3>{"gate_proj", "up_proj", "down_proj"};
   const std::string type = mixtral ? "MixtralBlockSparseTop2MLP" : c.hf_class("MLP");
-  for (int64_t e = 0; e < c.num_experts; ++e)
-    experts.push_back(&experts_list.append(
+  const int64_t begin = ep_ ? ep_->expert_begin : 0, end = ep_ ? ep_->expert_end : c.num_experts;
+  for (int64_t e = begin; e < end; ++e)  // under the global index: experts.<e>
+    experts.push_back(&experts_list.append_as(
+        e,
         std::make_unique<GatedMLP>(c, c.expert_intermediate_size(), dtype, device, names, type)));
+}
+
+Tensor SparseMoeBlock::run_experts(const Tensor& xs, const std::vector<int64_t>& rows) {
+  std::vector<Tensor> gate_w, up_w, down_w;
+  for (GatedMLP* e : experts) {
+    gate_w.push_back(e->gate_proj.weight.value);
+    up_w.push_back(e->up_proj.weight.value);
+    down_w.push_back(e->down_proj.weight.value);
+  }
+  Tensor h = swiglu(grouped_linear(xs, gate_w, rows), grouped_linear(xs, up_w, rows));
+  return grouped_linear(h, down_w, rows);
 }
 
 Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
@@ -819,16 +842,31 @@ Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
     if (config.renormalizes_topk()) top = div(top, sum(top, {-1}, true));
     Tensor weights = cast(top, x.dtype());
     MoeRouting routing = moe_routing(chosen, config.num_experts);
-    std::vector<Tensor> gate_w, up_w, down_w;
-    for (GatedMLP* e : experts) {
-      gate_w.push_back(e->gate_proj.weight.value);
-      up_w.push_back(e->up_proj.weight.value);
-      down_w.push_back(e->down_proj.weight.value);
+    Tensor xs = moe_permute(flat, routing);  // sorted by global expert, so by owner too
+    Tensor ys;
+    if (!ep_) {
+      ys = run_experts(xs, routing.expert_counts);
+    } else {
+      // To the experts' owners; the rows arrive by sender, then local expert. A top-1 routing
+      // by local expert regroups them (stable: sender order within an expert, which is the
+      // single process's token order when ranks hold consecutive shares of the batch), so each
+      // expert runs one GEMM and gets a gradient (zeros without rows) in every backward.
+      const ExpertDispatch d = plan_expert_dispatch(*ep_, routing.expert_counts);
+      Tensor rx = all_to_all_rows(xs, d.send_rows, d.recv_rows, *ep_->ep_group);
+      const int64_t L = ep_->num_local_experts();
+      std::vector<int64_t> local;
+      local.reserve(static_cast<size_t>(rx.size(0)));
+      for (size_t g = 0; g < d.recv_expert_rows.size(); ++g)
+        local.insert(local.end(), static_cast<size_t>(d.recv_expert_rows[g]),
+                     static_cast<int64_t>(g) % L);
+      const int64_t R = rx.size(0);
+      MoeRouting by_expert =
+          moe_routing(Tensor::from_vector(local, {R, 1}, DType::I64, x.device()), L);
+      Tensor ry = run_experts(moe_permute(rx, by_expert), by_expert.expert_counts);
+      ry = moe_unpermute(ry, Tensor::ones({R, 1}, ry.dtype(), ry.device()), by_expert);
+      ys = all_to_all_rows(ry, d.recv_rows, d.send_rows, *ep_->ep_group);
     }
-    const std::vector<int64_t>& rows = routing.expert_counts;
-    Tensor xs = moe_permute(flat, routing);
-    Tensor h = swiglu(grouped_linear(xs, gate_w, rows), grouped_linear(xs, up_w, rows));
-    Tensor y = moe_unpermute(grouped_linear(h, down_w, rows), weights, routing);
+    Tensor y = moe_unpermute(ys, weights, routing);
     if (stats) {
       stats->expert_counts = routing.expert_counts;
       stats->prob_sum = sum(probs, {0});
@@ -838,7 +876,8 @@ Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
   });
 }
 
-DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device)
+DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device,
+                           const ExpertParallelContext* ep)
     : self_attn(register_module("self_attn", std::make_unique<SelfAttention>(
                                                  c, c.layer_window(layer_index), dtype, device))),
       mlp(c.layer_is_sparse(layer_index)
@@ -846,7 +885,7 @@ DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dt
               : &register_module("mlp", std::make_unique<GatedMLP>(c, dtype, device))),
       moe(c.layer_is_sparse(layer_index)
               ? &register_module(c.sparse_block_name(),
-                                 std::make_unique<SparseMoeBlock>(c, dtype, device))
+                                 std::make_unique<SparseMoeBlock>(c, dtype, device, ep))
               : nullptr),
       input_layernorm(register_module(
           "input_layernorm", std::make_unique<RMSNorm>(c.hidden_size, c.rms_norm_eps, dtype, device,
@@ -867,7 +906,8 @@ Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache, const Token
   });
 }
 
-DecoderModel::DecoderModel(const DecoderConfig& c, DType dtype, Device device)
+DecoderModel::DecoderModel(const DecoderConfig& c, DType dtype, Device device,
+                           const ExpertParallelContext* ep)
     : embed_tokens(register_module(
           "embed_tokens", std::make_unique<Embedding>(c.vocab_size, c.hidden_size, dtype, device))),
       layers_list(register_module("layers", std::make_unique<ModuleList>())),
@@ -875,7 +915,7 @@ DecoderModel::DecoderModel(const DecoderConfig& c, DType dtype, Device device)
                                                              device, c.hf_class("RMSNorm")))),
       type_name_(c.hf_class("Model")) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    layers.push_back(&layers_list.append(std::make_unique<DecoderLayer>(c, i, dtype, device)));
+    layers.push_back(&layers_list.append(std::make_unique<DecoderLayer>(c, i, dtype, device, ep)));
 }
 
 namespace {
@@ -885,19 +925,52 @@ const DecoderConfig& validated(const DecoderConfig& c) {
 }
 }  // namespace
 
-CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed)
+CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed,
+                   const ExpertParallelContext* ep)
     : config(validated(c)),
-      model(register_module("model", std::make_unique<DecoderModel>(c, dtype, device))) {
+      model(register_module("model", std::make_unique<DecoderModel>(c, dtype, device, ep))),
+      ep_(ep && ep->ep_size > 1 ? std::make_shared<const ExpertParallelContext>(*ep) : nullptr) {
   if (!c.tie_word_embeddings)
     lm_head = &register_module(
         "lm_head", std::make_unique<Linear>(c.hidden_size, c.vocab_size, dtype, device));
   finalize();
-  // Each parameter draws from its own slice of the Philox stream, so initialization does not
-  // depend on the device or on which parameters a rank holds.
+  // Each parameter draws from its own slice of the Philox stream, at its offset in the model
+  // with every expert: initialization depends neither on the device nor on which experts a
+  // rank holds (an expert-parallel rank skips the slices of the experts it lacks).
+  std::map<std::string, std::pair<int64_t, uint64_t>> expert_lists;  // prefix -> (E, span)
+  for (DecoderLayer* layer : model.layers)
+    if (layer->moe) {
+      uint64_t span = 0;  // one expert's slices
+      for (Parameter* p : layer->moe->experts.front()->parameters())
+        span += 2 * static_cast<uint64_t>(p->value.numel());
+      expert_lists[layer->moe->experts_list.full_name() + "."] = {c.num_experts, span};
+    }
   uint64_t offset = 0;
+  std::string list;         // the expert list being walked
+  uint64_t list_start = 0;  // its offset
+  int64_t expert = -1;      // the expert being walked, and the offset within it
+  uint64_t within = 0;
   NoGradGuard no_grad;
   for (Parameter* p : parameters()) {
     const Tensor& t = p->value;
+    uint64_t at = offset;
+    const int64_t e = expert_index_of(p->name);
+    const size_t cut = e >= 0 ? p->name.find(".experts.") + 9 : std::string::npos;
+    auto found =
+        cut == std::string::npos ? expert_lists.end() : expert_lists.find(p->name.substr(0, cut));
+    if (found != expert_lists.end()) {
+      if (found->first != list) {  // the list's first held expert
+        list = found->first;
+        list_start = offset;
+        offset = list_start + static_cast<uint64_t>(found->second.first) * found->second.second;
+        expert = -1;
+      }
+      if (e != expert) expert = e, within = 0;
+      at = list_start + static_cast<uint64_t>(e) * found->second.second + within;
+      within += 2 * static_cast<uint64_t>(t.numel());
+    } else {
+      offset += 2 * static_cast<uint64_t>(t.numel());
+    }
     const bool is_bias =
         p->name.size() >= 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0;
     if (is_bias) {
@@ -905,10 +978,8 @@ CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t 
     } else if (t.dim() == 1) {
       t.fill_(1.0);
     } else {
-      t.copy_(
-          rand_normal(t.shape(), seed, offset, DType::F32, t.device(), 0.0, c.initializer_range));
+      t.copy_(rand_normal(t.shape(), seed, at, DType::F32, t.device(), 0.0, c.initializer_range));
     }
-    offset += 2 * static_cast<uint64_t>(t.numel());
   }
 }
 
@@ -1165,6 +1236,17 @@ void load_hf_weights(Module& model, const std::string& dir) {
   for (const auto& [name, r] : reader_of)
     offered[name] = {r->path(), r->info(name).dtype_name, r->info(name).shape};
   const std::map<std::string, FusedExpertSlice> fused = unfuse_expert_tensors(model, offered);
+  // An expert-parallel model reads its own experts only; check_offered_weights still demands
+  // every one of them.
+  const auto* lm = dynamic_cast<const CausalLM*>(&model);
+  if (const ExpertParallelContext* ep = lm ? lm->expert_parallel() : nullptr)
+    for (auto it = offered.begin(); it != offered.end();) {
+      const int64_t e = expert_index_of(it->first);
+      if (e >= 0 && e < ep->num_experts && !ep->holds(e))
+        it = offered.erase(it);
+      else
+        ++it;
+    }
   check_offered_weights(model, offered, dir,
                         "check the folder's config.json (the model it describes) against its "
                         "weights",
@@ -1199,6 +1281,12 @@ void load_hf_weights(Module& model, const std::string& dir) {
 }
 
 void save_hf_model(Module& model, const DecoderConfig& config, const std::string& dir) {
+  const auto* lm = dynamic_cast<const CausalLM*>(&model);
+  if (const ExpertParallelContext* ep = lm ? lm->expert_parallel() : nullptr)
+    throw std::logic_error(
+        "save_hf_model: this model holds experts " + std::to_string(ep->expert_begin) + ".." +
+        std::to_string(ep->expert_end - 1) + " of " + std::to_string(ep->num_experts) +
+        " only (expert parallelism); save the strategy's full_state_dict, which gathers them");
   fs::create_directories(dir);
   std::vector<std::pair<std::string, Tensor>> tensors;
   DType dtype = DType::F32;

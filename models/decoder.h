@@ -14,6 +14,7 @@
 
 #include "models/rope_scaling.h"
 #include "ops/ops.h"
+#include "parallel/expert_parallel.h"
 #include "runtime/config.h"
 #include "runtime/module.h"
 
@@ -222,6 +223,13 @@ class ModuleList : public Module {
   M& append(std::unique_ptr<M> m) {
     return register_module(std::to_string(size_++), std::move(m));
   }
+  // Under another index than the next one (an expert-parallel rank's experts keep their global
+  // index).
+  template <class M>
+  M& append_as(int64_t index, std::unique_ptr<M> m) {
+    ++size_;
+    return register_module(std::to_string(index), std::move(m));
+  }
 
  private:
   int64_t size_ = 0;
@@ -236,21 +244,36 @@ struct RouterStats {
 
 // A mixture-of-experts MLP (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): the router `gate`
 // and `experts`, run as grouped GEMMs over the tokens sorted by expert.
+//
+// Expert parallelism (`ep` with ep_size > 1): the block holds only experts [ep->expert_begin,
+// ep->expert_end), registered under their global index (experts.<e>), and every forward sends
+// each routed row to its expert's owner and back by all_to_all_rows over ep->ep_group (a
+// collective: every rank of the EP group runs every forward and backward of every sparse block).
+// The router runs on this rank's own tokens, as without expert parallelism.
 class SparseMoeBlock : public Module {
  public:
-  SparseMoeBlock(const DecoderConfig& c, DType dtype, Device device);
+  SparseMoeBlock(const DecoderConfig& c, DType dtype, Device device,
+                 const ExpertParallelContext* ep = nullptr);
   std::string type_name() const override { return config.hf_class("SparseMoeBlock"); }
   // [B, S, hidden] -> [B, S, hidden]; `stats`, when given, receives the routing of this forward.
   Tensor forward(const Tensor& x, RouterStats* stats = nullptr);
   Linear& gate;  // [num_experts, hidden], no bias
   ModuleList& experts_list;
-  std::vector<GatedMLP*> experts;
+  std::vector<GatedMLP*> experts;  // the held experts: global index expert_begin() + position
   const DecoderConfig config;
+  int64_t expert_begin() const { return ep_ ? ep_->expert_begin : 0; }
+  bool expert_parallel() const { return ep_ != nullptr; }
+
+ private:
+  // The experts' SwiGLU over rows grouped by local expert (`rows[j]` rows for experts[j]).
+  Tensor run_experts(const Tensor& xs, const std::vector<int64_t>& rows);
+  std::shared_ptr<const ExpertParallelContext> ep_;  // null: every expert here
 };
 
 class DecoderLayer : public Module {
  public:
-  DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device);
+  DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device,
+               const ExpertParallelContext* ep = nullptr);
   std::string type_name() const override { return type_name_; }
   // `router_stats` receives a sparse layer's routing (ignored by dense layers).
   Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {},
@@ -266,7 +289,8 @@ class DecoderLayer : public Module {
 
 class DecoderModel : public Module {
  public:
-  DecoderModel(const DecoderConfig& c, DType dtype, Device device);
+  DecoderModel(const DecoderConfig& c, DType dtype, Device device,
+               const ExpertParallelContext* ep = nullptr);
   std::string type_name() const override { return type_name_; }
   Embedding& embed_tokens;
   ModuleList& layers_list;
@@ -281,8 +305,12 @@ class CausalLM : public Module {
  public:
   // Parameters are created with dtype on device and initialized like Hugging Face does
   // (normal(0, initializer_range) for linear and embedding weights, ones for norms, zeros for
-  // biases), from `seed`.
-  CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed);
+  // biases), from `seed`. With `ep` (expert parallelism, ep_size > 1; see SparseMoeBlock) the
+  // sparse blocks hold only this rank's experts, and each parameter, experts included (by
+  // global index), gets the values it has in the model with every expert: an expert-parallel
+  // run starts where the single-process run starts.
+  CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed,
+           const ExpertParallelContext* ep = nullptr);
   std::string type_name() const override { return config.hf_class("ForCausalLM"); }
 
   // ids [B, S] -> logits [B, S, vocab]. With a cache (generation), ids are the positions after
@@ -308,6 +336,8 @@ class CausalLM : public Module {
   std::vector<std::vector<int64_t>> expert_counts() const;
   // Recompute each decoder layer in backward instead of keeping its activations.
   void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
+  // The expert-parallel context the model was built with (null: every expert here).
+  const ExpertParallelContext* expert_parallel() const { return ep_.get(); }
 
   const DecoderConfig config;
   DecoderModel& model;
@@ -317,6 +347,7 @@ class CausalLM : public Module {
   // The final norm's output [B, S, hidden] (forward without the LM head).
   Tensor final_hidden(const Tensor& ids, KVCache* cache, const TokenLayout& layout);
   bool checkpoint_layers_ = false;
+  std::shared_ptr<const ExpertParallelContext> ep_;
   std::vector<RouterStats> router_stats_;  // per layer, from the latest forward
 };
 
@@ -348,8 +379,12 @@ void check_offered_weights(Module& model, const std::map<std::string, OfferedWei
 // Loads weights by Hugging Face name from a folder holding model.safetensors or a sharded
 // model.safetensors.index.json, checked first with check_offered_weights (errors name the tensor
 // and both shapes, or its dtype). A weight that holds NaN or Inf is refused, naming the tensor.
+// A CausalLM built for expert parallelism reads only its own experts from the full folder (the
+// other ranks' experts are skipped; its own must all be there).
 void load_hf_weights(Module& model, const std::string& dir);
-// Writes config.json + model.safetensors (dtype as the parameters) that transformers loads.
+// Writes config.json + model.safetensors (dtype as the parameters) that transformers loads. An
+// expert-parallel model is refused (it holds some experts only): save the strategy's
+// full_state_dict, which gathers them (the trainer's checkpoints do).
 void save_hf_model(Module& model, const DecoderConfig& config, const std::string& dir);
 
 }  // namespace accel

@@ -2093,8 +2093,11 @@ void validate_config(const Config& c) {
 
   if (const int64_t ep = c.distributed.expert_parallel_size; ep != 1) {
     const std::string what = "distributed.expert_parallel_size " + std::to_string(ep);
+    // model.init_from: the folder's config.json gives the experts, read after this check (the
+    // trainer's make_expert_parallel checks the count then, naming this key).
+    const bool from_folder = !c.model.init_from.empty();
     const int64_t experts = model_num_experts(c.model);
-    if (experts == 0)
+    if (experts == 0 && !from_folder)
       err("distributed.expert_parallel_size",
           what + " splits a mixture-of-experts model's experts over ranks, but the model (" +
               c.model.name +
@@ -2106,7 +2109,7 @@ void validate_config(const Config& c) {
               ": expert-parallel groups are blocks of " + std::to_string(ep) +
               " consecutive ranks; launch a multiple of " + std::to_string(ep) +
               " processes or pick a divisor of num_processes");
-    if (experts % ep != 0)
+    if (experts % ep != 0 && !from_folder)
       err("distributed.expert_parallel_size",
           what + " does not divide the model's " + std::to_string(experts) +
               " experts: every rank of an expert-parallel group holds the same number of them; "
@@ -2114,9 +2117,10 @@ void validate_config(const Config& c) {
               std::to_string(experts));
     if (dt == DistributedType::Fsdp && c.fsdp.fsdp_cpu_ram_efficient_loading)
       err("distributed.expert_parallel_size",
-          what + " with fsdp_config.fsdp_cpu_ram_efficient_loading: only rank 0 would read the "
-                 "weights, but the experts of the other expert-parallel ranks live elsewhere; set "
-                 "fsdp_cpu_ram_efficient_loading: false");
+          what +
+              " with fsdp_config.fsdp_cpu_ram_efficient_loading: only rank 0 would read the "
+              "weights, but the experts of the other expert-parallel ranks live elsewhere; set "
+              "fsdp_cpu_ram_efficient_loading: false");
   }
 
   const ModelConfig& m = c.model;

@@ -120,7 +120,8 @@ TEST(ExpertParallel, ConfigKeyIsValidatedNamingIt) {
   EXPECT_EQ(load_config("", with("distributed.expert_parallel_size=1"), {})
                 .distributed.expert_parallel_size,
             1);
-  // This tree has no MoE model yet: any split is refused naming the key and the model fields.
+  // The default model (llama) has no experts: any split is refused naming the key and the model
+  // fields.
   std::string m = refused(with("distributed.expert_parallel_size=2"));
   EXPECT_NE(m.find("distributed.expert_parallel_size"), std::string::npos) << m;
   EXPECT_NE(m.find("has no experts"), std::string::npos) << m;

@@ -287,20 +287,19 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
 
   // 3. The model: seeded initialization, then init_from's weights (with
   // fsdp_cpu_ram_efficient_loading only rank 0 reads them; setup() hands them out).
-  run.model = std::make_unique<CausalLM>(run.model_config, DType::F32, run.device, c.training.seed);
-  // HOOK (expert parallelism, the MoE model's side): with run.expert_parallel set, the MoE
-  // layers must hold only experts [expert_begin, expert_end) under their global names and
-  // dispatch through the context (parallel/expert_parallel.h), e.g.
-  //   run.model->set_expert_parallel(*run.expert_parallel);
-  // The strategy's setup refuses a model that holds other ranks' experts.
+  // Under expert parallelism the MoE layers hold this rank's experts only (global names) and
+  // dispatch through the context; init_from then reads just those experts.
+  run.model = std::make_unique<CausalLM>(run.model_config, DType::F32, run.device, c.training.seed,
+                                         run.expert_parallel.get());
   if (!c.model.init_from.empty() && reads_init_weights(c, run.dist.rank())) {
     load_hf_weights(*run.model, c.model.init_from);
     if (run.main_rank()) {
       const std::vector<Parameter*> params = run.model->parameters();
       int64_t numel = 0;
       for (const Parameter* p : params) numel += p->value.numel();
-      std::fprintf(stderr, "model.init_from: read %zu tensors (%.2f M parameters) from %s\n",
-                   params.size(), static_cast<double>(numel) / 1e6, c.model.init_from.c_str());
+      std::fprintf(stderr, "model.init_from: read %zu tensors (%.2f M parameters%s) from %s\n",
+                   params.size(), static_cast<double>(numel) / 1e6,
+                   run.expert_parallel ? ", rank 0's experts only" : "", c.model.init_from.c_str());
     }
   }
   run.model->set_activation_checkpointing(c.training.activation_checkpointing ||
