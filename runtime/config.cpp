@@ -1,5 +1,6 @@
 #include "runtime/config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -204,6 +205,27 @@ std::string flow(const YAML::Node& n) {
   flow_into(n, out, std::string::npos - 1);
   return out;
 }
+
+// Records where the documents of a YAML stream start (YAML::Parser events; the content is not
+// built): enough to tell a second document from the first.
+struct DocumentStarts : YAML::EventHandler {
+  int count = 0;
+  YAML::Mark second;
+  void OnDocumentStart(const YAML::Mark& mark) override {
+    if (++count == 2) second = mark;
+  }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
 
 // What a value stands for once its aliases are expanded: nodes and bytes of scalar text, counted
 // while walking and stopping as soon as either passes its bound (a chain of aliases, or many
@@ -1745,15 +1767,23 @@ void apply_file(Config& cfg, const std::string& path, const std::string& include
              ")");
   YAML::Node root;
   try {
-    std::vector<YAML::Node> docs = YAML::LoadAllFromFile(path);
-    // A second document would be ignored: refuse it rather than drop its keys.
-    if (docs.size() > 1) {
-      const int line = docs[1].Mark().line;
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    // A second document would be ignored: refuse it rather than drop its keys. Documents are
+    // counted by an event pass that stops at the second, never by YAML::LoadAll: on a ',' outside
+    // any [...] or {...} (",", "- x\n,") yaml-cpp 0.7 yields empty documents without consuming
+    // input, so LoadAll allocates until memory runs out (found by fuzz_config).
+    std::istringstream events(text.str());
+    YAML::Parser parser(events);
+    DocumentStarts starts;
+    if (parser.HandleNextDocument(starts) && parser.HandleNextDocument(starts)) {
+      const int line = starts.second.line;
       fail(line >= 0 ? path + ":" + std::to_string(line + 1) : path,
-           "the file holds more than one YAML document (a '---' line after the first); put "
-           "every key in one document");
+           "the file holds more than one YAML document (a '---' line after the first, or a ',' "
+           "outside any [...] or {...}); put every key in one document");
     }
-    if (!docs.empty()) root = docs[0];
+    root = YAML::Load(text.str());
   } catch (const YAML::ParserException& e) {
     fail(path + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1),
          "invalid YAML: " + e.msg);
