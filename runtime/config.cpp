@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1768,13 +1769,16 @@ void apply_file(Config& cfg, const std::string& path, const std::string& include
   YAML::Node root;
   try {
     std::ifstream in(path, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    // An unreadable file must not load as an empty config (YAML::LoadAllFromFile used to throw).
+    if (!in) fail(path, "cannot read: " + std::string(std::strerror(errno)));
+    const std::string text = buffer.str();
     // A second document would be ignored: refuse it rather than drop its keys. Documents are
     // counted by an event pass that stops at the second, never by YAML::LoadAll: on a ',' outside
     // any [...] or {...} (",", "- x\n,") yaml-cpp 0.7 yields empty documents without consuming
     // input, so LoadAll allocates until memory runs out (found by fuzz_config).
-    std::istringstream events(text.str());
+    std::istringstream events(text);
     YAML::Parser parser(events);
     DocumentStarts starts;
     if (parser.HandleNextDocument(starts) && parser.HandleNextDocument(starts)) {
@@ -1783,7 +1787,7 @@ void apply_file(Config& cfg, const std::string& path, const std::string& include
            "the file holds more than one YAML document (a '---' line after the first, or a ',' "
            "outside any [...] or {...}); put every key in one document");
     }
-    root = YAML::Load(text.str());
+    root = YAML::Load(text);
   } catch (const YAML::ParserException& e) {
     fail(path + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1),
          "invalid YAML: " + e.msg);
