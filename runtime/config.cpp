@@ -228,24 +228,56 @@ struct DocumentStarts : YAML::EventHandler {
   void OnMapEnd() override {}
 };
 
-// What a value stands for once its aliases are expanded: nodes and bytes of scalar text, counted
-// while walking and stopping as soon as either passes its bound (a chain of aliases, or many
-// aliases of one long scalar, stands for exponentially or quadratically more than the file).
+// What a value stands for once its aliases are expanded: nodes, bytes of scalar text and levels
+// of nesting, counted while walking and stopping as soon as one passes its bound (a chain of
+// aliases, or many aliases of one long scalar, stands for exponentially or quadratically more
+// than the file; a chain of N anchors nests N deep; an alias inside its own anchor's value,
+// `&a [*a]`, is a cycle).
 struct Expansion {
   size_t nodes = 0, bytes = 0;
 };
-constexpr size_t kMaxKeptValueNodes = 10000, kMaxKeptValueBytes = 1 << 20;
+constexpr size_t kMaxKeptValueNodes = 10000, kMaxKeptValueBytes = 1 << 20, kMaxKeptValueDepth = 100;
 
-bool expands_past_bounds(const YAML::Node& n, Expansion& e) {
-  if (++e.nodes > kMaxKeptValueNodes) return true;
-  if (n.IsScalar()) return (e.bytes += n.Scalar().size()) > kMaxKeptValueBytes;
-  if (!n.IsSequence() && !n.IsMap()) return false;
-  for (auto it = n.begin(); it != n.end(); ++it) {
-    if (n.IsSequence() ? expands_past_bounds(*it, e)
-                       : expands_past_bounds(it->first, e) || expands_past_bounds(it->second, e))
-      return true;
+// A loop over an explicit stack, not recursion: 10,000 nested calls over a cycle overflowed the
+// stack under AddressSanitizer (fuzz_config). Every node on the stack will be counted, so the
+// walk stops as soon as the counted and the waiting ones together pass the bound.
+bool expands_past_bounds(const YAML::Node& root, Expansion& e) {
+  std::vector<std::pair<YAML::Node, size_t>> todo{{root, 1}};  // node, its depth
+  auto push = [&](const YAML::Node& n, size_t depth) {
+    todo.emplace_back(n, depth);
+    return depth > kMaxKeptValueDepth || e.nodes + todo.size() > kMaxKeptValueNodes;
+  };
+  while (!todo.empty()) {
+    const auto [n, depth] = todo.back();
+    todo.pop_back();
+    ++e.nodes;
+    if (n.IsScalar()) {
+      if ((e.bytes += n.Scalar().size()) > kMaxKeptValueBytes) return true;
+    } else if (n.IsSequence()) {
+      for (const auto& child : n)
+        if (push(child, depth + 1)) return true;
+    } else if (n.IsMap()) {
+      for (const auto& kv : n)
+        if (push(kv.first, depth + 1) || push(kv.second, depth + 1)) return true;
+    }
   }
   return false;
+}
+
+[[noreturn]] void fail(const std::string& where, const std::string& msg) {
+  throw ConfigError(where + ": " + msg);
+}
+
+// Values that are walked whole (kept keys, training_args) must stay small once expanded.
+void require_small_expansion(const YAML::Node& v, const std::string& where, const std::string& path,
+                             const std::string& why) {
+  Expansion e;
+  if (expands_past_bounds(v, e))
+    fail(where, path + ": the value stands for more than " + std::to_string(kMaxKeptValueNodes) +
+                    " YAML nodes, " + std::to_string(kMaxKeptValueBytes >> 20) +
+                    " MiB of text or " + std::to_string(kMaxKeptValueDepth) +
+                    " levels of nesting once its aliases (*name) are expanded; " + why +
+                    ", so give it a small value without alias chains");
 }
 
 // What a wrong value looked like, for messages.
@@ -278,10 +310,6 @@ size_t edit_distance(const std::string& a, const std::string& b) {
     }
   }
   return d[a.size()][b.size()];
-}
-
-[[noreturn]] void fail(const std::string& where, const std::string& msg) {
-  throw ConfigError(where + ": " + msg);
 }
 
 // ---- the schema -------------------------------------------------------------------------------
@@ -1497,13 +1525,7 @@ struct Applier {
           val = v;
         }
       }
-      Expansion e;
-      if (expands_past_bounds(val, e))
-        fail(where, path + ": the value stands for more than " +
-                        std::to_string(kMaxKeptValueNodes) + " YAML nodes or " +
-                        std::to_string(kMaxKeptValueBytes >> 20) +
-                        " MiB of text once its aliases (*name) are expanded; accel-train keeps "
-                        "this key as written, so give it a small value without alias chains");
+      require_small_expansion(val, where, path, "accel-train keeps this key as written");
       cfg.inert[path] = flow(val);
       cfg.origins[path] = where;
       mark_present(path);
@@ -1732,6 +1754,7 @@ void apply_training_args(Applier& a, const YAML::Node& v, const std::string& whe
     Ctx c{"training_args", where, a.kind, a.base_dir, &a};
     type_error(c, "a map of TrainingArguments names or the path of a TrainingArguments JSON", v);
   }
+  require_small_expansion(v, where, "training_args", "it is read as one JSON object");
   std::map<std::string, std::string> lines;
   for (auto it = v.begin(); it != v.end(); ++it)
     if (it->first.IsScalar())

@@ -2,6 +2,7 @@
 // document or a repeated key, a folder given as the config. Each is a ConfigError naming the file,
 // the line or the key.
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <chrono>
 #include <filesystem>
@@ -127,6 +128,51 @@ TEST_F(ConfigLimits, AliasBombsAreRefusedWithoutExpanding) {
   // Aliases that stay small are fine.
   const std::string ok = write("ok.yaml", "debug:\n  a: &v [1, 2]\n  b: *v\n");
   EXPECT_NO_THROW(load_config(ok, {}, {}));
+}
+
+// Runs fn on a thread with a stack of `bytes` (the main thread's 8 MiB hides deep recursion).
+void run_on_small_stack(size_t bytes, std::function<void()> fn) {
+  pthread_attr_t attr;
+  ASSERT_EQ(pthread_attr_init(&attr), 0);
+  ASSERT_EQ(pthread_attr_setstacksize(&attr, bytes), 0);
+  pthread_t thread;
+  auto body = [](void* arg) -> void* {
+    (*static_cast<std::function<void()>*>(arg))();
+    return nullptr;
+  };
+  ASSERT_EQ(pthread_create(&thread, &attr, body, &fn), 0);
+  pthread_join(thread, nullptr);
+  pthread_attr_destroy(&attr);
+}
+
+// An alias inside its own anchor's value (`&a [*a]`) makes the value a cycle. fuzz_config found
+// that walking it recursively, 10,000 calls deep, overflowed the stack under AddressSanitizer; on
+// a 512 KiB stack it overflows in any build.
+TEST_F(ConfigLimits, ASelfReferencingAliasIsRefusedWithoutDeepRecursion) {
+  // And a chain of anchors that nests 150 deep without a cycle, and the same shapes under
+  // training_args (read as one JSON object: a cycle there recursed without end).
+  std::string chain = "debug:\n  a0: &a0 x\n";
+  for (int i = 1; i <= 150; ++i)
+    chain += "  a" + std::to_string(i) + ": &a" + std::to_string(i) + " [*a" +
+             std::to_string(i - 1) + "]\n";
+  for (const std::string text :
+       {std::string("debug:\n  a: &a [*a, x]\n"), std::string("debug:\n  m: &m {k: *m}\n"),
+        std::string("dynamo_config: &d {a: [*d]}\n"), chain,
+        std::string("training_args: &t {learning_rate: 0.1, x: *t}\n"),
+        "training_args:\n" + alias_bomb("  ")}) {
+    const std::string path = write("cycle.yaml", text);
+    std::string msg;
+    run_on_small_stack(512 << 10, [&] {
+      try {
+        load_config(path, {}, {});
+      } catch (const ConfigError& e) {
+        msg = e.what();
+      }
+    });
+    EXPECT_NE(msg.find("more than 10000 YAML nodes, 1 MiB of text or 100 levels of nesting"),
+              std::string::npos)
+        << text.substr(0, 80) << ": " << msg;
+  }
 }
 
 TEST_F(ConfigLimits, ASecondDocumentOrARepeatedKeyIsRefused) {
