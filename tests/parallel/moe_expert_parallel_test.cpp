@@ -40,7 +40,7 @@ std::string message_of(const std::function<void()>& f) {
 
 // Qwen3-MoE: layer 0 sparse (8 experts, top-2), layer 1 dense (mlp_only_layers); the aux loss
 // weighted enough to matter. Mixtral: both layers sparse.
-DecoderConfig tiny_moe(const std::string& family) {
+DecoderConfig tiny_moe(const std::string& family, int experts = 8) {
   DecoderConfig c;
   c.model_type = family;
   c.hidden_size = 16;
@@ -50,7 +50,7 @@ DecoderConfig tiny_moe(const std::string& family) {
   c.head_dim = 8;
   c.vocab_size = 64;
   c.max_position_embeddings = 32;
-  c.num_experts = 8;
+  c.num_experts = experts;
   c.num_experts_per_tok = 2;
   if (family == "qwen3_moe") {
     c.intermediate_size = 32;
@@ -168,14 +168,15 @@ struct Case {
   std::string engine = "ddp";  // ddp | zero2 | fsdp
   int world = 2;
   int ep = 2;  // 1: no expert parallelism (every rank holds every expert)
+  int experts = 8;
   bool checkpointing = false;
   int64_t rows = 12, seq = 8;  // the global batch: rows of seq tokens
 };
 
 std::string case_name(const Case& c) {
   return c.family + "_" + c.engine + "_world" + std::to_string(c.world) + "_ep" +
-         std::to_string(c.ep) + (c.checkpointing ? "_ckpt" : "") +
-         (c.rows * c.seq < 96 ? "_few_tokens" : "");
+         std::to_string(c.ep) + (c.experts != 8 ? "_experts" + std::to_string(c.experts) : "") +
+         (c.checkpointing ? "_ckpt" : "") + (c.rows * c.seq < 96 ? "_few_tokens" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
@@ -227,7 +228,7 @@ double moe_step(const Case& c, CausalLM& model, Strategy& strategy, int step, in
 }
 
 Curve reference(const Case& c) {
-  CausalLM model(tiny_moe(c.family), DType::F32, Device::cpu(), 7);
+  CausalLM model(tiny_moe(c.family, c.experts), DType::F32, Device::cpu(), 7);
   model.set_activation_checkpointing(c.checkpointing);
   ReferenceStrategy strategy(DType::F32);
   strategy.setup(model, test_optimizer());
@@ -272,8 +273,8 @@ TEST_P(MoeEpParity, MatchesOneProcess) {
     std::unique_ptr<ExpertParallelContext> ctx;
     if (c.ep > 1)
       ctx = std::make_unique<ExpertParallelContext>(
-          make_expert_parallel(w.pg, c.ep, 8, Device::cpu()));
-    CausalLM model(tiny_moe(c.family), DType::F32, Device::cpu(), 7, ctx.get());
+          make_expert_parallel(w.pg, c.ep, c.experts, Device::cpu()));
+    CausalLM model(tiny_moe(c.family, c.experts), DType::F32, Device::cpu(), 7, ctx.get());
     model.set_activation_checkpointing(c.checkpointing);
     std::unique_ptr<Strategy> strategy =
         make_strategy(strategy_config(c), w.pg, DType::F32, ctx.get());
@@ -320,6 +321,14 @@ std::vector<Case> parity_cases() {
   three.world = 3;
   three.ep = 1;
   out.push_back(three);
+  for (const char* engine : {"ddp", "zero2", "fsdp"}) {
+    Case odd;  // 3 ranks of 2 experts each (ep must divide the world, so 3 ranks take ep 3)
+    odd.engine = engine;
+    odd.world = 3;
+    odd.ep = 3;
+    odd.experts = 6;
+    out.push_back(odd);
+  }
   Case mixtral;
   mixtral.family = "mixtral";
   out.push_back(mixtral);
