@@ -131,60 +131,16 @@ __global__ void permute_kernel(T* __restrict__ out, const T* __restrict__ x,
   }
 }
 
-// grad_x row t = sum over j < k of grad_out row inverse[t * k + j], in fp32, j ascending.
-template <class T, bool kVec>
-__global__ void permute_backward_kernel(T* __restrict__ grad_x, const T* __restrict__ grad_out,
-                                        const int64_t* __restrict__ inverse, int64_t tokens,
-                                        int64_t h, int k) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
-  const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  const int64_t rows = tokens * k;
-  for (int64_t t = warp; t < tokens; t += warps) {
-    T* o = grad_x + t * h;
-    const int64_t* inv = inverse + t * k;
-    if constexpr (kVec) {
-      constexpr int V = vec_n<T>();
-      for (int64_t c = int64_t(lane) * V; c < h; c += 32 * V) {
-        float acc[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = 0.f;
-        for (int j = 0; j < k; ++j) {
-          const int64_t src = inv[j];
-          float f[V];
-          if (src < 0 || src >= rows) {
-#pragma unroll
-            for (int e = 0; e < V; ++e) f[e] = NAN;
-          } else {
-            unpack<T>(*reinterpret_cast<const uint4*>(grad_out + src * h + c), f);
-          }
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] += f[e];
-        }
-        *reinterpret_cast<uint4*>(o + c) = pack<T>(acc);
-      }
-    } else {
-      for (int64_t c = lane; c < h; c += 32) {
-        float acc = 0.f;
-        for (int j = 0; j < k; ++j) {
-          const int64_t src = inv[j];
-          acc += (src < 0 || src >= rows) ? NAN : to_f(grad_out[src * h + c]);
-        }
-        o[c] = from_f<T>(acc);
-      }
-    }
-  }
-}
-
 // ---- unpermute ----------------------------------------------------------------------------------
 
 // out row t = sum_j weights[t, j] * y row inverse[t * k + j] (fp32, j ascending). `weights` is
-// read through its own dtype (fp32 router probabilities or the activations' dtype).
+// read through its own dtype (fp32 router probabilities or the activations' dtype); null weights
+// count as 1, which makes this permute's backward (1 * f is exact, so the sums are unchanged).
 template <class T, bool kVec>
-__global__ void unpermute_kernel(T* __restrict__ out, const T* __restrict__ y,
-                                 const void* __restrict__ weights, DType wdtype,
-                                 const int64_t* __restrict__ inverse, int64_t tokens, int64_t h,
-                                 int k) {
+__global__ void combine_rows_kernel(T* __restrict__ out, const T* __restrict__ y,
+                                    const void* __restrict__ weights, DType wdtype,
+                                    const int64_t* __restrict__ inverse, int64_t tokens, int64_t h,
+                                    int k) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -200,7 +156,7 @@ __global__ void unpermute_kernel(T* __restrict__ out, const T* __restrict__ y,
         for (int e = 0; e < V; ++e) acc[e] = 0.f;
         for (int j = 0; j < k; ++j) {
           const int64_t src = inv[j];
-          const float w = load_f(weights, wdtype, t * k + j);
+          const float w = weights ? load_f(weights, wdtype, t * k + j) : 1.f;
           float f[V];
           if (src < 0 || src >= rows) {
 #pragma unroll
@@ -218,7 +174,7 @@ __global__ void unpermute_kernel(T* __restrict__ out, const T* __restrict__ y,
         float acc = 0.f;
         for (int j = 0; j < k; ++j) {
           const int64_t src = inv[j];
-          const float w = load_f(weights, wdtype, t * k + j);
+          const float w = weights ? load_f(weights, wdtype, t * k + j) : 1.f;
           acc += (src < 0 || src >= rows) ? NAN : w * to_f(y[src * h + c]);
         }
         o[c] = from_f<T>(acc);
@@ -430,11 +386,11 @@ void CudaBackend::moe_permute_backward(const Tensor& grad_x, const Tensor& grad_
     const T* src = static_cast<const T*>(g.data_ptr());
     const int64_t* inv = static_cast<const int64_t*>(inverse.data_ptr());
     if (vec_rows<T>(h, {o, src}))
-      permute_backward_kernel<T, true><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
-          o, src, inv, tokens, h, static_cast<int>(top_k));
+      combine_rows_kernel<T, true><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
+          o, src, nullptr, DType::F32, inv, tokens, h, static_cast<int>(top_k));
     else
-      permute_backward_kernel<T, false><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
-          o, src, inv, tokens, h, static_cast<int>(top_k));
+      combine_rows_kernel<T, false><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
+          o, src, nullptr, DType::F32, inv, tokens, h, static_cast<int>(top_k));
   });
   ACCEL_CUDA_CHECK_LAUNCH("moe_permute_backward");
 }
@@ -465,10 +421,10 @@ void CudaBackend::moe_unpermute(const Tensor& out, const Tensor& y, const Tensor
     const T* src = static_cast<const T*>(yc.data_ptr());
     const int64_t* inv = static_cast<const int64_t*>(inverse.data_ptr());
     if (vec_rows<T>(h, {o, src}))
-      unpermute_kernel<T, true><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
+      combine_rows_kernel<T, true><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
           o, src, wc.data_ptr(), wc.dtype(), inv, tokens, h, static_cast<int>(k));
     else
-      unpermute_kernel<T, false><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
+      combine_rows_kernel<T, false><<<warp_grid(tokens), kThreads, 0, sc.stream>>>(
           o, src, wc.data_ptr(), wc.dtype(), inv, tokens, h, static_cast<int>(k));
   });
   ACCEL_CUDA_CHECK_LAUNCH("moe_unpermute");

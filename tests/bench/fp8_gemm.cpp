@@ -11,6 +11,7 @@
 #include "ops/backend.h"
 #include "ops/fp8.h"
 #include "runtime/tensor.h"
+#include "tests/bench/gpu_timing.h"
 #ifdef ACCEL_WITH_CUDA
 #include "runtime/cuda/context.h"
 #endif
@@ -20,23 +21,9 @@ using namespace accel;
 #ifdef ACCEL_WITH_CUDA
 namespace {
 
-int g_iters = 20;
-
-double time_ms(const std::function<void()>& f) {
-  for (int i = 0; i < 3; ++i) f();
-  cuda::Event start, stop;
-  start.record();
-  for (int i = 0; i < g_iters; ++i) f();
-  stop.record();
-  stop.synchronize();
-  return start.elapsed_ms(stop) / g_iters;
-}
-
-Tensor randn(const Shape& s, DType t, double std = 1.0) {
-  Tensor x = Tensor::empty(s, t, Device::cuda(0));
-  cuda_backend().rand_normal(x, 1234, 0, 0.0, std);
-  return x;
-}
+using bench::g_iters;
+using bench::randn;
+using bench::time_ms;
 
 double tflops(double ms, int64_t M, int64_t N, int64_t K) {
   return 2.0 * static_cast<double>(M) * N * K / (ms * 1e-3) / 1e12;

@@ -14,6 +14,7 @@
 
 #include "ops/backend.h"
 #include "runtime/tensor.h"
+#include "tests/bench/gpu_timing.h"
 #ifdef ACCEL_WITH_CUDA
 #include "runtime/cuda/context.h"
 #endif
@@ -23,23 +24,9 @@ using namespace accel;
 #ifdef ACCEL_WITH_CUDA
 namespace {
 
-int g_iters = 20;
-
-double time_ms(const std::function<void()>& f) {
-  for (int i = 0; i < 3; ++i) f();
-  cuda::Event start, stop;
-  start.record();
-  for (int i = 0; i < g_iters; ++i) f();
-  stop.record();
-  stop.synchronize();
-  return start.elapsed_ms(stop) / g_iters;
-}
-
-Tensor randn(const Shape& s, DType t, double std = 1.0) {
-  Tensor x = Tensor::empty(s, t, Device::cuda(0));
-  cuda_backend().rand_normal(x, 1234, 0, 0.0, std);
-  return x;
-}
+using bench::g_iters;
+using bench::randn;
+using bench::time_ms;
 
 double tflops(double ms, double flops) { return flops / (ms * 1e-3) / 1e12; }
 
