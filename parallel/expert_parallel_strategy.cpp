@@ -168,6 +168,22 @@ std::vector<std::pair<std::string, Tensor>> ExpertParallelStrategy::full_state_d
   return out;
 }
 
+std::vector<StateDictEntry> ExpertParallelStrategy::full_state_dict_layout() const {
+  std::vector<StateDictEntry> out = dense_->full_state_dict_layout();
+  const std::vector<StateDictEntry> mine = experts_->full_state_dict_layout();
+  if (mine.empty()) return out;
+  // As full_state_dict: every EP rank's experts have this rank's shapes, in one flat buffer of
+  // the first expert tensor's dtype and device, renamed by that rank's expert range.
+  const int64_t L = ctx_.num_local_experts();
+  for (int p = 0; p < ctx_.ep_size; ++p)
+    for (const StateDictEntry& e : mine) {
+      const int64_t index = expert_index_of(e.name) - ctx_.expert_begin + p * L;
+      out.push_back(
+          {with_expert_index(e.name, index), e.shape, mine.front().dtype, mine.front().device});
+    }
+  return out;
+}
+
 std::vector<std::pair<std::string, Tensor>> ExpertParallelStrategy::optimizer_state() {
   std::vector<std::pair<std::string, Tensor>> out = dense_->optimizer_state();
   for (auto& [key, t] : experts_->optimizer_state()) out.push_back({"experts/" + key, t});

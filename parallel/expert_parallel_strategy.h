@@ -53,6 +53,7 @@ class ExpertParallelStrategy : public Strategy {
 
   // The dense engine's, plus every expert of the model (all ranks' experts; gathered).
   std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
+  std::vector<StateDictEntry> full_state_dict_layout() const override;
   // The dense engine's, then the expert engine's under "experts/".
   std::vector<std::pair<std::string, Tensor>> optimizer_state() override;
   int64_t optimizer_steps() const override;

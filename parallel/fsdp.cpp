@@ -360,6 +360,11 @@ std::vector<std::pair<std::string, Tensor>> FsdpStrategy::full_state_dict() {
   return {};
 }
 
+std::vector<StateDictEntry> FsdpStrategy::full_state_dict_layout() const {
+  if (fsdp_.state_dict_type == FsdpStateDictType::Full) return fp32_weights_layout();
+  return {};
+}
+
 nlohmann::json FsdpStrategy::checkpoint_manifest() const {
   nlohmann::json j = FlatDataParallel::checkpoint_manifest();
   j["fsdp_version"] = 2;

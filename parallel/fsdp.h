@@ -124,6 +124,7 @@ class FsdpStrategy : public FlatDataParallel, public Fp8WeightGathering {
   // shards (optimizer.rank<R>.safetensors: group<i>.master/.exp_avg/.exp_avg_sq) plus the
   // manifest, which accel-checkpoint consolidate turns into full weights.
   std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
+  std::vector<StateDictEntry> full_state_dict_layout() const override;
   nlohmann::json checkpoint_manifest() const override;
   const FsdpOptions& fsdp_options() const { return fsdp_; }
 

@@ -22,6 +22,11 @@ namespace {
 }
 }  // namespace
 
+std::vector<StateDictEntry> Strategy::full_state_dict_layout() const {
+  throw std::logic_error("strategy " + name() +
+                         " does not describe its full_state_dict without gathering it");
+}
+
 std::vector<ParamStateSlice> Strategy::param_state_slices() { no_param_state(name()); }
 std::vector<std::string> Strategy::state_kinds() const { no_param_state(name()); }
 void Strategy::import_param_state(const ParamStateReader&, int64_t) { no_param_state(name()); }

@@ -43,6 +43,17 @@ struct ParamStateSlice {
   std::vector<std::pair<std::string, Tensor>> tensors;
 };
 
+// One tensor that full_state_dict() returns, described without it: its name, shape, dtype and
+// the device it is on. full_state_dict_layout() gives these without gathering anything, so that
+// checkpoints can size their host snapshot block before the first save
+// (tools/trainer/checkpoint.h, snapshot_layout).
+struct StateDictEntry {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::F32;
+  Device device = Device::cpu();
+};
+
 // Fills `dst` (fp32, contiguous, on the CPU) with elements [begin, begin + dst.numel()) of state
 // `kind` of parameter `name`; throws when the checkpoint cannot.
 using ParamStateReader = std::function<void(const std::string& name, const std::string& kind,
@@ -67,6 +78,11 @@ class Strategy {
   // 16-bit compute weights with zero3_save_16bit_model and nothing otherwise (its checkpoints then
   // hold only shards; accel-checkpoint consolidate rebuilds the weights).
   virtual std::vector<std::pair<std::string, Tensor>> full_state_dict() = 0;
+  // What full_state_dict() would return now (the same entries, in the same order, with the
+  // shapes, dtypes and devices of its tensors), from the strategy's own bookkeeping: no gather,
+  // no copy, no collective, so any rank may call it alone. The default throws: a strategy
+  // without it cannot reserve its checkpoint snapshot memory ahead of the first save.
+  virtual std::vector<StateDictEntry> full_state_dict_layout() const;
   // Optimizer state this rank holds, by "<param>.exp_avg" names, and the step count.
   virtual std::vector<std::pair<std::string, Tensor>> optimizer_state() = 0;
   virtual int64_t optimizer_steps() const = 0;

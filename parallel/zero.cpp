@@ -556,6 +556,32 @@ std::vector<std::pair<std::string, Tensor>> FlatDataParallel::gather_fp32_weight
   return out;
 }
 
+std::vector<StateDictEntry> FlatDataParallel::fp32_weights_layout() const {
+  std::vector<StateDictEntry> out;
+  if (options_.zero_stage == 0) {  // views of the whole masters, in model order
+    for (const SlotRef& r : model_slots_) {
+      const FlatSlot& s = groups_[r.group].flat->layout().slots[r.slot];
+      out.push_back({s.name, s.shape, DType::F32, groups_[r.group].master.device()});
+    }
+    return out;
+  }
+  // gather_group_fp32: each group's flat fp32 buffer on the compute device, in group order.
+  for (const Group& g : groups_)
+    for (const FlatSlot& s : g.flat->layout().slots)
+      out.push_back({s.name, s.shape, DType::F32, device_});
+  return out;
+}
+
+std::vector<StateDictEntry> FlatDataParallel::full_state_dict_layout() const {
+  if (options_.zero_stage < 3) return fp32_weights_layout();
+  std::vector<StateDictEntry> out;
+  if (!options_.save_16bit_model) return out;
+  for (const Group& g : groups_)
+    for (const FlatSlot& s : g.flat->layout().slots)
+      out.push_back({s.name, s.shape, options_.compute_dtype, device_});
+  return out;
+}
+
 std::vector<std::pair<std::string, Tensor>> FlatDataParallel::full_state_dict() {
   if (options_.zero_stage < 3) return gather_fp32_weights();
   std::vector<std::pair<std::string, Tensor>> out;

@@ -81,6 +81,7 @@ class FlatDataParallel : public Strategy {
   // Stages 0-2: fp32 weights. Stage 3: compute-dtype weights with save_16bit_model, else none
   // (the weights are only in the shards; accel-checkpoint consolidate rebuilds them).
   std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
+  std::vector<StateDictEntry> full_state_dict_layout() const override;
   // Stage 0: "<param>.exp_avg" ... (the optimizer runs per parameter, in model order). Stages 1-3:
   // this rank's chunks as "group<i>.master", "group<i>.exp_avg", "group<i>.exp_avg_sq" (or
   // ".momentum_buffer"), laid out as checkpoint_manifest() describes.
@@ -100,6 +101,8 @@ class FlatDataParallel : public Strategy {
 
   // The fp32 master weights, gathered (every rank calls this; for tests and tools).
   std::vector<std::pair<std::string, Tensor>> gather_fp32_weights();
+  // What gather_fp32_weights() returns, described without gathering (full_state_dict_layout).
+  std::vector<StateDictEntry> fp32_weights_layout() const;
 
   // step() in phases, for a strategy that composes engines (expert parallelism):
   //   finish_gradients()      waits for the step's reductions; this rank's gradients as the

@@ -1272,7 +1272,9 @@ std::vector<Field> build_schema() {
   add(f_bool("checkpoint.async", ACCEL_REF(checkpoint.async),
              "Copy the state to host memory at the step boundary and write it in the background "
              "while training goes on (one save in flight; a failure stops the run at the next "
-             "step)."));
+             "step). With every_steps > 0 the host block of the snapshots (pinned for GPU state, "
+             "the size of what a save writes) is reserved at setup, before the first step "
+             "(docs/checkpoints.md)."));
 
   // ---- logging ----
   add(f_str("logging.metrics_file", ACCEL_REF(logging.metrics_file),

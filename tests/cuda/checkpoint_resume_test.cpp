@@ -3,7 +3,10 @@
 // fp16 with its loss scaler, fp8 delayed scaling); a ZeRO-3 checkpoint resumes as the single
 // process (resharded), step 4 within 1e-5; a background save through pinned host memory writes
 // the bytes of a synchronous save of the same state, although a kernel overwrites the state right
-// after the snapshot, and two saves share one pinned block. A few seconds on an H200.
+// after the snapshot, and two saves share one pinned block, the one reserved before the first
+// save from the snapshot's layout (as accel-train reserves it at setup for periodic background
+// saves: before step 1, said once; a synchronous run pins nothing up front). A few seconds on an
+// H200.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -100,6 +103,14 @@ TEST_F(CheckpointResumeCuda, PinnedAsyncSaveWritesTheBytesOfASyncSave) {
   accel::CheckpointSaver::Options o;
   o.async = true;
   accel::CheckpointSaver saver(std::move(o));  // the run's buffer: pinned
+  // As RunCheckpoints does at setup: the block from metadata, before any save.
+  const accel::SnapshotLayout layout = accel::snapshot_layout(strategy, 0, true);
+  ASSERT_TRUE(layout.on_gpu);
+  saver.buffer()->reserve(layout.tensors, layout.on_gpu);
+  ASSERT_EQ(saver.buffer()->allocations(), 1);
+  ASSERT_TRUE(saver.buffer()->pinned());
+  EXPECT_EQ(saver.buffer()->capacity(), layout.bytes());
+  EXPECT_GT(layout.bytes(), size_t{3} * (64 << 20));  // weight, exp_avg, exp_avg_sq
   auto save_async = [&](int64_t step, double overwrite_with) {
     fs::create_directories(accel::checkpoint_tmp_dir((dir_ / "async").string(), step));
     accel::CheckpointSnapshot s = accel::take_snapshot(strategy, 0, 1, true, saver.buffer());
@@ -118,6 +129,8 @@ TEST_F(CheckpointResumeCuda, PinnedAsyncSaveWritesTheBytesOfASyncSave) {
   };
   const std::string first = save_async(1, -7.0);
   ASSERT_FALSE(first.empty());
+  EXPECT_EQ(saver.buffer()->allocations(), 1) << "the first save allocated a block of its own";
+  EXPECT_EQ(saver.buffer()->capacity(), layout.bytes());
   for (const char* f : {"model.safetensors", "optimizer.rank0.safetensors"}) {
     const std::string want = file_bytes(fs::path(sync) / f);
     ASSERT_GT(want.size(), size_t{64} << 20) << f;
@@ -153,11 +166,48 @@ TEST_F(CheckpointResumeCuda, AsyncSaveResumesBitForBit) {
     Result full = train(name, precision);
     ASSERT_EQ(full.code, 0) << full.output;
     EXPECT_NE(full.output.find("(in the background during"), std::string::npos) << full.output;
+    // Periodic background saves: the pinned block is reserved once, before the first step, and
+    // no save outgrows it (that would warn).
+    const size_t reserved = full.output.find("checkpoint: reserved ");
+    const size_t first_step = full.output.find("step 1/");
+    ASSERT_NE(reserved, std::string::npos) << full.output;
+    ASSERT_NE(first_step, std::string::npos) << full.output;
+    EXPECT_LT(reserved, first_step) << full.output;
+    EXPECT_NE(full.output.find(" bytes) of pinned host memory for background saves in ", reserved),
+              std::string::npos)
+        << full.output;
+    EXPECT_EQ(full.output.find("checkpoint: reserved ", reserved + 1), std::string::npos)
+        << full.output;
+    // No save outgrew the block (that warns) or was refused pinned memory.
+    EXPECT_EQ(full.output.find("reserved at setup does not hold"), std::string::npos)
+        << full.output;
+    EXPECT_EQ(full.output.find("pinned (page-locked) host memory"), std::string::npos)
+        << full.output;
+    EXPECT_NE(full.output.find("pinned snapshot"), std::string::npos) << full.output;
     EXPECT_EQ(accel::verify_checkpoint(step3(name)), std::vector<std::string>{}) << name;
     Result resumed = train(name + "_resumed", precision + " --resume " + step3(name));
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     const std::map<int, double> a = losses(name), b = losses(name + "_resumed");
     for (int s = 4; s <= 6; ++s) EXPECT_EQ(b.at(s), a.at(s)) << name << " step " << s;
+  }
+}
+
+// A synchronous run pins nothing up front (its first save allocates the pinned block, as
+// before); its checkpoint holds the bytes of the background run's.
+TEST_F(CheckpointResumeCuda, SyncRunReservesNothingAndSavesTheBytesOfAnAsyncRun) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const std::string bf16 = "--set mixed_precision=bf16";
+  Result sync = train("sync", bf16 + " --set checkpoint.async=false");
+  ASSERT_EQ(sync.code, 0) << sync.output;
+  EXPECT_EQ(sync.output.find("checkpoint: reserved"), std::string::npos) << sync.output;
+  EXPECT_NE(sync.output.find("pinned snapshot"), std::string::npos) << sync.output;
+  Result async = train("async", bf16);
+  ASSERT_EQ(async.code, 0) << async.output;
+  EXPECT_NE(async.output.find("checkpoint: reserved"), std::string::npos) << async.output;
+  for (const char* f : {"model.safetensors", "optimizer.rank0.safetensors"}) {
+    const std::string want = file_bytes(fs::path(step3("sync")) / f);
+    ASSERT_FALSE(want.empty()) << f;
+    EXPECT_TRUE(file_bytes(fs::path(step3("async")) / f) == want) << f;
   }
 }
 

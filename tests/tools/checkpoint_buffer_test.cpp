@@ -1,8 +1,10 @@
 // The host buffer of checkpoint snapshots (tools/trainer/checkpoint_buffer.h) on the CPU, with a
 // counting allocator in place of cudaMallocHost: one block reused from save to save and grown
 // only when the state grows, never carved while a save still uses it, a refused pinned
-// allocation warned about once; and the save path's output: checksums computed from memory
-// equal those of the files read back, and a save into a reused buffer writes the same bytes.
+// allocation warned about once; a block reserved ahead (at setup) serving the first carve, a
+// refused pinned reservation an error, an outgrown one a warning; and the save path's output:
+// checksums computed from memory equal those of the files read back, and a save into a reused
+// buffer writes the same bytes.
 #include "tools/trainer/checkpoint_buffer.h"
 
 #include <gtest/gtest.h>
@@ -168,6 +170,73 @@ TEST(SnapshotBuffer, PageableWithoutAGpuSourceOrPinnedMemory) {
   none.carve(kState, true);  // no pinned memory in this build: pageable, and no warning needed
   EXPECT_FALSE(none.pinned());
   EXPECT_FALSE(none.pinned_refused());
+}
+
+// The block reserved at setup (checkpointing.h) is the one the first carve of those tensors
+// uses: one allocation, no warning.
+TEST(SnapshotBuffer, ReservedBlockServesTheFirstCarveWithoutAnAllocation) {
+  Buffer f;
+  EXPECT_EQ(SnapshotBuffer::bytes_for(kState), bytes_of(kState));
+  f.b->reserve(kState, /*want_pinned=*/true);
+  EXPECT_EQ(f.pinned_allocs, 1);
+  EXPECT_EQ(f.b->allocations(), 1);
+  EXPECT_EQ(f.b->capacity(), bytes_of(kState));
+  EXPECT_EQ(f.b->reserved_bytes(), bytes_of(kState));
+  EXPECT_TRUE(f.b->pinned());
+  for (int save = 0; save < 2; ++save) f.b->carve(kState, true);
+  EXPECT_EQ(f.b->allocations(), 1);
+  EXPECT_EQ(f.pageable_allocs, 0);
+  EXPECT_TRUE(f.warnings.empty());
+  Buffer none;
+  none.b->reserve({{{0}, DType::F32}}, true);  // nothing to hold: no block
+  EXPECT_EQ(none.b->allocations(), 0);
+}
+
+// CPU state: a pageable block, written once so that its pages exist before the first save.
+TEST(SnapshotBuffer, PageableReservationIsTouchedAndServesTheCarve) {
+  Buffer f;
+  f.b->reserve(kState, /*want_pinned=*/false);
+  EXPECT_EQ(f.pinned_allocs, 0);
+  EXPECT_EQ(f.pageable_allocs, 1);
+  EXPECT_FALSE(f.b->pinned());
+  std::vector<Tensor> t = f.b->carve(kState, false);
+  EXPECT_EQ(t[0].to_vector(), std::vector<double>(15, 0.0));  // zeros: the reservation wrote it
+  EXPECT_EQ(f.b->allocations(), 1);
+  EXPECT_TRUE(f.warnings.empty());
+}
+
+// At setup a refused pinned block is an error naming the size and the driver's reason, not a
+// pageable block: the run stops before its first step instead of saving slower.
+TEST(SnapshotBuffer, RefusedPinnedReservationThrowsAndAllocatesNothing) {
+  Buffer f(/*refuse_pinned=*/true);
+  try {
+    f.b->reserve(kState, true);
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("pinned (page-locked) host memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("cudaErrorMemoryAllocation"), std::string::npos) << m;
+    EXPECT_NE(m.find("0.00 GiB"), std::string::npos) << m;  // the size
+  }
+  EXPECT_EQ(f.b->allocations(), 0);
+  EXPECT_EQ(f.pageable_allocs, 0);
+  EXPECT_TRUE(f.warnings.empty());
+  EXPECT_FALSE(f.b->pinned_refused());  // nothing decided for later saves
+}
+
+// A snapshot larger than the reserved block (a state that grew, or a reservation sized wrong)
+// is not silent: one warning, then one new block.
+TEST(SnapshotBuffer, OutgrownReservationWarnsOnceAndAllocates) {
+  Buffer f;
+  f.b->reserve(kState, true);
+  const std::vector<HostTensorSpec> bigger = {{{1000}, DType::F32}};
+  f.b->carve(bigger, true);
+  f.b->carve(bigger, true);
+  ASSERT_EQ(f.warnings.size(), 1u);
+  EXPECT_NE(f.warnings[0].find("reserved at setup"), std::string::npos) << f.warnings[0];
+  EXPECT_EQ(f.b->allocations(), 2);
+  EXPECT_EQ(f.b->capacity(), bytes_of(bigger));
+  EXPECT_EQ(f.b->reserved_bytes(), 0u);
 }
 
 // ---- the save path ---------------------------------------------------------------------------

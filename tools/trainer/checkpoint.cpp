@@ -275,13 +275,63 @@ std::string checkpoint_final_dir(const std::string& output_dir, int64_t step) {
   return (fs::path(output_dir) / "checkpoints" / ("step_" + std::to_string(step))).string();
 }
 
+namespace {
+// This rank's slices that a snapshot holds, with the state kinds it copies ("master" left out
+// where model.safetensors holds the fp32 masters): views of the live state. take_snapshot copies
+// these, snapshot_layout describes them.
+std::vector<ParamStateSlice> snapshot_slices(Strategy& strategy, int rank, bool save_optimizer,
+                                             bool masters_in_model) {
+  std::vector<ParamStateSlice> out;
+  // Replicated state: rank 0 writes the one copy.
+  if (!save_optimizer || (strategy.state_is_replicated() && rank != 0)) return out;
+  for (ParamStateSlice& p : strategy.param_state_slices()) {
+    if (masters_in_model)
+      p.tensors.erase(std::remove_if(p.tensors.begin(), p.tensors.end(),
+                                     [](const auto& kt) { return kt.first == "master"; }),
+                      p.tensors.end());
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// The GPU that one rank's snapshot sources are on (nullopt: all on the CPU), adding `d`.
+void note_device(std::optional<int>& gpu, const Device& d) {
+  if (!d.is_cuda()) return;
+  if (gpu && *gpu != d.index)
+    throw std::logic_error("take_snapshot: one rank's state on two GPUs (cuda:" +
+                           std::to_string(*gpu) + ", " + d.str() + ")");
+  gpu = d.index;
+}
+}  // namespace
+
+SnapshotLayout snapshot_layout(Strategy& strategy, int rank, bool save_optimizer) {
+  SnapshotLayout l;
+  std::optional<int> gpu;
+  const std::vector<StateDictEntry> weights = strategy.full_state_dict_layout();  // local
+  bool masters_in_model = !weights.empty();
+  for (const StateDictEntry& w : weights) masters_in_model &= w.dtype == DType::F32;
+  if (rank == 0)
+    for (const StateDictEntry& w : weights) {
+      note_device(gpu, w.device);
+      l.tensors.push_back({w.shape, w.dtype});
+    }
+  for (const ParamStateSlice& p : snapshot_slices(strategy, rank, save_optimizer, masters_in_model))
+    for (const auto& [kind, t] : p.tensors) {
+      note_device(gpu, t.device());
+      l.tensors.push_back({t.shape(), t.dtype()});
+    }
+  l.on_gpu = gpu.has_value();
+  return l;
+}
+
 CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, bool save_optimizer,
                                  SnapshotBuffer* buffer) {
   CheckpointSnapshot s;
   s.rank = rank;
   s.world_size = world_size;
   s.save_optimizer = save_optimizer;
-  // What to copy, in the snapshot's order: rank 0's full weights, then this rank's slices.
+  // What to copy, in the snapshot's order (snapshot_layout's): rank 0's full weights, then this
+  // rank's slices.
   std::vector<Tensor> sources;
   std::vector<std::pair<std::string, Tensor>> weights = strategy.full_state_dict();  // collective
   s.masters_in_model = !weights.empty();
@@ -291,35 +341,26 @@ CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, b
       s.full_weights.push_back({name, Tensor()});
       sources.push_back(t);
     }
-  if (save_optimizer) {
-    s.kinds = strategy.state_kinds();
-    if (!strategy.state_is_replicated() || rank == 0)  // replicated: rank 0 writes the one copy
-      for (ParamStateSlice& p : strategy.param_state_slices()) {
-        ParamStateSlice h;
-        h.name = p.name;
-        h.shape = p.shape;
-        h.begin = p.begin;
-        h.end = p.end;
-        for (const auto& [kind, t] : p.tensors) {
-          if (kind == "master" && s.masters_in_model) continue;  // model.safetensors holds them
-          h.tensors.push_back({kind, Tensor()});
-          sources.push_back(t);
-        }
-        s.slices.push_back(std::move(h));
-      }
+  if (save_optimizer) s.kinds = strategy.state_kinds();
+  for (ParamStateSlice& p : snapshot_slices(strategy, rank, save_optimizer, s.masters_in_model)) {
+    ParamStateSlice h;
+    h.name = p.name;
+    h.shape = p.shape;
+    h.begin = p.begin;
+    h.end = p.end;
+    for (const auto& [kind, t] : p.tensors) {
+      h.tensors.push_back({kind, Tensor()});
+      sources.push_back(t);
+    }
+    s.slices.push_back(std::move(h));
   }
   // GPU sources contiguous before the copies are ordered after the queued work (a clone is
   // queued work too).
   std::optional<int> gpu;
   std::vector<HostTensorSpec> specs;
   for (Tensor& t : sources) {
-    if (t.device().is_cuda()) {
-      if (gpu && *gpu != t.device().index)
-        throw std::logic_error("take_snapshot: one rank's state on two GPUs (cuda:" +
-                               std::to_string(*gpu) + ", " + t.device().str() + ")");
-      gpu = t.device().index;
-      if (!t.is_contiguous()) t = t.clone(MemCategory::Other);
-    }
+    note_device(gpu, t.device());
+    if (t.device().is_cuda() && !t.is_contiguous()) t = t.clone(MemCategory::Other);
     specs.push_back({t.shape(), t.dtype()});
   }
   std::unique_ptr<SnapshotBuffer> own;

@@ -103,6 +103,19 @@ struct CheckpointSnapshot {
 CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, bool save_optimizer,
                                  SnapshotBuffer* buffer);
 
+// What take_snapshot(strategy, rank, ..., save_optimizer, buffer) carves out of its buffer,
+// known ahead: the shapes and dtypes of the snapshot's host tensors in its order, and whether a
+// source is on a GPU (the block is then pinned). From Strategy::full_state_dict_layout and the
+// views of param_state_slices: nothing is gathered or copied and no collective runs, so a rank
+// may call it alone (the run reserves the block at setup with it). The fp8 scaling state is not
+// in the block: Precision::save_state writes its few kilobytes itself.
+struct SnapshotLayout {
+  std::vector<HostTensorSpec> tensors;
+  bool on_gpu = false;
+  size_t bytes() const { return SnapshotBuffer::bytes_for(tensors); }
+};
+SnapshotLayout snapshot_layout(Strategy& strategy, int rank, bool save_optimizer);
+
 // Every file's and slice's checksum: 64 bits over the bytes (not cryptographic), as 16 hex
 // digits.
 std::string checksum_bytes(const void* data, size_t n);

@@ -1,6 +1,7 @@
 #include "tools/trainer/checkpoint_buffer.h"
 
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 
 #include "runtime/host_copies.h"
@@ -74,6 +75,37 @@ std::unique_ptr<SnapshotBuffer> SnapshotBuffer::for_run() {
                                           pageable_host_memory());
 }
 
+size_t SnapshotBuffer::bytes_for(const std::vector<HostTensorSpec>& specs) {
+  size_t total = 0;
+  for (const HostTensorSpec& s : specs)
+    total += aligned(static_cast<size_t>(shape_numel(s.shape)) * dtype_size(s.dtype));
+  return total;
+}
+
+void SnapshotBuffer::reserve(const std::vector<HostTensorSpec>& specs, bool want_pinned) {
+  if (block_ && block_.use_count() > 1)
+    throw std::logic_error("checkpoint snapshot buffer: reserve() while a save holds the block");
+  const size_t total = bytes_for(specs);
+  block_.reset();
+  block_pinned_ = false;
+  reserved_ = 0;
+  if (total == 0) return;  // nothing to hold (a rank whose saves write nothing)
+  if (want_pinned && pinned_) {
+    try {
+      block_ = pinned_->allocate(total);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(gib(total) + " of pinned (page-locked) host memory was refused (" +
+                               e.what() + ")");
+    }
+    block_pinned_ = pinned_->pinned();
+  } else {
+    block_ = pageable_->allocate(total);
+    std::memset(block_->data, 0, total);  // backed now, not at the first save's copy
+  }
+  ++allocations_;
+  reserved_ = total;
+}
+
 std::vector<Tensor> SnapshotBuffer::carve(const std::vector<HostTensorSpec>& specs,
                                           bool want_pinned) {
   if (block_ && block_.use_count() > 1)
@@ -89,6 +121,14 @@ std::vector<Tensor> SnapshotBuffer::carve(const std::vector<HostTensorSpec>& spe
   const bool pin = want_pinned && pinned_ && !pinned_refused_;
   const bool fits = block_ && block_->nbytes >= total && (block_pinned_ || !pin);
   if (!fits && total > 0) {
+    if (reserved_ > 0)
+      warn_("accel-train: WARNING: this checkpoint snapshot needs " + gib(total) +
+            (pin ? " of pinned" : " of") + " host memory, which the " + gib(reserved_) +
+            (block_pinned_ ? " pinned" : " pageable") +
+            " block reserved at setup does not hold; this save allocates a new block and "
+            "stalls the training loop for it (the reservation is sized from the strategy's "
+            "full_state_dict_layout and param_state_slices: a mismatch is a bug to report)");
+    reserved_ = 0;
     block_.reset();  // freed before its successor is allocated: never both at once
     block_pinned_ = false;
     if (pin) {

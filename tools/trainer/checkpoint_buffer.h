@@ -50,6 +50,20 @@ class SnapshotBuffer {
   // every save). The tensors of the previous call must be gone (the save that used them is
   // written): otherwise std::logic_error, as their bytes would be overwritten.
   std::vector<Tensor> carve(const std::vector<HostTensorSpec>& specs, bool want_pinned);
+  // The bytes of the block that carve(specs, ...) lays the tensors out in.
+  static size_t bytes_for(const std::vector<HostTensorSpec>& specs);
+
+  // Allocates now the block that carve(specs, want_pinned) will need, so that the save that
+  // carves it allocates nothing: a run with periodic background saves reserves it at setup
+  // (tools/trainer/checkpointing.h). A pinned block is page-locked by the driver as it is
+  // allocated; a pageable one is written once (zeros) so that its pages are backed now, not at
+  // the first save's copy. Unlike carve, a refused pinned allocation does not become a pageable
+  // block: reserve throws std::runtime_error naming the size and the driver's reason and the
+  // buffer stays empty, so that the run can stop with a clear message before any step. A later
+  // carve that does not fit the reserved block (a state that grew, or a reservation sized
+  // wrong) warns, once, that this save allocates a new block, then does.
+  void reserve(const std::vector<HostTensorSpec>& specs, bool want_pinned);
+  size_t reserved_bytes() const { return reserved_; }  // 0: nothing reserved
 
   bool pinned() const { return block_ && block_pinned_; }
   size_t capacity() const { return block_ ? block_->nbytes : 0; }
@@ -63,6 +77,7 @@ class SnapshotBuffer {
   bool block_pinned_ = false;  // made by `pinned_`
   int64_t allocations_ = 0;
   bool pinned_refused_ = false;
+  size_t reserved_ = 0;  // the block reserve() allocated, until a carve outgrows it
 };
 
 }  // namespace accel

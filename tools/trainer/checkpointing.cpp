@@ -72,18 +72,19 @@ std::function<void(const std::string&)> test_write_hook() {
 
 }  // namespace
 
-RunCheckpoints::RunCheckpoints(Run& run) : run_(run) {
-  CheckpointSaver::Options o;
-  o.async = run.cfg.checkpoint.async;
-  o.keep_last = run.cfg.checkpoint.keep_last;
-  o.timeout_s = run.cfg.distributed.timeout_s;
-  o.before_write = test_write_hook();
-  saver_ = std::make_unique<CheckpointSaver>(std::move(o));
+bool reserves_snapshot_at_setup(const CheckpointConfig& c, int64_t first_step, int64_t max_steps) {
+  if (!c.async || c.every_steps <= 0 || first_step + 1 >= max_steps) return false;
+  // A periodic save at a step s with first_step < s < max_steps, s a multiple of every_steps.
+  return (max_steps - 1) / c.every_steps > first_step / c.every_steps;
 }
 
-RunCheckpoints::~RunCheckpoints() = default;
-
 namespace {
+
+std::string gibibytes(size_t bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GiB", static_cast<double>(bytes) / (1u << 30));
+  return s;
+}
 
 // "1.2 GB" for the log.
 std::string gigabytes(uintmax_t bytes) {
@@ -99,6 +100,47 @@ std::string seconds(double s) {
 }
 
 }  // namespace
+
+RunCheckpoints::RunCheckpoints(Run& run, int64_t first_step) : run_(run) {
+  const CheckpointConfig& cc = run.cfg.checkpoint;
+  CheckpointSaver::Options o;
+  o.async = cc.async;
+  o.keep_last = cc.keep_last;
+  o.timeout_s = run.cfg.distributed.timeout_s;
+  o.before_write = test_write_hook();
+  saver_ = std::make_unique<CheckpointSaver>(std::move(o));
+  if (!reserves_snapshot_at_setup(cc, first_step, run.cfg.training.max_steps)) return;
+  // On the H200 the first background save blocked the loop for 7.24 s, of which 0.33 s was its
+  // copy; the rest is put down to allocating and page-locking the block (docs/checkpoints.md). Done
+  // here, before the first step, instead. Each rank sizes its own block from metadata (its snapshot
+  // holds its own slices, rank 0's the full weights too): nothing to agree on, no collective.
+  const auto start = std::chrono::steady_clock::now();
+  const SnapshotLayout layout = snapshot_layout(*run.strategy, run.dist.rank(), cc.save_optimizer);
+  try {
+    saver_->buffer()->reserve(layout.tensors, layout.on_gpu);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(
+        "checkpoint.async with checkpoint.every_steps " + std::to_string(cc.every_steps) +
+        " reserves the host memory of the background saves' snapshots before the first step; "
+        "on rank " +
+        std::to_string(run.dist.rank()) + " " + e.what() +
+        ". Free host memory, shard the state over more ranks (ZeRO/FSDP: each rank then "
+        "reserves less), or set checkpoint.async: false (synchronous saves, which allocate "
+        "their block at the first save and fall back to pageable memory, with a warning, when "
+        "pinned memory is refused)");
+  }
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (run.main_rank() && layout.bytes() > 0)  // always shown, like the run's summary line
+    std::fprintf(stderr,
+                 "checkpoint: reserved %s (%zu bytes) of %s host memory for background saves in "
+                 "%s%s\n",
+                 gibibytes(layout.bytes()).c_str(), layout.bytes(),
+                 saver_->buffer()->pinned() ? "pinned" : "pageable", seconds(took).c_str(),
+                 run.dist.world() > 1 ? " (rank 0's block; every rank reserves its own)" : "");
+}
+
+RunCheckpoints::~RunCheckpoints() = default;
 
 void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step, RunLog& log) {
   if (!dir) return;
@@ -119,6 +161,8 @@ void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step,
             (pinned_ ? "pinned" : "pageable") + " snapshot" +
             (copy_s > 0 ? ", device-to-host " + seconds(copy_s) : std::string()) +
             "), written in " + seconds(write_s);
+    if (waited_s_ > 0)
+      line += ", after waiting " + seconds(waited_s_) + " for the previous save to be written";
   }
   if (run_.cfg.checkpoint.async && step > in_flight_step_)
     line += " (in the background during step" +
@@ -130,8 +174,11 @@ void RunCheckpoints::report(const std::optional<std::string>& dir, int64_t step,
 }
 
 void RunCheckpoints::save(int64_t step, RunLog& log) {
+  const bool busy = saver_->busy();
+  const auto wait_start = std::chrono::steady_clock::now();
   report(saver_->wait(), step, log);  // at most one save in flight
   const auto start = std::chrono::steady_clock::now();
+  waited_s_ = busy ? std::chrono::duration<double>(start - wait_start).count() : 0;
   auto since = [&start] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };

@@ -211,8 +211,9 @@ int train(Run& run, const ResumeRequest& resume) {
   const NanInjection inject = NanInjection::from_env(run.dist.rank());
   note_completed_steps(step);
   install_stop_signal_handlers();
+  // The checkpoints first: a snapshot block reserved at setup is not in step 1's time.
+  RunCheckpoints checkpoints(run, step);
   RunLog log(run, step);
-  RunCheckpoints checkpoints(run);
 
   while (step < tc.max_steps) {
     const StepOutput out = train_step(run, step, schedule, inject, log.host_times());
