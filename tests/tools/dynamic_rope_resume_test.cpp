@@ -70,6 +70,20 @@ void expect_resume_reproduces(const std::string& extra, int world) {
     ASSERT_TRUE(b.count(step)) << resumed.output;
     EXPECT_EQ(b[step], a[step]) << "step " << step;
   }
+  // The state matters here: the same checkpoint without it (as a fresh instance would start)
+  // continues with other numbers.
+  const fs::path stateless = d / "stateless" / "step_3";
+  fs::create_directories(stateless.parent_path());
+  fs::copy(ck, stateless, fs::copy_options::recursive);
+  state.erase("dynamic_rope_max_seq_len_cached");
+  std::ofstream(stateless / "trainer_state.json") << state.dump(1);
+  Result fresh = accel::tool_test::run_accel_train(
+      base + " --output-dir " + (d / "fresh").string() + " --resume " + stateless.string());
+  ASSERT_EQ(fresh.code, 0) << fresh.output;
+  auto c = accel::tool_test::read_losses(d / "fresh" / "metrics.jsonl");
+  bool differs = false;
+  for (int step = 4; step <= 6; ++step) differs = differs || c[step] != a[step];
+  EXPECT_TRUE(differs) << "the saved dynamic RoPE state made no difference";
   fs::remove_all(d);
 }
 
