@@ -44,11 +44,11 @@ struct Fp8LayerChoice {
 // Which Linear layers of `model` (in module order) an fp8_config converts, a tied LM head of a
 // CausalLM included (last, where Hugging Face's module list has lm_head):
 // TE (and MXFP8): every Linear whose dimensions are both divisible by 16 (as Accelerate's
-// TransformerEngine conversion, which converts Hugging Face's lm_head whether or not it is tied);
-// AO: the same, except that pad_inner_dim admits any dimensions, and the first and the last
-// Linear (Accelerate's default filter; Hugging Face's model lists lm_head last, tied or not, so
-// the LM head stays in high precision) and layers whose name contains one of exclude_modules stay
-// in high precision.
+// TransformerEngine conversion), a tied LM head by the same rule (in Hugging Face's model it is
+// the Linear lm_head, sharing the embedding's weight); AO: the same, except that pad_inner_dim
+// admits any dimensions, and the first and the last Linear (Accelerate's default filter; Hugging
+// Face's model lists lm_head last, tied or not, so the LM head stays in high precision) and layers
+// whose name contains one of exclude_modules stay in high precision.
 std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cfg);
 
 class Fp8Training {
