@@ -644,6 +644,9 @@ SelfAttention::SelfAttention(const DecoderConfig& c, int64_t window, DType dtype
       config(c),
       rope_(rope_frequencies(c.rope_scaling, c.rope_theta, c.head_dim, c.max_position_embeddings,
                              c.max_position_embeddings)) {
+  if (c.extends_past_max_positions())
+    dynamic_rope_ = std::make_unique<DynamicRope>(c.rope_scaling, c.rope_theta, c.head_dim,
+                                                  c.max_position_embeddings);
   if (c.qk_norm()) {
     q_norm = &register_module("q_norm", std::make_unique<RMSNorm>(c.head_dim, c.rms_norm_eps, dtype,
                                                                   device, c.hf_class("RMSNorm")));
@@ -703,18 +706,13 @@ Tensor SelfAttention::forward(const Tensor& x, KVCache::Layer* cache, const Toke
     if (cache && (layout.segment_ids.defined() || layout.position_ids.defined()))
       throw std::invalid_argument(where +
                                   "a KV cache takes one document, not segment_ids or position_ids");
-    const RopeFrequencies* freqs = &rope_;
-    RopeFrequencies longer;
-    if (config.extends_past_max_positions()) {
-      const int64_t needed = positions_needed(layout.position_ids, past, S);
-      if (needed > config.max_position_embeddings) {
-        longer = rope_frequencies(config.rope_scaling, config.rope_theta, D,
-                                  config.max_position_embeddings, needed);
-        freqs = &longer;
-      }
-    }
-    q = rope(q, *freqs, past, layout.position_ids);
-    k = rope(k, *freqs, past, layout.position_ids);
+    // Dynamic scaling: transformers' rule over this model's forwards (the frequencies of the
+    // longest sequence since the last reset; models/rope_scaling.h).
+    const RopeFrequencies& freqs =
+        dynamic_rope_ ? dynamic_rope_->update(positions_needed(layout.position_ids, past, S))
+                      : rope_;
+    q = rope(q, freqs, past, layout.position_ids);
+    k = rope(k, freqs, past, layout.position_ids);
     Tensor a;
     if (past == 0) {
       AttentionMask mask;
@@ -1035,7 +1033,8 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& l
   return with_forward_hooks(*this, [&] {
     Tensor x = final_hidden(ids, cache, layout);
     if (lm_head) return lm_head->forward(x);
-    return linear(x, model.embed_tokens.weight.value);
+    const Tensor& embed = model.embed_tokens.weight.value;
+    return tied_head_fn ? tied_head_fn(x, embed) : linear(x, embed);
   });
 }
 
@@ -1044,7 +1043,11 @@ Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const To
     Tensor x = final_hidden(ids, nullptr, layout);
     Tensor lm_loss;
     if (!lm_head) {
-      lm_loss = linear_cross_entropy(x, model.embed_tokens.weight.value, targets);
+      // A converted tied head (tied_head_fn) keeps its own GEMM and the plain loss, as a
+      // converted Linear head does below.
+      const Tensor& embed = model.embed_tokens.weight.value;
+      lm_loss = tied_head_fn ? loss(tied_head_fn(x, embed), targets)
+                             : linear_cross_entropy(x, embed, targets);
     } else if (lm_head->linear_fn) {
       lm_loss = loss(lm_head->forward(x), targets);
     } else {
@@ -1054,6 +1057,16 @@ Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const To
     }
     return add_router_aux_loss(lm_loss);
   });
+}
+
+int64_t CausalLM::dynamic_rope_max_seq_len_cached() const {
+  if (model.layers.empty() || !model.layers[0]->self_attn.dynamic_rope()) return -1;
+  return model.layers[0]->self_attn.dynamic_rope()->max_seq_len_cached();
+}
+
+void CausalLM::restore_dynamic_rope(int64_t max_seq_len_cached) {
+  for (DecoderLayer* layer : model.layers)
+    if (DynamicRope* d = layer->self_attn.dynamic_rope()) d->restore(max_seq_len_cached);
 }
 
 Tensor CausalLM::router_aux_loss() const {

@@ -189,9 +189,14 @@ class SelfAttention : public Module {
   // casts x once for all of them).
   std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
   const DecoderConfig config;
+  // rope_type dynamic: the frequencies this layer carries from one forward to the next
+  // (transformers' max_seq_len_cached rule, models/rope_scaling.h); null for the other types.
+  DynamicRope* dynamic_rope() { return dynamic_rope_.get(); }
+  const DynamicRope* dynamic_rope() const { return dynamic_rope_.get(); }
 
  private:
-  RopeFrequencies rope_;  // from the config; dynamic scaling recomputes past max positions
+  RopeFrequencies rope_;  // from the config (every type but dynamic)
+  std::unique_ptr<DynamicRope> dynamic_rope_;
 };
 
 class GatedMLP : public Module {
@@ -319,7 +324,8 @@ class CausalLM : public Module {
   // loss(forward(ids, nullptr, layout), targets) without the [B, S, vocab] logits: the LM head's
   // GEMM and the cross-entropy run fused over row chunks (linear_cross_entropy), which saves two
   // B x S x vocab tensors (4 GiB in bf16 at 8k tokens and a 128k vocabulary). A head whose linear
-  // layer was converted (linear_fn, e.g. fp8) keeps its own GEMM and the plain loss.
+  // layer was converted (linear_fn, e.g. fp8; a tied head: tied_head_fn) keeps its own GEMM and
+  // the plain loss.
   Tensor forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout = {});
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
@@ -334,6 +340,11 @@ class CausalLM : public Module {
   // Routed slots per expert of every layer in the latest forward ([layer][expert]; empty rows
   // for dense layers).
   std::vector<std::vector<int64_t>> expert_counts() const;
+  // rope_type dynamic: transformers' max_seq_len_cached after the latest forward (every layer
+  // holds the same state; max_position_embeddings before the first longer forward), -1 for the
+  // other rope types. restore_dynamic_rope puts every layer's state there (checkpoints).
+  int64_t dynamic_rope_max_seq_len_cached() const;
+  void restore_dynamic_rope(int64_t max_seq_len_cached);
   // Recompute each decoder layer in backward instead of keeping its activations.
   void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
   // The expert-parallel context the model was built with (null: every expert here).
@@ -342,6 +353,13 @@ class CausalLM : public Module {
   const DecoderConfig config;
   DecoderModel& model;
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
+  // A tied head's counterpart of Linear::linear_fn: when set, the logits are
+  // tied_head_fn(x, model.embed_tokens.weight.value) instead of linear(x, that weight), in forward
+  // and forward_loss; autograd adds the head's weight gradient into the embedding's. A conversion
+  // installs one (fp8 under the TE recipe, models/fp8_linear.h). The tied head has no module and
+  // no hooks of its own: under ZeRO-3 / FSDP it reads the embedding weight the root unit gathered
+  // (kept from the root's pre-forward to the end of backward), as the bf16 path does.
+  std::function<Tensor(const Tensor& x, const Tensor& weight)> tied_head_fn;
 
  private:
   // The final norm's output [B, S, hidden] (forward without the LM head).

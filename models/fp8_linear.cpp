@@ -39,6 +39,10 @@ Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg) {
   return r;
 }
 
+std::string Fp8LayerChoice::display_name() const {
+  return tied_to.empty() ? name : name + " (tied to " + tied_to + ")";
+}
+
 std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cfg) {
   std::vector<Fp8LayerChoice> out;
   for (auto& [name, m] : model.named_modules()) {
@@ -48,6 +52,17 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     c.name = name;
     c.out_features = lin->weight.value.size(0);
     c.in_features = lin->weight.value.size(1);
+    c.fp8 = true;
+    out.push_back(c);
+  }
+  // A tied LM head is no Linear module here, but it is one in Hugging Face's model (lm_head, its
+  // weight tied to the embedding's), listed last: it is chosen under the same rules.
+  if (auto* lm = dynamic_cast<CausalLM*>(&model); lm && !lm->lm_head) {
+    Fp8LayerChoice c;
+    c.name = "lm_head";
+    c.tied_to = lm->model.embed_tokens.full_name();
+    c.out_features = lm->model.embed_tokens.weight.value.size(0);
+    c.in_features = lm->model.embed_tokens.weight.value.size(1);
     c.fp8 = true;
     out.push_back(c);
   }
@@ -73,15 +88,11 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     }
   }
   if (ao && !out.empty()) {
-    // A tied LM head is no Linear here but is one in Hugging Face's model, where it is the last.
-    auto* lm = dynamic_cast<CausalLM*>(&model);
-    const bool tied_head = lm && !lm->lm_head;
+    // The last is the LM head, tied or not (Hugging Face's lm_head is its last Linear either way).
     out.front().fp8 = false;
     out.front().reason = "first linear layer (AO keeps the first and last in high precision)";
-    if (!tied_head) {
-      out.back().fp8 = false;
-      out.back().reason = "last linear layer (AO keeps the first and last in high precision)";
-    }
+    out.back().fp8 = false;
+    out.back().reason = "last linear layer (AO keeps the first and last in high precision)";
     for (Fp8LayerChoice& c : out)
       for (const std::string& pat : cfg.exclude_modules)
         if (!pat.empty() && c.name.find(pat) != std::string::npos && c.fp8) {
@@ -104,6 +115,7 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
   std::map<std::string, Linear*> linears;
   for (auto& [name, m] : model.named_modules())
     if (auto* lin = dynamic_cast<Linear*>(m)) linears[name] = lin;
+  auto* lm = dynamic_cast<CausalLM*>(&model);
   for (const Fp8LayerChoice& c : layers_) {
     if (!c.fp8) continue;
     auto ctx = std::make_shared<Fp8LinearContext>();
@@ -115,12 +127,21 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
       ctx->slot_weight = delayed_->add_slot(recipe_.forward_dtype);
       ctx->slot_grad_output = delayed_->add_slot(recipe_.backward_dtype);
     }
-    Linear* lin = linears.at(c.name);
-    if (lin->linear_fn)
-      throw std::logic_error("[fp8] linear layer " + c.name + " already has a linear function");
-    lin->linear_fn = [ctx](const Tensor& x, const Tensor& w) {
-      return fp8_linear(x, w, Tensor(), *ctx);
-    };
+    auto fn = [ctx](const Tensor& x, const Tensor& w) { return fp8_linear(x, w, Tensor(), *ctx); };
+    if (!c.tied_to.empty()) {
+      // The tied head: the same op on the embedding weight, whose gradient autograd adds to the
+      // embedding's own.
+      if (!lm || lm->lm_head)
+        throw std::logic_error("[fp8] " + c.display_name() + " without a tied CausalLM head");
+      if (lm->tied_head_fn)
+        throw std::logic_error("[fp8] " + c.display_name() + " already has a head function");
+      lm->tied_head_fn = fn;
+    } else {
+      Linear* lin = linears.at(c.name);
+      if (lin->linear_fn)
+        throw std::logic_error("[fp8] linear layer " + c.name + " already has a linear function");
+      lin->linear_fn = fn;
+    }
     contexts_.push_back({c.name, ctx});
   }
   // The projections that read one tensor (q/k/v, gate/up) cast it once (Fp8SharedInputCast).
@@ -166,14 +187,19 @@ std::string Fp8Training::describe() const {
   int shown = 0, hidden = 0;
   for (const Fp8LayerChoice& c : layers_) {
     if (c.fp8) continue;
-    if (shown == 8) {
+    if (shown == 8 && c.tied_to.empty()) {
       ++hidden;
       continue;
     }
-    o << "\n  kept in bf16: " << c.name << " [out " << c.out_features << ", in " << c.in_features
-      << "]: " << c.reason;
+    o << "\n  kept in bf16: " << c.display_name() << " [out " << c.out_features << ", in "
+      << c.in_features << "]: " << c.reason;
     ++shown;
   }
+  for (const Fp8LayerChoice& c : layers_)
+    if (c.fp8 && !c.tied_to.empty())
+      o << "\n  in fp8: " << c.display_name() << " [out " << c.out_features << ", in "
+        << c.in_features << "]: the embedding weight cast for the head's GEMMs, its gradient "
+        << "added to the embedding's";
   if (hidden) o << "\n  ... and " << hidden << " more layers kept in bf16";
   if (recipe_.scaling == Fp8Scaling::MxBlock)
     o << "\nfp8: note: MXFP8 needs Blackwell (sm_100) GEMMs; on this hardware it is emulated "
@@ -251,6 +277,13 @@ std::vector<float> host_floats(const Tensor& t) {
   return std::vector<float>(v.begin(), v.end());
 }
 
+// The tied LM head among the fp8 layers, or null.
+const Fp8LayerChoice* tied_fp8_head(const Fp8Training& fp8) {
+  for (const Fp8LayerChoice& c : fp8.layers())
+    if (c.fp8 && !c.tied_to.empty()) return &c;
+  return nullptr;
+}
+
 std::string some_names(const std::vector<std::string>& names) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < 4; ++i) out += (i ? ", " : "") + names[i];
@@ -284,7 +317,8 @@ Fp8CheckpointState fp8_checkpoint_state(Fp8Training& fp8) {
                  {"amax_compute_algo", algo_name(r.amax_algo)},
                  {"margin", std::to_string(r.margin)},
                  {"interval", std::to_string(r.interval)},
-                 {"updates", std::to_string(d.updates())}};
+                 {"updates", std::to_string(d.updates())},
+                 {"tied_lm_head", tied_fp8_head(fp8) ? "fp8" : "none"}};
   return st;
 }
 
@@ -362,6 +396,15 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
     for (const char* role : kRoles) any = any || saved.count(layer + "." + role + ".scale");
     if (!any) missing.push_back(layer);
   }
+  // A state written before tied LM heads ran in fp8 (no tied_lm_head key) has every layer but the
+  // tied head: each saved layer keeps its own slots, the head's start afresh.
+  const Fp8LayerChoice* tied = tied_fp8_head(fp8);
+  std::string fresh_head;
+  if (tied && !state.metadata.count("tied_lm_head") && extra.empty() && missing.size() == 1 &&
+      missing[0] == tied->name) {
+    fresh_head = tied->display_name();
+    missing.clear();
+  }
   if (!missing.empty() || !extra.empty()) {
     std::string what = "it does not match this run's fp8 layers:";
     if (!missing.empty())
@@ -387,6 +430,8 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
     return host_floats(t);
   };
   for (const auto& [slot, name] : slots) {
+    if (!fresh_head.empty() && name.compare(0, tied->name.size() + 1, tied->name + ".") == 0)
+      continue;  // scale 1, an empty history
     std::vector<float> col = take(name + ".amax_history", L);
     for (int64_t i = 0; i < L; ++i) hist[i * n + slot] = col[i];
     sc[slot] = take(name + ".scale", 1)[0];
@@ -410,6 +455,12 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
   if (!note.empty())
     note = source + ": fp8 state restored; " + note +
            " (the saved scales stay until the next recompute, which uses the new settings)";
+  if (!fresh_head.empty())
+    note += std::string(note.empty() ? source + ": fp8 state restored" : "") + "; " + fresh_head +
+            " has no saved state: the checkpoint was written when a tied LM head ran in bf16 "
+            "(before tied heads ran in fp8 under TE), so from here on the head runs in fp8 and "
+            "its scaling starts afresh (scale 1, empty amax history, as at a run's first step); "
+            "every other layer continues with its saved state";
   return note;
 }
 

@@ -1,7 +1,10 @@
 // FP8 training of a model's Linear layers (mixed_precision: fp8): which layers run in fp8, the
 // scaling state they share, the per-step amax all-reduce and scale update, and evaluation in bf16
-// or fp8. Everything that is not a converted Linear (embedding, norms, attention, a tied LM head)
-// keeps running in the compute dtype (bf16).
+// or fp8. Everything that is not a converted Linear (embedding, norms, attention) keeps running in
+// the compute dtype (bf16). A tied LM head (CausalLM without an lm_head module, its logits from
+// model.embed_tokens.weight) is one more layer here, named "lm_head" and converted under the same
+// rules as an untied head: in fp8 under TE (and MXFP8), in high precision under AO (the last
+// Linear of Hugging Face's model).
 //
 //   auto fp8 = apply_fp8(model, cfg.fp8, device);   // after building the model
 //   ... forward, backward, optimizer step ...
@@ -27,23 +30,33 @@ class ProcessGroup;
 Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg);
 
 struct Fp8LayerChoice {
-  std::string name;  // module name, "model.layers.0.self_attn.q_proj"
+  std::string name;  // module name, "model.layers.0.self_attn.q_proj"; a tied head: "lm_head"
   int64_t in_features = 0, out_features = 0;
   bool fp8 = false;
   std::string reason;  // why it stays in high precision
+  // A tied LM head: the module whose weight it multiplies by ("model.embed_tokens"); empty for a
+  // Linear module.
+  std::string tied_to;
+  // "lm_head (tied to model.embed_tokens)" for a tied head, else the name.
+  std::string display_name() const;
 };
 
-// Which Linear layers of `model` (in module order) an fp8_config converts:
+// Which Linear layers of `model` (in module order) an fp8_config converts, a tied LM head of a
+// CausalLM included (last, where Hugging Face's module list has lm_head):
 // TE (and MXFP8): every Linear whose dimensions are both divisible by 16 (as Accelerate's
-// TransformerEngine conversion); AO: the same, except that pad_inner_dim admits any dimensions,
-// and the first and the last Linear (Accelerate's default filter; a tied LM head counts as the
-// last) and layers whose name contains one of exclude_modules stay in high precision.
+// TransformerEngine conversion), a tied LM head by the same rule (in Hugging Face's model it is
+// the Linear lm_head, sharing the embedding's weight); AO: the same, except that pad_inner_dim
+// admits any dimensions, and the first and the last Linear (Accelerate's default filter; Hugging
+// Face's model lists lm_head last, tied or not, so the LM head stays in high precision) and layers
+// whose name contains one of exclude_modules stay in high precision.
 std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cfg);
 
 class Fp8Training {
  public:
   // Installs fp8 linear functions in the chosen Linear layers of `model` (which must outlive the
-  // layers' use; the layers keep the shared state alive).
+  // layers' use; the layers keep the shared state alive), and a tied LM head's in
+  // CausalLM::tied_head_fn: the same fp8_linear with its own context (delayed scaling: its own
+  // input, weight and grad_output slots), reading model.embed_tokens.weight.
   Fp8Training(Module& model, const Fp8Config& cfg, Device device);
 
   const Fp8Recipe& recipe() const { return recipe_; }
@@ -108,9 +121,14 @@ class Fp8EvalScope {
 //   <layer>.<role>.amax_history  [amax_history_len]  the slot's column of the [L, n] history
 //   <layer>.<role>.scale         [1]
 //   <layer>.<role>.scale_inv     [1]
-// e.g. "model.layers.0.self_attn.q_proj.grad_output.scale"; metadata: format
-// (accel-fp8-delayed-scaling), fp8_format, amax_history_len, amax_compute_algo, margin,
-// interval, updates.
+// e.g. "model.layers.0.self_attn.q_proj.grad_output.scale"; a tied LM head's slots are
+// "lm_head.<role>.*" as an untied head's. Metadata: format (accel-fp8-delayed-scaling),
+// fp8_format, amax_history_len, amax_compute_algo, margin, interval, updates, and tied_lm_head
+// ("fp8" or "none": whether the state holds a tied head; written since tied heads run in fp8).
+//
+// A state written before tied heads ran in fp8 (no tied_lm_head key) lacks the tied head's slots;
+// it is restored for every saved layer, the tied head's scaling starting afresh (scale 1, empty
+// history, as at a run's first step), and the returned note says so.
 
 inline constexpr char kFp8StateFile[] = "fp8_state.safetensors";
 

@@ -109,4 +109,33 @@ RopeFrequencies rope_frequencies(const RopeScaling& s, double theta, int64_t hea
   return f;
 }
 
+DynamicRope::DynamicRope(const RopeScaling& s, double theta, int64_t head_dim,
+                         int64_t max_position_embeddings)
+    : scaling_(s),
+      theta_(theta),
+      head_dim_(head_dim),
+      original_(max_position_embeddings),
+      original_freqs_(
+          rope_frequencies(s, theta, head_dim, max_position_embeddings, max_position_embeddings)),
+      current_(original_freqs_),
+      cached_(max_position_embeddings) {}
+
+const RopeFrequencies& DynamicRope::update(int64_t seq_len) {
+  if (seq_len > cached_) {  // growth: the frequencies of this length
+    current_ = rope_frequencies(scaling_, theta_, head_dim_, original_, seq_len);
+    cached_ = seq_len;
+  }
+  if (seq_len < original_ && cached_ > original_) {  // back within the original context
+    current_ = original_freqs_;
+    cached_ = original_;
+  }
+  return current_;
+}
+
+void DynamicRope::restore(int64_t max_seq_len_cached) {
+  current_ = original_freqs_;
+  cached_ = original_;
+  if (max_seq_len_cached > original_) update(max_seq_len_cached);
+}
+
 }  // namespace accel

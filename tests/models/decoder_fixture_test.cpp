@@ -121,6 +121,42 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_cuda" : "_cpu");
     });
 
+// Dynamic RoPE over a sequence of forwards of varying length on one instance, against the
+// transformers instance make_hf_fixture.py ran them on (rope_sequence.safetensors): the logits of
+// each forward and the frequency state after it (tests/models/dynamic_rope_test.cpp checks the
+// rule by hand).
+TEST(DecoderFixtureDynamicRope, SequenceOfForwardsMatchesTransformers) {
+  const std::string dir = fixture_dir("llama_rope_dynamic");
+  const std::string file = dir + "/rope_sequence.safetensors";
+  if (!std::filesystem::exists(file))
+    GTEST_SKIP() << file << " is not there yet: make it with python3 "
+                 << "tools/reference/make_hf_fixture.py llama_rope_dynamic (needs transformers)";
+  DecoderConfig cfg = read_hf_model_config(dir + "/config.json");
+  CausalLM model(cfg, DType::F32, Device::cpu(), /*seed=*/123);
+  load_hf_weights(model, dir);
+  SafetensorsReader batch(dir + "/batch.safetensors");
+  SafetensorsReader seq(file);
+  const Tensor ids = batch.load("input_ids");
+  const std::vector<double> lengths = seq.load("lengths").to_vector(),
+                            cached = seq.load("max_seq_len_cached").to_vector();
+  NoGradGuard no_grad;
+  for (size_t k = 0; k < lengths.size(); ++k) {
+    const int64_t n = static_cast<int64_t>(lengths[k]);
+    SCOPED_TRACE("forward " + std::to_string(k) + " of length " + std::to_string(n));
+    const Tensor logits = model.forward(contiguous(narrow(ids, 1, 0, n)));
+    EXPECT_LT(rel_error(logits, seq.load("logits." + std::to_string(k))), 1e-4);
+    if (cached[k] >= 0) {
+      EXPECT_EQ(model.dynamic_rope_max_seq_len_cached(), cached[k]);
+    }
+    const std::vector<double> want = seq.load("inv_freq." + std::to_string(k)).to_vector();
+    const std::vector<float>& got =
+        model.model.layers[0]->self_attn.dynamic_rope()->current().inv_freq;
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i)  // float32 pow: libm and torch may differ by an ulp
+      EXPECT_NEAR(got[i], want[i], 1e-6 * want[i]) << "inv_freq " << i;
+  }
+}
+
 TEST(LlamaConfigFile, RopeThetaFromEitherSpelling) {
   DecoderConfig c = read_hf_model_config(fixture_dir("llama_gqa4_theta") + "/config.json");
   EXPECT_EQ(c.rope_theta, 500000.0);

@@ -90,15 +90,19 @@ TEST(Fp8Layers, TorchAoKeepsFirstLastAndExcludedLayers) {
       EXPECT_FALSE(l.fp8) << l.name;
     }
   }
-  // With a tied head, Hugging Face's last Linear is the (tied) lm_head: the last down_proj
-  // converts.
+  // With a tied head, Hugging Face's last Linear is the (tied) lm_head, listed here too and kept
+  // in high precision: the last down_proj converts (tests/models/fp8_tied_head_test.cpp has the
+  // tied head under every recipe).
   DecoderConfig tied = tiny_config();
   tied.tie_word_embeddings = true;
   CausalLM mt(tied, DType::F32, Device::cpu(), 1);
   auto at = choose_fp8_layers(mt, ao_config());
-  ASSERT_EQ(at.size(), 14u);
+  ASSERT_EQ(at.size(), 15u);
   EXPECT_FALSE(at.front().fp8);
-  EXPECT_TRUE(at.back().fp8);
+  EXPECT_EQ(at.back().display_name(), "lm_head (tied to model.embed_tokens)");
+  EXPECT_FALSE(at.back().fp8);
+  EXPECT_EQ(at[13].name, "model.layers.1.mlp.down_proj");
+  EXPECT_TRUE(at[13].fp8);
 }
 
 TEST(Fp8Recipe, FromConfig) {

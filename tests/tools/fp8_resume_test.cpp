@@ -57,6 +57,7 @@ class Fp8Resume : public ::testing::Test {
   void expect_resume_reproduces(const std::string& out, const std::string& extra) {
     Result full = train(out, extra);
     ASSERT_EQ(full.code, 0) << full.output;
+    full_output_ = full.output;
     Result resumed = train(out + "_resumed", extra + " --resume " + step3(out).string());
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     std::map<int, double> a = losses(out), b = losses(out + "_resumed");
@@ -67,6 +68,7 @@ class Fp8Resume : public ::testing::Test {
     }
   }
   fs::path dir_;
+  std::string full_output_;  // the uninterrupted run's, from expect_resume_reproduces
 };
 
 TEST_F(Fp8Resume, DelayedScalingResumesBitForBit) {
@@ -99,6 +101,51 @@ TEST_F(Fp8Resume, DynamicScalingWritesAndNeedsNoState) {
   nlohmann::json j;
   in >> j;
   EXPECT_FALSE(j.contains("fp8_state_file"));
+}
+
+// A tied LM head runs in fp8 under TE with its own slots (lm_head.*), which the checkpoint carries.
+TEST_F(Fp8Resume, TiedHeadResumesBitForBit) {
+  expect_resume_reproduces("tied", "--set model.tie_word_embeddings=true");
+  EXPECT_NE(full_output_.find("15 of 15 linear layers in fp8"), std::string::npos) << full_output_;
+  EXPECT_NE(full_output_.find("in fp8: lm_head (tied to model.embed_tokens)"), std::string::npos)
+      << full_output_;
+  accel::SafetensorsReader f((step3("tied") / "fp8_state.safetensors").string());
+  EXPECT_TRUE(f.contains("lm_head.input.scale"));
+  EXPECT_TRUE(f.contains("lm_head.grad_output.amax_history"));
+  EXPECT_EQ(f.metadata().at("tied_lm_head"), "fp8");
+  EXPECT_EQ(f.metadata().at("updates"), "3");
+}
+
+// A checkpoint written when tied heads still ran in bf16 (its fp8 state has no lm_head slots and
+// no tied_lm_head key) resumes: every saved layer continues with its state, the head starts
+// afresh, and the run says so.
+TEST_F(Fp8Resume, TiedHeadCheckpointFromBeforeTiedFp8ResumesWithANote) {
+  const std::string tied = "--set model.tie_word_embeddings=true";
+  Result full = train("tied", tied);
+  ASSERT_EQ(full.code, 0) << full.output;
+  const fs::path old = dir_ / "old" / "step_3";
+  fs::create_directories(old.parent_path());
+  fs::copy(step3("tied"), old, fs::copy_options::recursive);
+  const std::string file = (old / "fp8_state.safetensors").string();
+  std::vector<std::pair<std::string, accel::Tensor>> kept;
+  std::map<std::string, std::string> meta;
+  {
+    accel::SafetensorsReader f(file);
+    for (const std::string& n : f.names())
+      if (n.rfind("lm_head.", 0) != 0) kept.push_back({n, f.load(n, accel::MemCategory::Other)});
+    meta = f.metadata();
+  }
+  ASSERT_EQ(kept.size(), 14u * 9u);  // the projections' slots only
+  meta.erase("tied_lm_head");
+  accel::save_safetensors(file, kept, meta);
+  Result resumed = train("from_old", tied + " --resume " + old.string());
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("lm_head (tied to model.embed_tokens) has no saved state"),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  std::map<int, double> b = losses("from_old");
+  for (int step = 4; step <= 6; ++step) EXPECT_TRUE(b.count(step)) << resumed.output;
 }
 
 TEST_F(Fp8Resume, MismatchedStateIsRefusedWithWhatDiffers) {

@@ -26,6 +26,10 @@ A fixture folder OUT_ROOT/NAME (default OUT_ROOT: tests/data/hf) holds:
   train.json             the AdamW settings and the loss before each of --steps AdamW steps on the
                          same batch (torch.optim.AdamW, weight decay on every parameter, constant
                          lr, no clipping)
+  rope_sequence.safetensors
+                         dynamic-RoPE fixtures only: the logits and the rotary embedding's state
+                         after each of a sequence of forwards of varying length on one fresh
+                         instance (write_rope_sequence)
 
 --compare DIR compares each written fixture with DIR/NAME: tensor names, shapes and dtypes must
 agree, the batch and the initial weights must be equal (same seed, same torch), and the largest
@@ -379,7 +383,47 @@ def make_fixture(out_dir, family, o):
         train["transformers"] = transformers.__version__
     with open(os.path.join(out_dir, "train.json"), "w") as f:
         json.dump(train, f, indent=1)
+    if o["rope"] and json.loads(o["rope"]).get("rope_type") == "dynamic":
+        write_rope_sequence(out_dir, family, ids)
     return expected["loss"].item(), losses
+
+
+# Forward lengths (prefixes of the batch) for a dynamic-RoPE fixture's rope_sequence.safetensors,
+# chosen around its max_position_embeddings of 8: growth (12, 16, 13), a shorter one after a longer
+# one that keeps the longer one's frequencies (10, 9, and 8, which is not below 8), a reset (6)
+# and growth from the reset state (11).
+ROPE_SEQUENCE = [12, 10, 16, 9, 8, 6, 11, 13]
+
+
+def write_rope_sequence(out_dir, family, ids):
+    """rope_sequence.safetensors: one fresh instance of the saved model (from_pretrained, so its
+    rotary embedding starts from the original frequencies) runs a no-grad forward of
+    input_ids[:, :L] for each L of ROPE_SEQUENCE in turn; after each, the logits and the rotary
+    embedding's inv_freq and max_seq_len_cached (transformers' dynamic_rope_update state; -1 when
+    the installed version keeps it under another name). Tensors: lengths i64 [n],
+    max_seq_len_cached i64 [n], logits.<k> f32 [batch, L, vocab], inv_freq.<k> f32 [head_dim / 2].
+    Only the order of the forwards matters: nothing here draws random numbers."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    model = getattr(transformers, FAMILIES[family][1]).from_pretrained(
+        out_dir, attn_implementation="eager").to(torch.float32)
+    model.eval()
+    rotary = model.model.rotary_emb
+    out = {"lengths": torch.tensor(ROPE_SEQUENCE, dtype=torch.int64)}
+    cached = []
+    with torch.no_grad():
+        for k, n in enumerate(ROPE_SEQUENCE):
+            if n > ids.shape[1]:
+                raise SystemExit(f"rope sequence length {n} is longer than the batch")
+            out[f"logits.{k}"] = model(input_ids=ids[:, :n]).logits.contiguous()
+            out[f"inv_freq.{k}"] = rotary.inv_freq.detach().to(torch.float32).contiguous()
+            c = getattr(rotary, "max_seq_len_cached", None)
+            cached.append(int(c) if c is not None else -1)
+    out["max_seq_len_cached"] = torch.tensor(cached, dtype=torch.int64)
+    print(f"  rope sequence {ROPE_SEQUENCE}: max_seq_len_cached after each {cached}")
+    save_file(out, os.path.join(out_dir, "rope_sequence.safetensors"))
 
 
 def compare_fixture(new_dir, old_dir):

@@ -192,6 +192,15 @@ void RunCheckpoints::save(int64_t step, RunLog& log) {
   // for the snapshot's copies once they are queued.
   const nlohmann::json precision_info =
       run_.precision->save_state(tmp, run_.dist.rank(), run_.dist.pg.get());
+  // rope_type dynamic: each rank's frequency state (transformers' max_seq_len_cached, which
+  // depends on the lengths of the forwards so far when packed documents vary them).
+  nlohmann::json dynamic_rope;
+  if (run_.model->dynamic_rope_max_seq_len_cached() >= 0) {
+    dynamic_rope = nlohmann::json::array();
+    for (double v : run_.dist.all_gather(
+             {static_cast<double>(run_.model->dynamic_rope_max_seq_len_cached())}, run_.device))
+      dynamic_rope.push_back(static_cast<int64_t>(v));
+  }
   before_copies_s_ = since();
   CheckpointSnapshot s = take_snapshot(*run_.strategy, run_.dist.rank(), run_.dist.world(),
                                        run_.cfg.checkpoint.save_optimizer, saver_->buffer());
@@ -213,6 +222,7 @@ void RunCheckpoints::save(int64_t step, RunLog& log) {
     if (run_.tokenizer) copy_tokenizer_files(run_.cfg.data.tokenizer, tmp);
   }
   s.info.update(precision_info);
+  if (!dynamic_rope.is_null()) s.info["dynamic_rope_max_seq_len_cached"] = dynamic_rope;
   last_saved_step_ = step;
   in_flight_step_ = step;
   saver_->save(run_.output_dir(), std::move(s));
@@ -250,6 +260,30 @@ void RunCheckpoints::at_end(int64_t step, RunLog& log) {
   run_.dist.barrier();
 }
 
+namespace {
+
+// rope_type dynamic: each rank continues with the frequency state its rank had at the save. At
+// another world size every rank's batches differ from the saved ranks', so no state is exact;
+// the ranks then start afresh (as a new model instance), with a note.
+void restore_dynamic_rope_state(const LoadedCheckpoint& ck, Run& run) {
+  if (run.model->dynamic_rope_max_seq_len_cached() < 0) return;
+  const nlohmann::json saved =
+      ck.trainer_state.value("dynamic_rope_max_seq_len_cached", nlohmann::json());
+  if (!saved.is_array()) return;  // written before the state was saved: as a fresh instance
+  if (static_cast<int64_t>(saved.size()) == run.dist.world()) {
+    run.model->restore_dynamic_rope(saved.at(run.dist.rank()).get<int64_t>());
+    return;
+  }
+  if (run.main_rank())
+    std::fprintf(stderr,
+                 "note: %s: the dynamic RoPE frequencies were saved for %zu ranks, this run has "
+                 "%d; every rank starts from the original frequencies (transformers' "
+                 "max_seq_len_cached = max_position_embeddings)\n",
+                 ck.dir.c_str(), saved.size(), run.dist.world());
+}
+
+}  // namespace
+
 int64_t resume_run(Run& run, const ResumeRequest& request) {
   const auto found = find_checkpoint(run.output_dir(), request.spec);
   if (!found) {
@@ -279,6 +313,7 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
   restore_strategy_state(ck, *run.strategy);
   const std::string note = run.precision->restore_state(ck);
   if (run.main_rank() && !note.empty()) std::fprintf(stderr, "note: %s\n", note.c_str());
+  restore_dynamic_rope_state(ck, run);
   DataPosition pos;
   from_json(ck.state.data_position, pos);
   run.data.train->restore(pos);

@@ -53,9 +53,12 @@ void Precision::attach(Strategy& strategy) {
   // Only a strategy that gathers weights itself can use it (the config loader notes the others).
   auto* gathering = dynamic_cast<Fp8WeightGathering*>(&strategy);
   if (!gathering) return;
+  // A tied LM head has no weight of its own to gather in fp8 (it reads the embedding's, gathered
+  // in the compute dtype with the root unit); under AO, the only recipe with the fp8 all-gather,
+  // it stays in high precision anyway.
   Fp8WeightGathering::Fp8Layers layers;
   for (const Fp8LayerChoice& c : fp8_->layers())
-    if (c.fp8) layers.push_back({c.name, fp8_->layer_context(c.name)});
+    if (c.fp8 && c.tied_to.empty()) layers.push_back({c.name, fp8_->layer_context(c.name)});
   gathering->gather_fp8_weights(layers);
 }
 
