@@ -40,27 +40,9 @@ data: {source: synthetic}
 checkpoint: {every_steps: 3, keep_last: 0, async: true}
 )";
 
-class CheckpointResumeCuda : public ::testing::Test {
+class CheckpointResumeCuda : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_ckpt_cuda");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  Result train(const std::string& out, const std::string& extra) {
-    return accel::tool_test::run_accel_train("--config " + (dir_ / "config.yaml").string() +
-                                             " --output-dir " + (dir_ / out).string() + " " +
-                                             extra);
-  }
-  std::map<int, double> losses(const std::string& out) {
-    return accel::tool_test::read_losses(dir_ / out / "metrics.jsonl");
-  }
-  std::string step3(const std::string& out) {
-    return (dir_ / out / "checkpoints" / "step_3").string();
-  }
-  fs::path dir_;
+  CheckpointResumeCuda() : ConfigFolderTest("accel_ckpt_cuda", kConfig) {}
 };
 
 std::string file_bytes(const fs::path& p) {
@@ -184,8 +166,8 @@ TEST_F(CheckpointResumeCuda, AsyncSaveResumesBitForBit) {
     EXPECT_EQ(full.output.find("pinned (page-locked) host memory"), std::string::npos)
         << full.output;
     EXPECT_NE(full.output.find("pinned snapshot"), std::string::npos) << full.output;
-    EXPECT_EQ(accel::verify_checkpoint(step3(name)), std::vector<std::string>{}) << name;
-    Result resumed = train(name + "_resumed", precision + " --resume " + step3(name));
+    EXPECT_EQ(accel::verify_checkpoint(step(name, 3).string()), std::vector<std::string>{}) << name;
+    Result resumed = train(name + "_resumed", precision + " --resume " + step(name, 3).string());
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     const std::map<int, double> a = losses(name), b = losses(name + "_resumed");
     for (int s = 4; s <= 6; ++s) EXPECT_EQ(b.at(s), a.at(s)) << name << " step " << s;
@@ -205,9 +187,9 @@ TEST_F(CheckpointResumeCuda, SyncRunReservesNothingAndSavesTheBytesOfAnAsyncRun)
   ASSERT_EQ(async.code, 0) << async.output;
   EXPECT_NE(async.output.find("checkpoint: reserved"), std::string::npos) << async.output;
   for (const char* f : {"model.safetensors", "optimizer.rank0.safetensors"}) {
-    const std::string want = file_bytes(fs::path(step3("sync")) / f);
+    const std::string want = file_bytes(step("sync", 3) / f);
     ASSERT_FALSE(want.empty()) << f;
-    EXPECT_TRUE(file_bytes(fs::path(step3("async")) / f) == want) << f;
+    EXPECT_TRUE(file_bytes(step("async", 3) / f) == want) << f;
   }
 }
 
@@ -218,7 +200,7 @@ TEST_F(CheckpointResumeCuda, Zero3CheckpointResumesAsTheSingleProcess) {
                               " --set distributed_type=DEEPSPEED --set "
                               "deepspeed_config.zero_stage=3");
   ASSERT_EQ(z3.code, 0) << z3.output;
-  Result single = train("single", bf16 + " --resume " + step3("z3"));
+  Result single = train("single", bf16 + " --resume " + step("z3", 3).string());
   ASSERT_EQ(single.code, 0) << single.output;
   EXPECT_NE(single.output.find("saved by zero3 x 1, resharded for single x 1"), std::string::npos)
       << single.output;

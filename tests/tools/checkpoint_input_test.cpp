@@ -40,21 +40,9 @@ data: {source: synthetic}
 checkpoint: {every_steps: 2, keep_last: 0}
 )";
 
-class CheckpointInput : public ::testing::Test {
+class CheckpointInput : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_ckpt_input");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  // accel-train with this test's config into dir_/out.
-  Result train(const std::string& out, const std::string& extra = "") {
-    return accel::tool_test::run_accel_train("--config " + (dir_ / "config.yaml").string() +
-                                             " --output-dir " + (dir_ / out).string() + " " +
-                                             extra);
-  }
+  CheckpointInput() : ConfigFolderTest("accel_ckpt_input", kConfig) {}
   // A run of 4 steps with checkpoints at steps 2 and 4, into dir_/out.
   void base_run(const std::string& out = "base", const std::string& extra = "") {
     Result r = train(out, extra);
@@ -70,7 +58,6 @@ class CheckpointInput : public ::testing::Test {
     fs::remove_all(ckpt(name, 4));
     return ckpt(name, 2);
   }
-  fs::path dir_;
 };
 
 // Rewrites a safetensors file with tensor `name` replaced by f(tensor).

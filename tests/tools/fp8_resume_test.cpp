@@ -34,23 +34,9 @@ data: {source: synthetic}
 checkpoint: {every_steps: 3, keep_last: 0}
 )";
 
-class Fp8Resume : public ::testing::Test {
+class Fp8Resume : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_fp8_resume");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  Result train(const std::string& out, const std::string& extra = "") {
-    return accel::tool_test::run_accel_train("--config " + (dir_ / "config.yaml").string() +
-                                             " --output-dir " + (dir_ / out).string() + " " +
-                                             extra);
-  }
-  std::map<int, double> losses(const std::string& out) {
-    return accel::tool_test::read_losses(dir_ / out / "metrics.jsonl");
-  }
+  Fp8Resume() : ConfigFolderTest("accel_fp8_resume", kConfig) {}
   fs::path step3(const std::string& out) { return dir_ / out / "checkpoints" / "step_3"; }
   // Runs `out` to the end, then resumes from its step-3 checkpoint into `out`_resumed with the
   // same settings; expects steps 4-6 bit for bit.
@@ -67,7 +53,6 @@ class Fp8Resume : public ::testing::Test {
       EXPECT_EQ(b[step], a[step]) << "step " << step << " (fp8 state not restored?)";
     }
   }
-  fs::path dir_;
   std::string full_output_;  // the uninterrupted run's, from expect_resume_reproduces
 };
 

@@ -45,25 +45,11 @@ const std::string kFsdpx2 =
     "--set distributed_type=FSDP --set num_processes=2 --set gradient_accumulation_steps=4" + kEp2;
 const std::string kSingle = "--set gradient_accumulation_steps=8";
 
-class MoeEpTrain : public ::testing::Test {
+class MoeEpTrain : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_moe_ep");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
+  MoeEpTrain() : ConfigFolderTest("accel_moe_ep", kConfig) {}
   Result train(const std::string& out, const std::string& extra) {
-    return accel::tool_test::run_command(
-        "OMP_NUM_THREADS=1 " + std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
-        (dir_ / "config.yaml").string() + " --output-dir " + (dir_ / out).string() + " " + extra);
-  }
-  std::map<int, double> losses(const std::string& out) {
-    return accel::tool_test::read_losses(dir_ / out / "metrics.jsonl");
-  }
-  fs::path step(const std::string& out, int s) {
-    return dir_ / out / "checkpoints" / ("step_" + std::to_string(s));
+    return ConfigFolderTest::train(out, extra, "OMP_NUM_THREADS=1");
   }
   void expect_same_losses(const std::string& out, const std::map<int, double>& want, int from) {
     const std::map<int, double> got = losses(out);
@@ -72,7 +58,6 @@ class MoeEpTrain : public ::testing::Test {
       EXPECT_NEAR(got.at(s), want.at(s), 1e-5 * std::abs(want.at(s))) << out << " step " << s;
     }
   }
-  fs::path dir_;
 };
 
 // Every expert of the sparse layer (0) is in the folder, and a full model loads it.

@@ -61,28 +61,11 @@ const std::vector<Target> kTargets = {
      "gradient_accumulation_steps=3"},
 };
 
-class ReshardResume : public ::testing::Test {
+class ReshardResume : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_reshard");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  Result train(const std::string& out, const std::string& extra, const std::string& env = "") {
-    return accel::tool_test::run_command(
-        env + " " + std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
-        (dir_ / "config.yaml").string() + " --output-dir " + (dir_ / out).string() + " " + extra);
-  }
+  ReshardResume() : ConfigFolderTest("accel_reshard", kConfig) {}
   Result tool(const std::string& args) {
     return accel::tool_test::run_command(std::string(ACCEL_BIN_DIR) + "/accel-checkpoint " + args);
-  }
-  std::map<int, double> losses(const std::string& out) {
-    return accel::tool_test::read_losses(dir_ / out / "metrics.jsonl");
-  }
-  fs::path step(const std::string& out, int s) {
-    return dir_ / out / "checkpoints" / ("step_" + std::to_string(s));
   }
   // The uninterrupted ZeRO-2 x 3 run `out` (6 steps, a checkpoint at step 3).
   void reference(const std::string& out, const std::string& extra = "") {
@@ -108,7 +91,6 @@ class ReshardResume : public ::testing::Test {
     }
   }
   void sigterm_then_resume(const std::string& extra);
-  fs::path dir_;
 };
 
 TEST_F(ReshardResume, Zero2AtThreeResumesAtEveryWorldSizeAndStrategy) {

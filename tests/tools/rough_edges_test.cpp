@@ -27,20 +27,9 @@ checkpoint: {every_steps: 0, at_end: true, keep_last: 0}
 
 const std::string kBpe = std::string(ACCEL_SOURCE_DIR) + "/tests/data/fixtures/bpe/gpt2";
 
-class RoughEdges : public ::testing::Test {
+class RoughEdges : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_rough_edges");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  Result train(const std::string& out, const std::string& extra = "") {
-    return accel::tool_test::run_accel_train("--config " + (dir_ / "config.yaml").string() +
-                                             " --output-dir " + (dir_ / out).string() + " " +
-                                             extra);
-  }
+  RoughEdges() : ConfigFolderTest("accel_rough_edges", kConfig) {}
   // Token shards of some text made by accel-data with the BPE fixture, under dir_/shards.
   void make_bpe_shards() {
     std::ofstream text(dir_ / "text.txt");
@@ -59,7 +48,6 @@ class RoughEdges : public ::testing::Test {
     std::ifstream in(p);
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
-  fs::path dir_;
 };
 
 TEST_F(RoughEdges, InitFromShowsTheLoadedShapeAndSaysWhatItRead) {

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace accel::tool_test {
@@ -89,5 +90,38 @@ inline std::map<int, double> read_losses(const fs::path& file) {
     if (j.contains("step") && j.contains("loss")) m[j["step"].get<int>()] = j["loss"];
   return m;
 }
+
+// A fixture for tests of accel-train runs that share one config: SetUp makes a fresh folder dir_
+// holding it as config.yaml; TearDown removes the folder unless the test failed (kept to look at).
+class ConfigFolderTest : public ::testing::Test {
+ protected:
+  ConfigFolderTest(std::string prefix, std::string config)
+      : prefix_(std::move(prefix)), config_(std::move(config)) {}
+  void SetUp() override {
+    dir_ = fresh_test_dir(prefix_);
+    write_config(dir_, config_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+  // accel-train with this config into dir_/out; `env` (VAR=value ...) goes before the command.
+  Result train(const std::string& out, const std::string& extra = "",
+               const std::string& env = "") const {
+    return run_command(env + " " + std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
+                       (dir_ / "config.yaml").string() + " --output-dir " + (dir_ / out).string() +
+                       " " + extra);
+  }
+  std::map<int, double> losses(const std::string& out) const {
+    return read_losses(dir_ / out / "metrics.jsonl");
+  }
+  // The checkpoint folder of step s of the run into dir_/out.
+  fs::path step(const std::string& out, int s) const {
+    return dir_ / out / "checkpoints" / ("step_" + std::to_string(s));
+  }
+  fs::path dir_;
+
+ private:
+  std::string prefix_, config_;
+};
 
 }  // namespace accel::tool_test

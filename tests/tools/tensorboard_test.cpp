@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
 #include "tests/data/test_util.h"
 #include "tests/tools/run_tool.h"
-#include "tensorboard.pb.h"  // generated from tools/trainer/tensorboard.proto
 
 namespace fs = std::filesystem;
 
