@@ -325,6 +325,7 @@ int reshard(const std::string& ckpt, const std::string& out_dir, int world,
     s.state = ck.state;
     s.state.world_size = world;
     s.kinds = ck.kinds;
+    s.kind_dtypes = ck.dtypes;  // every kind stays in its stored dtype
     s.model_files = false;
     const auto ranges = ranges_for(strategy, world, r, shapes);
     for (size_t i = 0; i < names.size(); ++i) {

@@ -75,8 +75,11 @@ TEST_P(StrategyStateDtypeParity, MatchesTheReferenceWithBf16State) {
       RANK_CHECK(close_rel(loss, ref.losses[step], kLossRel), "step %d: loss %.9g, reference %.9g",
                  step + 1, loss, ref.losses[step]);
     }
+    // bf16 compute: the bf16 gradients are reduced (reduce-scatter) in another order than the
+    // reference sums them, and every step rounds the compute weights to bf16 (2^-8 relative):
+    // 1e-2 on the fp32 masters (measured: 1.1e-3 ZeRO-2 x 2, 3.9e-3 FSDP x 3).
     const std::string diff = compare_weights(full_weights(*t.strategy), ref.final_weights,
-                                             c.compute == DType::F32 ? kWeightRel : 1e-3);
+                                             c.compute == DType::F32 ? kWeightRel : 1e-2);
     RANK_CHECK(diff.empty(), "final weights differ from the reference: %s", diff.c_str());
     return 0;
   });
