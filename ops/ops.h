@@ -176,7 +176,9 @@ struct AdamWParams {
 };
 // Updates fp32 master `param` and moments m, v from `grad` (same dtype as param, or 16-bit grad
 // for a fp32 param), as torch.optim.AdamW does. `grad_scale` multiplies the gradient first
-// (clipping and loss-scale unscaling).
+// (clipping and loss-scale unscaling). m and v are in the param's dtype, or bf16 beside an fp32
+// param (optimizer.state_dtype bf16): then each moment is widened to fp32, updated, used for
+// this step's update unrounded, and stored rounded to nearest even.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                 const AdamWParams& p, double grad_scale = 1.0);
 // adamw_step over lists (one entry per tensor; every list as long as `params`, all on one
@@ -187,7 +189,8 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
                       const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                       const AdamWParams& p, double grad_scale = 1.0,
                       const std::vector<Tensor>& compute_copies = {});
-// param -= lr * (momentum buffer), torch.optim.SGD semantics with dampening 0, no nesterov.
+// param -= lr * (momentum buffer), torch.optim.SGD semantics with dampening 0, no nesterov. The
+// buffer is in the param's dtype, or bf16 beside an fp32 param (as adamw_step's moments).
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, double lr,
               double momentum, double weight_decay, double grad_scale = 1.0);
 // Sum of squares of all elements of all tensors, accumulated in fp64, returned to the host (for

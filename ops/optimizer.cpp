@@ -24,10 +24,21 @@ Optimizer::Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
       throw std::logic_error("Optimizer: compute copy of '" + names_[i] +
                              "' must be a bf16/f16 tensor of its f32 param's shape and device");
   }
-  for (const Tensor& p : params_) {
-    m_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
+  if (opts_.state_dtype != DType::F32 && opts_.state_dtype != DType::BF16)
+    throw std::logic_error(std::string("Optimizer: state dtype ") + dtype_name(opts_.state_dtype) +
+                           " is not f32 or bf16");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    DType sdt = p.dtype();
+    if (opts_.state_dtype == DType::BF16) {
+      if (p.dtype() != DType::F32)
+        throw std::logic_error("Optimizer: bf16 state needs f32 params, '" + names_[i] + "' is " +
+                               dtype_name(p.dtype()));
+      sdt = DType::BF16;
+    }
+    m_.push_back(Tensor::zeros(p.shape(), sdt, p.device(), MemCategory::OptimizerState));
     if (opts_.name == OptimizerName::AdamW)
-      v_.push_back(Tensor::zeros(p.shape(), p.dtype(), p.device(), MemCategory::OptimizerState));
+      v_.push_back(Tensor::zeros(p.shape(), sdt, p.device(), MemCategory::OptimizerState));
   }
 }
 

@@ -16,6 +16,10 @@ namespace accel {
 struct OptimizerOptions {
   OptimizerName name = OptimizerName::AdamW;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, momentum = 0.9;
+  // The dtype of the moments / momentum buffers: F32 keeps them in each param's own dtype;
+  // BF16 stores them in bf16 beside fp32 params (optimizer.state_dtype bf16; the update math
+  // stays fp32, the stored moments are rounded to nearest even).
+  DType state_dtype = DType::F32;
 };
 
 class Optimizer {
@@ -36,7 +40,9 @@ class Optimizer {
 
   int64_t step_count() const { return step_; }
   // State for checkpoints: "<name>.exp_avg", "<name>.exp_avg_sq" (adamw) or
-  // "<name>.momentum_buffer" (sgd), plus the step count.
+  // "<name>.momentum_buffer" (sgd), plus the step count; in the state dtype. load_state takes
+  // tensors of any float dtype and converts them into it (copy_: widening is exact, fp32 -> bf16
+  // rounds to nearest even).
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
   void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step);
   const std::vector<Tensor>& params() const { return params_; }

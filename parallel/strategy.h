@@ -38,8 +38,9 @@ struct ParamStateSlice {
   Shape shape;       // the whole parameter's
   int64_t begin = 0, end = 0;
   // By state kind ("master": the fp32 master weights, then the optimizer's moments under their
-  // suffixes, e.g. "exp_avg", "exp_avg_sq" or "momentum_buffer"): fp32 [end - begin] views of
-  // the live state (copy them before training goes on).
+  // suffixes, e.g. "exp_avg", "exp_avg_sq" or "momentum_buffer"): [end - begin] views of the
+  // live state (copy them before training goes on), fp32 masters, moments in the optimizer's
+  // state dtype (fp32 or bf16).
   std::vector<std::pair<std::string, Tensor>> tensors;
 };
 
@@ -55,7 +56,8 @@ struct StateDictEntry {
 };
 
 // Fills `dst` (fp32, contiguous, on the CPU) with elements [begin, begin + dst.numel()) of state
-// `kind` of parameter `name`; throws when the checkpoint cannot.
+// `kind` of parameter `name` (bf16-stored moments widened exactly); throws when the checkpoint
+// cannot.
 using ParamStateReader = std::function<void(const std::string& name, const std::string& kind,
                                             int64_t begin, const Tensor& dst)>;
 

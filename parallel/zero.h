@@ -15,7 +15,8 @@
 //                  parameters form one more unit) is all-gathered before its forward and again
 //                  for its backward, the next unit prefetched, and released after use
 //
-// With fp32 compute the master weights are the compute buffer (or its chunk) itself.
+// With fp32 compute the master weights are the compute buffer (or its chunk) itself. With
+// optimizer.state_dtype bf16 the Adam moments are bf16 (master + Adam 8P, or 8P/N sharded).
 // docs/parallel.md has the details (buckets, layouts, checkpoints).
 #pragma once
 

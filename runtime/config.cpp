@@ -1222,6 +1222,9 @@ std::vector<Field> build_schema() {
             "Linear warmup steps from 0 to lr."));
   add(f_double("optimizer.min_lr_ratio", ACCEL_REF(optimizer.min_lr_ratio), 0, 1, false,
                "linear/cosine: final lr = lr * min_lr_ratio."));
+  add(f_enum("optimizer.state_dtype", ACCEL_REF(optimizer.state_dtype),
+             "dtype of AdamW's exp_avg and exp_avg_sq (SGD's momentum buffer): bf16 halves their "
+             "memory; the update is computed in fp32 and the moments rounded to nearest even."));
 
   // ---- data ----
   add(f_enum("data.source", ACCEL_REF(data.source),
@@ -1953,6 +1956,16 @@ void collect_notices(Config& c) {
                         ")");
   }
   auto given = [&](const std::string& p) { return c.origins.count(p) > 0; };
+  // bf16 keeps 8 significant bits: with round-to-nearest, exp_avg_sq's decay by beta2 is lost
+  // where 1 - beta2 is below half a bf16 ulp (2^-9 relative, at worst), so the moment cannot
+  // shrink (docs/config.md).
+  if (c.optimizer.state_dtype == StateDType::Bf16 && c.optimizer.name == OptimizerName::AdamW &&
+      1.0 - c.optimizer.beta2 < 1.0 / 256)
+    c.notices.push_back(
+        "optimizer.state_dtype bf16 with optimizer.beta2=" + fmt_double(c.optimizer.beta2) +
+        ": 1 - beta2 is below bf16's resolution (1/256), so exp_avg_sq rounded "
+        "to nearest cannot follow a shrinking gradient (it only grows); keep "
+        "beta2 <= 0.996 with bf16 state, or use state_dtype fp32");
   if (c.training.num_epochs > 0 && given("training.max_steps"))
     c.notices.push_back("key training.num_epochs=" + fmt_double(c.training.num_epochs) +
                         " has no effect: training.max_steps (" + origin(c, "training.max_steps") +

@@ -34,6 +34,7 @@ enum class DeviceChoice { Auto, Cpu, Cuda };  // training.device
 enum class NanPolicy { Stop, Skip };
 enum class ProgressMode { Auto, Bar, Plain, None };
 enum class OptimizerName { AdamW, Sgd };
+enum class StateDType { Fp32, Bf16 };  // optimizer.state_dtype
 enum class LrScheduleKind { Constant, Linear, Cosine };
 enum class DataSource { Text, Shards, Synthetic, Jsonl };
 enum class DataFormat { Auto, Text, PromptCompletion, Messages };        // data.format
@@ -60,6 +61,7 @@ ACCEL_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda");
 ACCEL_ENUM_NAMES(NanPolicy, "stop", "skip");
 ACCEL_ENUM_NAMES(ProgressMode, "auto", "bar", "plain", "none");
 ACCEL_ENUM_NAMES(OptimizerName, "adamw", "sgd");
+ACCEL_ENUM_NAMES(StateDType, "fp32", "bf16");
 ACCEL_ENUM_NAMES(LrScheduleKind, "constant", "linear", "cosine");
 ACCEL_ENUM_NAMES(DataSource, "text", "shards", "synthetic", "jsonl");
 ACCEL_ENUM_NAMES(DataFormat, "auto", "text", "prompt_completion", "messages");
@@ -139,6 +141,9 @@ struct OptimizerConfig {
   LrScheduleKind lr_schedule = LrScheduleKind::Cosine;
   int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
+  // The dtype AdamW's exp_avg / exp_avg_sq (SGD's momentum buffer) are stored in; the update
+  // math is fp32 either way (bf16: loaded, updated in fp32, rounded to nearest even).
+  StateDType state_dtype = StateDType::Fp32;
 };
 
 struct DataConfig {

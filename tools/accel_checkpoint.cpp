@@ -232,9 +232,10 @@ int inspect(const std::string& ckpt) {
   }
   LoadedCheckpoint ck = load_checkpoint(ckpt);
   std::string kinds;
-  for (const std::string& k : ck.kinds) kinds += (kinds.empty() ? "" : ", ") + k;
-  std::printf("  state (F32): %s\n  tensors (%zu): name [shape]: file[begin:end) kinds\n",
-              kinds.c_str(), ck.params.size());
+  for (const std::string& k : ck.kinds)
+    kinds += (kinds.empty() ? "" : ", ") + k + " " + ck.dtype_of(k);
+  std::printf("  state: %s\n  tensors (%zu): name [shape]: file[begin:end) kinds\n", kinds.c_str(),
+              ck.params.size());
   for (const auto& [name, p] : ck.params) {
     std::printf("    %s %s:", name.c_str(), shape_text(p.shape).c_str());
     for (const CheckpointSlice& s : p.slices) {
@@ -324,6 +325,7 @@ int reshard(const std::string& ckpt, const std::string& out_dir, int world,
     s.state = ck.state;
     s.state.world_size = world;
     s.kinds = ck.kinds;
+    s.kind_dtypes = ck.dtypes;  // every kind stays in its stored dtype
     s.model_files = false;
     const auto ranges = ranges_for(strategy, world, r, shapes);
     for (size_t i = 0; i < names.size(); ++i) {
@@ -335,7 +337,9 @@ int reshard(const std::string& ckpt, const std::string& out_dir, int world,
       p.begin = b;
       p.end = e;
       for (const std::string& kind : ck.kinds) {
-        Tensor t = Tensor::empty({e - b}, DType::F32, Device::cpu(), MemCategory::Other);
+        // Each kind stays in the dtype it was stored in (bf16 moments stay bf16).
+        const DType dt = ck.dtype_of(kind) == "BF16" ? DType::BF16 : DType::F32;
+        Tensor t = Tensor::empty({e - b}, dt, Device::cpu(), MemCategory::Other);
         reader.read(names[i], kind, b, t);
         p.tensors.push_back({kind, t});
       }

@@ -46,11 +46,22 @@ void dispatch_param_grad(const char* op, const Tensor& param, const Tensor& grad
 
 void check_state(const char* op, const Tensor& param, const Tensor& grad, const Tensor& state) {
   if (!state.defined()) return;
-  if (state.dtype() != param.dtype() || state.shape() != param.shape() || !state.is_contiguous() ||
+  const bool dtype_ok = state.dtype() == param.dtype() ||
+                        (state.dtype() == DType::BF16 && param.dtype() == DType::F32);
+  if (!dtype_ok || state.shape() != param.shape() || !state.is_contiguous() ||
       !param.is_contiguous() || !grad.is_contiguous() || grad.shape() != param.shape())
     throw std::invalid_argument(std::string("[") + op + "] param " + param.str() + ", grad " +
                                 grad.str() + " and state " + state.str() +
-                                " must be contiguous with one shape (state in the param dtype)");
+                                " must be contiguous with one shape (state in the param dtype, "
+                                "or bf16 beside an f32 param)");
+}
+
+// Calls f(state traits): the param's own traits, or bf16's for bf16 state beside an f32 param.
+template <class TrP, class F>
+void dispatch_state(const Tensor& state, F&& f) {
+  if constexpr (std::is_same_v<typename TrP::C, float>)
+    if (state.defined() && state.dtype() == DType::BF16) return f(Traits<DType::BF16>{});
+  f(TrP{});
 }
 
 }  // namespace
@@ -63,6 +74,9 @@ void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tenso
   check_state("adamw_step", param, grad, v);
   if (p.step < 1)
     throw std::invalid_argument("[adamw_step] step is 1-based, got " + std::to_string(p.step));
+  if (m.dtype() != v.dtype())
+    throw std::invalid_argument("[adamw_step] exp_avg " + m.str() + " and exp_avg_sq " + v.str() +
+                                " must have one dtype");
   dispatch_param_grad("adamw_step", param, grad, [&](auto tr_p, auto tr_g) {
     using TrP = decltype(tr_p);
     using TrG = decltype(tr_g);
@@ -80,21 +94,30 @@ void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tenso
     const T gs = static_cast<T>(grad_scale);
     const bool scale_grad = grad_scale != 1.0;
     T* pp = ptr<TrP>(param);
-    T* mp = ptr<TrP>(m);
-    T* vp = ptr<TrP>(v);
     const auto* gp = ptr<TrG>(grad);
-    parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        T g = static_cast<T>(TrG::load(gp[i]));
-        if (scale_grad) g *= gs;
-        pp[i] *= decay;  // param.mul_(1 - lr * weight_decay)
-        // exp_avg.lerp_(grad, 1 - beta1), torch's lerp formula for weight < 0.5
-        mp[i] = w1 < T(0.5) ? mp[i] + w1 * (g - mp[i]) : g - (g - mp[i]) * (T(1) - w1);
-        vp[i] *= b2;          // exp_avg_sq.mul_(beta2)
-        vp[i] += w2 * g * g;  // .addcmul_(grad, grad, value=1 - beta2)
-        const T denom = std::sqrt(vp[i]) / bc2_sqrt + eps;
-        pp[i] += neg_step * mp[i] / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
-      }
+    dispatch_state<TrP>(m, [&](auto tr_s) {
+      using TrS = decltype(tr_s);
+      // State in the param dtype: the stores are exact and this is torch's op-by-op rounding.
+      // bf16 state: the moments are computed in T (fp32), used unrounded for this step's update
+      // and stored rounded to nearest even.
+      auto* mp = ptr<TrS>(m);
+      auto* vp = ptr<TrS>(v);
+      parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          T g = static_cast<T>(TrG::load(gp[i]));
+          if (scale_grad) g *= gs;
+          T mi = static_cast<T>(TrS::load(mp[i])), vi = static_cast<T>(TrS::load(vp[i]));
+          pp[i] *= decay;  // param.mul_(1 - lr * weight_decay)
+          // exp_avg.lerp_(grad, 1 - beta1), torch's lerp formula for weight < 0.5
+          mi = w1 < T(0.5) ? mi + w1 * (g - mi) : g - (g - mi) * (T(1) - w1);
+          vi *= b2;          // exp_avg_sq.mul_(beta2)
+          vi += w2 * g * g;  // .addcmul_(grad, grad, value=1 - beta2)
+          const T denom = std::sqrt(vi) / bc2_sqrt + eps;
+          pp[i] += neg_step * mi / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
+          mp[i] = TrS::store(mi);
+          vp[i] = TrS::store(vi);
+        }
+      });
     });
   });
 }
@@ -126,20 +149,24 @@ void CpuBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor&
     const bool use_wd = weight_decay != 0.0, use_mom = momentum != 0.0,
                scale_grad = grad_scale != 1.0;
     T* pp = ptr<TrP>(param);
-    T* bp = use_mom ? ptr<TrP>(buf) : nullptr;
     const auto* gp = ptr<TrG>(grad);
-    parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        T d = static_cast<T>(TrG::load(gp[i]));
-        if (scale_grad) d *= gs;
-        if (use_wd) d += wd * pp[i];  // grad.add(param, alpha=weight_decay)
-        if (use_mom) {
-          // buf.mul_(momentum).add_(d); a zero buffer gives torch's first step (buf = grad).
-          bp[i] = bp[i] * mom + d;
-          d = bp[i];
+    dispatch_state<TrP>(buf, [&](auto tr_s) {
+      using TrS = decltype(tr_s);
+      auto* bp = use_mom ? ptr<TrS>(buf) : nullptr;
+      parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          T d = static_cast<T>(TrG::load(gp[i]));
+          if (scale_grad) d *= gs;
+          if (use_wd) d += wd * pp[i];  // grad.add(param, alpha=weight_decay)
+          if (use_mom) {
+            // buf.mul_(momentum).add_(d); a zero buffer gives torch's first step (buf = grad).
+            // bf16 buffer: the update uses the fp32 value, the buffer keeps it rounded.
+            d = static_cast<T>(TrS::load(bp[i])) * mom + d;
+            bp[i] = TrS::store(d);
+          }
+          pp[i] += neg_lr * d;  // param.add_(d_p, alpha=-lr)
         }
-        pp[i] += neg_lr * d;  // param.add_(d_p, alpha=-lr)
-      }
+      });
     });
   });
 }

@@ -44,12 +44,13 @@ struct alignas(sizeof(T) * kVec) Pack {
   T x[kVec];
 };
 
-template <class TP, class TG, class TC>
+// TS: the moments' storage type, TP's own or bf16 beside an fp32 param (optimizer.state_dtype).
+template <class TP, class TG, class TC, class TS>
 struct AdamMulti {
   TP* p[kMultiMax];
   const TG* g[kMultiMax];
-  TP* m[kMultiMax];
-  TP* v[kMultiMax];
+  TS* m[kMultiMax];
+  TS* v[kMultiMax];
   TC* c[kMultiMax];
   int64_t n[kMultiMax];
   int32_t first_chunk[kMultiMax + 1];  // tensor t owns chunks [first_chunk[t], first_chunk[t+1])
@@ -67,16 +68,25 @@ __device__ __forceinline__ TC round_copy(float v) {
     return __float2half_rn(v);
 }
 
-template <class TP, class TG, class TC>
+// A moment's store: bf16 rounds to nearest even exactly as the CPU kernel's f32_to_bf16.
+template <class TS>
+__device__ __forceinline__ TS store_state(float v) {
+  if constexpr (std::is_same_v<TS, __nv_bfloat16>)
+    return __ushort_as_bfloat16(f32_to_bf16(v));
+  else
+    return from_f<TS>(v);
+}
+
+template <class TP, class TG, class TC, class TS>
 __global__ void __launch_bounds__(kMultiThreads)
-    adamw_multi_kernel(const __grid_constant__ AdamMulti<TP, TG, TC> a, const AdamScalars s) {
+    adamw_multi_kernel(const __grid_constant__ AdamMulti<TP, TG, TC, TS> a, const AdamScalars s) {
   constexpr bool kCopy = !std::is_same_v<TC, NoCopy>;
   const int chunk = static_cast<int>(blockIdx.x);
   const int t = chunk_owner(a.first_chunk, a.count, chunk);
   TP* __restrict__ p = a.p[t];
   const TG* __restrict__ g = a.g[t];
-  TP* __restrict__ m = a.m[t];
-  TP* __restrict__ v = a.v[t];
+  TS* __restrict__ m = a.m[t];
+  TS* __restrict__ v = a.v[t];
   [[maybe_unused]] TC* __restrict__ c = a.c[t];
   const int64_t begin = static_cast<int64_t>(chunk - a.first_chunk[t]) * kChunk;
   const int64_t end = min(a.n[t], begin + kChunk);
@@ -86,8 +96,8 @@ __global__ void __launch_bounds__(kMultiThreads)
     for (int64_t i = begin + int64_t(threadIdx.x) * kVec; i < rest;
          i += int64_t(kMultiThreads) * kVec) {
       Pack<TP> pp = *reinterpret_cast<const Pack<TP>*>(p + i);
-      Pack<TP> mp = *reinterpret_cast<const Pack<TP>*>(m + i);
-      Pack<TP> vp = *reinterpret_cast<const Pack<TP>*>(v + i);
+      Pack<TS> mp = *reinterpret_cast<const Pack<TS>*>(m + i);
+      Pack<TS> vp = *reinterpret_cast<const Pack<TS>*>(v + i);
       const Pack<TG> gp = *reinterpret_cast<const Pack<TG>*>(g + i);
       [[maybe_unused]] Pack<std::conditional_t<kCopy, TC, TP>> cp;
 #pragma unroll
@@ -96,13 +106,13 @@ __global__ void __launch_bounds__(kMultiThreads)
         float mi = to_f(mp.x[k]), vi = to_f(vp.x[k]), pi = to_f(pp.x[k]);
         adamw_update(gr, pi, mi, vi, s);
         pp.x[k] = from_f<TP>(pi);
-        mp.x[k] = from_f<TP>(mi);
-        vp.x[k] = from_f<TP>(vi);
+        mp.x[k] = store_state<TS>(mi);
+        vp.x[k] = store_state<TS>(vi);
         if constexpr (kCopy) cp.x[k] = round_copy<TC>(pi);
       }
       *reinterpret_cast<Pack<TP>*>(p + i) = pp;
-      *reinterpret_cast<Pack<TP>*>(m + i) = mp;
-      *reinterpret_cast<Pack<TP>*>(v + i) = vp;
+      *reinterpret_cast<Pack<TS>*>(m + i) = mp;
+      *reinterpret_cast<Pack<TS>*>(v + i) = vp;
       if constexpr (kCopy) *reinterpret_cast<Pack<TC>*>(c + i) = cp;
     }
   }
@@ -111,14 +121,14 @@ __global__ void __launch_bounds__(kMultiThreads)
     float mi = to_f(m[i]), vi = to_f(v[i]), pi = to_f(p[i]);
     adamw_update(gr, pi, mi, vi, s);
     p[i] = from_f<TP>(pi);
-    m[i] = from_f<TP>(mi);
-    v[i] = from_f<TP>(vi);
+    m[i] = store_state<TS>(mi);
+    v[i] = store_state<TS>(vi);
     if constexpr (kCopy) c[i] = round_copy<TC>(pi);
   }
 }
 
-template <class TP, class TG>
-__global__ void sgd_kernel(TP* __restrict__ p, const TG* __restrict__ g, TP* __restrict__ buf,
+template <class TP, class TG, class TS>
+__global__ void sgd_kernel(TP* __restrict__ p, const TG* __restrict__ g, TS* __restrict__ buf,
                            int64_t n, float lr, float momentum, float wd, float grad_scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -127,7 +137,7 @@ __global__ void sgd_kernel(TP* __restrict__ p, const TG* __restrict__ g, TP* __r
     if (wd != 0.f) d += wd * pi;
     if (momentum != 0.f) {
       const float b = momentum * to_f(buf[i]) + d;
-      buf[i] = from_f<TP>(b);
+      buf[i] = store_state<TS>(b);
       d = b;
     }
     p[i] = from_f<TP>(pi - lr * d);
@@ -162,8 +172,13 @@ void check_state(const char* op, const Tensor& param, const Tensor& grad,
   require(param.is_contiguous() && grad.is_contiguous() && grad.numel() == param.numel(), op,
           "param " + param.str() + " and grad " + grad.str() + " must be contiguous and match");
   for (const Tensor* t : state)
-    require(t->is_contiguous() && t->numel() == param.numel() && t->dtype() == param.dtype(), op,
-            "optimizer state " + t->str() + " must match param " + param.str());
+    require(t->is_contiguous() && t->numel() == param.numel() && t->device() == param.device() &&
+                (t->dtype() == param.dtype() ||
+                 (t->dtype() == DType::BF16 && param.dtype() == DType::F32)) &&
+                t->dtype() == (*state.begin())->dtype(),
+            op,
+            "optimizer state " + t->str() + " must match param " + param.str() +
+                " (its dtype, or bf16 beside an f32 param; one dtype for all moments)");
 }
 
 AdamScalars adam_scalars(const AdamWParams& p, double grad_scale) {
@@ -188,17 +203,17 @@ bool aligned_for_pack(const void* ptr) {
 
 // Launches over `group` (indices of non-empty tensors of one dtype combination), kMultiMax
 // tensors per launch.
-template <class TP, class TG, class TC>
+template <class TP, class TG, class TC, class TS>
 void launch_adamw_multi(const std::vector<size_t>& group, const std::vector<Tensor>& params,
                         const std::vector<Tensor>& grads, const std::vector<Tensor>& ms,
                         const std::vector<Tensor>& vs, const std::vector<Tensor>& copies,
                         const AdamScalars& s, cudaStream_t stream) {
   constexpr bool kCopy = !std::is_same_v<TC, NoCopy>;
-  static_assert(sizeof(AdamMulti<TP, TG, TC>) + sizeof(AdamScalars) <= 32764,
+  static_assert(sizeof(AdamMulti<TP, TG, TC, TS>) + sizeof(AdamScalars) <= 32764,
                 "kernel parameters over CUDA's 32 KB limit");
   size_t k = 0;
   while (k < group.size()) {
-    AdamMulti<TP, TG, TC> a{};
+    AdamMulti<TP, TG, TC, TS> a{};
     int count = 0;
     int64_t chunks = 0;
     for (; k < group.size() && count < kMultiMax; ++k, ++count) {
@@ -208,10 +223,10 @@ void launch_adamw_multi(const std::vector<size_t>& group, const std::vector<Tens
       if (count > 0 && chunks + own > std::numeric_limits<int32_t>::max()) break;
       a.p[count] = static_cast<TP*>(params[i].data_ptr());
       a.g[count] = static_cast<const TG*>(grads[i].data_ptr());
-      a.m[count] = static_cast<TP*>(ms[i].data_ptr());
-      a.v[count] = static_cast<TP*>(vs[i].data_ptr());
+      a.m[count] = static_cast<TS*>(ms[i].data_ptr());
+      a.v[count] = static_cast<TS*>(vs[i].data_ptr());
       bool vec = aligned_for_pack<TP>(a.p[count]) && aligned_for_pack<TG>(a.g[count]) &&
-                 aligned_for_pack<TP>(a.m[count]) && aligned_for_pack<TP>(a.v[count]);
+                 aligned_for_pack<TS>(a.m[count]) && aligned_for_pack<TS>(a.v[count]);
       if constexpr (kCopy) {
         a.c[count] = static_cast<TC*>(copies[i].data_ptr());
         vec = vec && aligned_for_pack<TC>(a.c[count]);
@@ -225,7 +240,7 @@ void launch_adamw_multi(const std::vector<size_t>& group, const std::vector<Tens
             "tensor too large for one launch");
     a.first_chunk[count] = static_cast<int32_t>(chunks);
     a.count = count;
-    adamw_multi_kernel<TP, TG, TC>
+    adamw_multi_kernel<TP, TG, TC, TS>
         <<<static_cast<unsigned>(chunks), kMultiThreads, 0, stream>>>(a, s);
     ACCEL_CUDA_CHECK_LAUNCH("adamw_step_multi");
   }
@@ -250,21 +265,30 @@ void CudaBackend::adamw_step_multi(const std::vector<Tensor>& params,
 void CudaBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
                            double momentum, double weight_decay, double grad_scale) {
   check_state("sgd_step", param, grad, {});
-  if (momentum != 0.0)
-    require(buf.defined() && buf.is_contiguous() && buf.numel() == param.numel() &&
-                buf.dtype() == param.dtype(),
-            "sgd_step", "momentum buffer must match param " + param.str());
+  if (momentum != 0.0) {
+    require(buf.defined(), "sgd_step", "momentum needs a momentum buffer");
+    check_state("sgd_step", param, grad, {&buf});
+  }
   const int64_t n = param.numel();
   if (n == 0) return;
   OpScope sc(param);
+  const bool bf16_buf =
+      momentum != 0.0 && buf.dtype() == DType::BF16 && param.dtype() == DType::F32;
   dispatch_param_grad(param.dtype(), grad.dtype(), "sgd_step", [&](auto tp, auto tg) {
     using TP = decltype(tp);
     using TG = decltype(tg);
-    sgd_kernel<TP, TG><<<grid_for(n, 256, 4), 256, 0, sc.stream>>>(
-        static_cast<TP*>(param.data_ptr()), static_cast<const TG*>(grad.data_ptr()),
-        momentum != 0.0 ? static_cast<TP*>(buf.data_ptr()) : nullptr, n, static_cast<float>(lr),
-        static_cast<float>(momentum), static_cast<float>(weight_decay),
-        static_cast<float>(grad_scale));
+    auto launch = [&](auto ts) {
+      using TS = decltype(ts);
+      sgd_kernel<TP, TG, TS><<<grid_for(n, 256, 4), 256, 0, sc.stream>>>(
+          static_cast<TP*>(param.data_ptr()), static_cast<const TG*>(grad.data_ptr()),
+          momentum != 0.0 ? static_cast<TS*>(buf.data_ptr()) : nullptr, n, static_cast<float>(lr),
+          static_cast<float>(momentum), static_cast<float>(weight_decay),
+          static_cast<float>(grad_scale));
+    };
+    if constexpr (std::is_same_v<TP, float>) {
+      if (bf16_buf) return launch(__nv_bfloat16{});
+    }
+    launch(TP{});
   });
   ACCEL_CUDA_CHECK_LAUNCH("sgd_step");
 }
@@ -297,14 +321,17 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
   OpScope sc(params[0]);
   const AdamScalars s = adam_scalars(p, grad_scale);
   auto copy_dtype = [&](size_t i) { return with_copies ? compute_copies[i].dtype() : DType::F32; };
-  // Group tensors by (param, grad, copy) dtype; one launch per group (kMultiMax tensors each).
+  // Group tensors by (param, grad, copy, state) dtype; one launch per group (kMultiMax tensors
+  // each).
   std::vector<bool> done(params.size(), false);
   for (size_t first = 0; first < params.size(); ++first) {
     if (done[first]) continue;
-    const DType tp = params[first].dtype(), tg = grads[first].dtype(), tc = copy_dtype(first);
+    const DType tp = params[first].dtype(), tg = grads[first].dtype(), tc = copy_dtype(first),
+                ts = ms[first].dtype();
     std::vector<size_t> group;
     for (size_t i = first; i < params.size(); ++i)
-      if (!done[i] && params[i].dtype() == tp && grads[i].dtype() == tg && copy_dtype(i) == tc) {
+      if (!done[i] && params[i].dtype() == tp && grads[i].dtype() == tg && copy_dtype(i) == tc &&
+          ms[i].dtype() == ts) {
         done[i] = true;
         if (params[i].numel() > 0) group.push_back(i);
       }
@@ -312,17 +339,24 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
     dispatch_param_grad(tp, tg, "adamw_step", [&](auto tpv, auto tgv) {
       using TP = decltype(tpv);
       using TG = decltype(tgv);
-      if (!with_copies) {
-        launch_adamw_multi<TP, TG, NoCopy>(group, params, grads, ms, vs, compute_copies, s,
-                                           sc.stream);
-      } else if constexpr (std::is_same_v<TP, float>) {
-        if (tc == DType::BF16)
-          launch_adamw_multi<TP, TG, __nv_bfloat16>(group, params, grads, ms, vs, compute_copies, s,
-                                                    sc.stream);
-        else
-          launch_adamw_multi<TP, TG, __half>(group, params, grads, ms, vs, compute_copies, s,
-                                             sc.stream);
+      auto with_state = [&](auto tsv) {
+        using TS = decltype(tsv);
+        if (!with_copies) {
+          launch_adamw_multi<TP, TG, NoCopy, TS>(group, params, grads, ms, vs, compute_copies, s,
+                                                 sc.stream);
+        } else if constexpr (std::is_same_v<TP, float>) {
+          if (tc == DType::BF16)
+            launch_adamw_multi<TP, TG, __nv_bfloat16, TS>(group, params, grads, ms, vs,
+                                                          compute_copies, s, sc.stream);
+          else
+            launch_adamw_multi<TP, TG, __half, TS>(group, params, grads, ms, vs, compute_copies, s,
+                                                   sc.stream);
+        }
+      };
+      if constexpr (std::is_same_v<TP, float>) {
+        if (ts == DType::BF16) return with_state(__nv_bfloat16{});
       }
+      with_state(TP{});
     });
   }
 }

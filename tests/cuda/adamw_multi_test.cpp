@@ -4,6 +4,7 @@
 // vector width, a misaligned view (scalar path) and tensors spanning several chunks.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -198,6 +199,113 @@ TEST(CudaAdamWMulti, OptimizerWithCopiesMatchesCpuOptimizer) {
     expect_close(pg[i], p[i], 1e-5, 1e-6, names[i] + " param");
     expect_close(cg[i], c[i], 1e-2, 1e-3, names[i] + " compute copy");
   }
+}
+
+}  // namespace
+}  // namespace accel
+
+namespace accel {
+namespace {
+using namespace cuda_test;
+
+// Moments within one bf16 ulp of the CPU's (the fp32 math before the rounding differs in its
+// last bits between the kernels, which can put the two on either side of a bf16 midpoint).
+void expect_within_a_bf16_ulp(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.dtype(), DType::BF16) << what;
+  ASSERT_EQ(want.dtype(), DType::BF16) << what;
+  const std::vector<double> a = got.to(Device::cpu()).to_vector(), b = want.to_vector();
+  ASSERT_EQ(a.size(), b.size()) << what;
+  int64_t off = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double ulp = std::ldexp(std::abs(b[i]) > 0 ? std::abs(b[i]) : 1e-30, -7);
+    if (std::abs(a[i] - b[i]) > ulp + 1e-30 && off++ < 5)
+      ADD_FAILURE() << what << " element " << i << ": gpu " << a[i] << ", cpu " << b[i];
+  }
+}
+
+// optimizer.state_dtype bf16: the multi-tensor kernel with bf16 exp_avg / exp_avg_sq (fp32, bf16
+// and f16 gradients, with and without compute copies, vector and scalar paths) against the CPU
+// kernel, and over several steps through the Optimizer.
+TEST(CudaAdamWMulti, Bf16StateMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  for (bool copies : {true, false}) {
+    std::vector<Tensor> p, g, m, v, c, pg, gg, mg, vg, cg;
+    for (int i = 0; i < 60; ++i) {
+      const int64_t n = size_for(i, rng);
+      const DType gt = i % 3 == 0 ? DType::BF16 : (i % 3 == 1 ? DType::F32 : DType::F16);
+      p.push_back(random_tensor({n}, DType::F32, rng));
+      g.push_back(random_tensor({n}, gt, rng));
+      m.push_back(random_tensor({n}, DType::BF16, rng, -0.1, 0.1));
+      v.push_back(random_tensor({n}, DType::BF16, rng, 1e-4, 0.01));
+      const bool misaligned = i == 11;
+      pg.push_back(misaligned ? misaligned_gpu(p.back()) : p.back().to(gpu()));
+      gg.push_back(g.back().to(gpu()));
+      mg.push_back(misaligned ? misaligned_gpu(m.back()) : m.back().to(gpu()));
+      vg.push_back(v.back().to(gpu()));
+      if (copies) {
+        c.push_back(cpu_out({n}, DType::BF16));
+        cg.push_back(poisoned({n}, DType::BF16));
+      }
+    }
+    const AdamWParams hp{1e-2, 0.9, 0.95, 1e-8, 0.1, 4};
+    cpu_backend().adamw_step_multi(p, g, m, v, c, hp, 0.6);
+    adamw_step_multi(pg, gg, mg, vg, hp, 0.6, cg);
+    for (size_t i = 0; i < p.size(); ++i) {
+      const std::string what = "tensor " + std::to_string(i) + (copies ? " (copies)" : "");
+      expect_close(pg[i], p[i], 1e-5, 1e-6, what + " param");
+      expect_within_a_bf16_ulp(mg[i], m[i], what + " exp_avg");
+      expect_within_a_bf16_ulp(vg[i], v[i], what + " exp_avg_sq");
+      if (copies) {
+        Tensor rounded = Tensor::empty(cg[i].shape(), DType::BF16, gpu());
+        rounded.copy_(pg[i]);
+        expect_same_bits(cg[i], rounded, what + " compute copy vs copy_");
+      }
+    }
+  }
+  // Ten steps through the Optimizer (bf16 state allocated by it) on both devices.
+  OptimizerOptions opts;
+  opts.state_dtype = DType::BF16;
+  std::vector<Tensor> p, pg;
+  std::vector<std::string> names;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t n = size_for(i, rng);
+    p.push_back(random_tensor({n}, DType::F32, rng));
+    pg.push_back(p.back().to(gpu()));
+    names.push_back("w" + std::to_string(i));
+  }
+  Optimizer cpu_opt(opts, p, names), gpu_opt(opts, pg, names);
+  for (int step = 0; step < 10; ++step) {
+    std::vector<Tensor> g, gg;
+    for (const Tensor& t : p) {
+      g.push_back(random_tensor(t.shape(), DType::BF16, rng));
+      gg.push_back(g.back().to(gpu()));
+    }
+    cpu_opt.step(g, 1e-3);
+    gpu_opt.step(gg, 1e-3);
+  }
+  for (size_t i = 0; i < p.size(); ++i) expect_close(pg[i], p[i], 1e-4, 1e-5, names[i] + " param");
+  for (const auto& [key, t] : gpu_opt.state_tensors()) EXPECT_EQ(t.dtype(), DType::BF16) << key;
+}
+
+// SGD with a bf16 momentum buffer on the GPU against the CPU kernel.
+TEST(CudaSgd, Bf16MomentumBufferMatchesCpu) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t n = 10007;
+  Tensor p = random_tensor({n}, DType::F32, rng), buf = random_tensor({n}, DType::BF16, rng);
+  Tensor pg = p.to(gpu()), bufg = buf.to(gpu());
+  for (int step = 0; step < 3; ++step) {
+    Tensor g = random_tensor({n}, DType::BF16, rng);
+    sgd_step(p, g, buf, 0.05, 0.9, 0.01, 0.5);
+    sgd_step(pg, g.to(gpu()), bufg, 0.05, 0.9, 0.01, 0.5);
+  }
+  expect_close(pg, p, 1e-5, 1e-6, "param");
+  expect_within_a_bf16_ulp(bufg, buf, "momentum buffer");
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "parallel/ddp.h"
 #include "parallel/strategy.h"
 #include "parallel/zero.h"
+#include "runtime/config.h"
 #include "tests/parallel/harness.h"
 
 namespace accel::testing {
@@ -159,7 +160,8 @@ class ReferenceStrategy : public Strategy {
 };
 
 struct RunSpec {
-  // reference (ReferenceStrategy above) | single | ddp | zero1 | zero2 | zero3
+  // reference (ReferenceStrategy above) | single | ddp | zero1 | zero2 | zero3 | fsdp (FSDP2 from
+  // the config, as the trainer makes it)
   std::string strategy = "reference";
   int world = 1;
   int accum = 1;
@@ -175,7 +177,8 @@ struct RunSpec {
   bool activation_checkpointing = false;
   bool tied_embeddings = false;
   OptimizerName optimizer = OptimizerName::AdamW;
-  double lr = 1e-3, clip = 1.0;  // see test_optimizer() on the tolerance
+  DType state_dtype = DType::F32;  // OptimizerOptions::state_dtype (optimizer.state_dtype)
+  double lr = 1e-3, clip = 1.0;    // see test_optimizer() on the tolerance
   uint64_t seed = 7;
 };
 
@@ -185,6 +188,12 @@ inline std::unique_ptr<Strategy> make_test_strategy(const RunSpec& s,
   if (s.strategy == "single") return std::make_unique<SingleProcessStrategy>(s.compute);
   if (s.strategy == "ddp")
     return std::make_unique<DdpStrategy>(pg, s.compute, s.bucket_cap_mb, s.find_unused);
+  if (s.strategy == "fsdp") {
+    Config cfg;
+    cfg.distributed_type = DistributedType::Fsdp;
+    cfg.fsdp.fsdp_version = 2;
+    return make_strategy(cfg, pg, s.compute);
+  }
   DataParallelOptions o;
   o.zero_stage = s.strategy.back() - '0';
   o.compute_dtype = s.compute;
@@ -257,7 +266,9 @@ inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
                                        Device::cpu(), model_seed);
   t.model->set_activation_checkpointing(s.activation_checkpointing);
   t.strategy = make_test_strategy(s, pg);
-  t.strategy->setup(*t.model, test_optimizer(s.optimizer));
+  OptimizerOptions o = test_optimizer(s.optimizer);
+  o.state_dtype = s.state_dtype;
+  t.strategy->setup(*t.model, o);
   return t;
 }
 

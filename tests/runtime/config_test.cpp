@@ -4,11 +4,10 @@
 #include "runtime/config.h"
 
 #include <gtest/gtest.h>
-
-#include <filesystem>
 #include <stdlib.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -291,6 +290,8 @@ TEST_F(ConfigTest, WrongTypesNameFileKeyExpectedAndValue) {
        {"distributed_type: expected one of NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED", "\"TPU\""}},
       {"mixed_precision: fp4\n", {"mixed_precision: expected one of no, fp16, bf16, fp8"}},
       {"training:\n  nan_policy: ignore\n", {"training.nan_policy: expected one of stop, skip"}},
+      {"optimizer:\n  state_dtype: float16\n",
+       {"optimizer.state_dtype: expected one of fp32, bf16", "\"float16\""}},
       {"training: 5\n", {"training: expected a map of training keys", "\"5\""}},
       {"data:\n  text_files: {a: b}\n", {"data.text_files: expected a list of strings"}},
       {"main_process_port: 70000\n", {"main_process_port: expected an integer in 1..65535"}},
@@ -321,6 +322,39 @@ TEST_F(ConfigTest, WrongTypesNameFileKeyExpectedAndValue) {
   EXPECT_EQ(c.distributed_type, DistributedType::Fsdp);
   EXPECT_EQ(c.mixed_precision, MixedPrecision::Bf16);
   EXPECT_FALSE(c.data.shuffle);
+}
+
+TEST_F(ConfigTest, OptimizerStateDtype) {
+  // Default fp32; bf16 from the file or --set, written back by config_to_yaml.
+  Config d = load_config(write("sd0.yaml", "training:\n  max_steps: 3\n"), {}, {});
+  EXPECT_EQ(d.optimizer.state_dtype, StateDType::Fp32);
+  EXPECT_NE(config_to_yaml(d).find("state_dtype: fp32"), std::string::npos);
+  const std::string p = write("sd1.yaml", "optimizer:\n  state_dtype: bf16\n");
+  Config c = load_config(p, {}, {});
+  EXPECT_EQ(c.optimizer.state_dtype, StateDType::Bf16);
+  const std::string yaml = config_to_yaml(c);
+  EXPECT_NE(yaml.find("state_dtype: bf16"), std::string::npos) << yaml;
+  Config again = load_config(write("sd2.yaml", yaml), {}, {});
+  EXPECT_EQ(again.optimizer.state_dtype, StateDType::Bf16);
+  Config set = load_config("", {"optimizer.state_dtype=bf16"}, {});
+  EXPECT_EQ(set.optimizer.state_dtype, StateDType::Bf16);
+  // SGD's momentum buffer may be bf16 too.
+  Config sgd =
+      load_config(write("sd4.yaml", "optimizer:\n  name: sgd\n  state_dtype: bf16\n"), {}, {});
+  EXPECT_EQ(sgd.optimizer.state_dtype, StateDType::Bf16);
+  // beta2 too close to 1 for round-to-nearest bf16 moments: a notice, no error.
+  auto has_notice = [](const Config& x) {
+    for (const std::string& n : x.notices)
+      if (n.find("optimizer.state_dtype bf16 with optimizer.beta2=0.999") != std::string::npos)
+        return true;
+    return false;
+  };
+  EXPECT_FALSE(has_notice(c));
+  Config b =
+      load_config(write("sd5.yaml", "optimizer:\n  state_dtype: bf16\n  beta2: 0.999\n"), {}, {});
+  EXPECT_TRUE(has_notice(b));
+  Config b32 = load_config(write("sd6.yaml", "optimizer:\n  beta2: 0.999\n"), {}, {});
+  EXPECT_FALSE(has_notice(b32));
 }
 
 TEST_F(ConfigTest, ImpossibleCombinationsFail) {

@@ -82,6 +82,13 @@ TEST(BenchReport, ModelStateFormulasMatchTheZeroPaper) {
   EXPECT_EQ(accel::expected_model_state_bytes("zero3", "bf16", P, 4), 16 * P / 4);
   EXPECT_EQ(accel::expected_model_state_bytes("fsdp", "bf16", P, 4), 16 * P / 4);
   EXPECT_EQ(accel::expected_model_state_bytes("ddp", "no", P, 4), 16 * P);
+  // optimizer.state_dtype bf16: 2 bytes per moment element (fp32 master + m + v = 8P).
+  EXPECT_EQ(accel::expected_model_state_bytes("single", "bf16", P, 1, 2), 12 * P);
+  EXPECT_EQ(accel::expected_model_state_bytes("ddp", "no", P, 4, 2), 12 * P);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero1", "bf16", P, 4, 2), 4 * P + 8 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero2", "bf16", P, 4, 2), 2 * P + 10 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero3", "bf16", P, 4, 2), 12 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("fsdp", "bf16", P, 4, 2), 12 * P / 4);
 }
 
 // Expert parallelism's all-to-all gets a column of its own, only where a row has some.

@@ -100,7 +100,7 @@ TEST_F(ReshardResume, Zero2AtThreeResumesAtEveryWorldSizeAndStrategy) {
   Result insp = tool("inspect " + step("ref", 3).string());
   ASSERT_EQ(insp.code, 0) << insp.output;
   for (const char* want : {"step 3 (optimizer steps 3), saved by zero2 x 3 processes",
-                           "state (F32): master, exp_avg, exp_avg_sq",
+                           "state: master F32, exp_avg F32, exp_avg_sq F32",
                            "model.layers.0.mlp.up_proj.weight [64, 32]:", "optimizer.rank2"})
     EXPECT_NE(insp.output.find(want), std::string::npos) << want << "\n" << insp.output;
   Result ver = tool("verify " + step("ref", 3).string());

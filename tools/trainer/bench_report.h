@@ -23,6 +23,7 @@ struct BenchRow {
   nlohmann::json peak_by_category;         // rank 0's peak bytes by category
   nlohmann::json peak_by_rank;             // every rank's peak bytes by category
   int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
+  std::string state_dtype = "fp32";        // optimizer.state_dtype of the run
   nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
   // Of which expert parallelism's all-to-all (token dispatch and return), 0 without.
   int64_t all_to_all_bytes_per_step = 0;
@@ -40,9 +41,11 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
 // Model-state bytes per rank by the ZeRO paper's formulas (docs/algorithms.md 4) for P parameters
 // on N ranks: single/ddp 16P (fp32 or 16-bit compute: 4P weights + 4P/2P grads + 8P Adam),
 // zero1 4P + 12P/N, zero2 2P + 14P/N, zero3/fsdp 16P/N, for 16-bit compute with fp32 Adam; with
-// fp32 compute the 16-bit copies are absent.
+// fp32 compute the 16-bit copies are absent. `moment_bytes` is the bytes of each Adam moment
+// element: 4 (fp32 state), or 2 with optimizer.state_dtype bf16, which makes the 12 (fp32
+// master + m + v) 8: single/ddp 12P, zero1 4P + 8P/N, zero2 2P + 10P/N, zero3/fsdp 12P/N.
 int64_t expected_model_state_bytes(const std::string& strategy, const std::string& precision,
-                                   int64_t params, int world);
+                                   int64_t params, int world, int moment_bytes = 4);
 
 std::string bench_table(const std::vector<BenchRow>& rows);     // aligned text for a terminal
 std::string bench_markdown(const std::vector<BenchRow>& rows);  // a markdown table for the docs

@@ -351,6 +351,7 @@ CheckpointSnapshot take_snapshot(Strategy& strategy, int rank, int world_size, b
     for (const auto& [kind, t] : p.tensors) {
       h.tensors.push_back({kind, Tensor()});
       sources.push_back(t);
+      s.kind_dtypes.emplace(kind, safetensors_dtype_name(t.dtype()));
     }
     s.slices.push_back(std::move(h));
   }
@@ -491,7 +492,20 @@ std::string finish_checkpoint(const std::string& tmp_dir, const std::string& fin
                       {"extra", s.state.extra},
                       {"optimizer_saved", s.save_optimizer}};
   j.update(s.info);
-  if (s.save_optimizer) j["state"] = {{"dtype", "F32"}, {"kinds", s.kinds}, {"params", params}};
+  if (s.save_optimizer) {
+    // Each kind's dtype: the masters are fp32; the moments are in the optimizer's state dtype.
+    nlohmann::json dtypes = nlohmann::json::object();
+    bool all_f32 = true;
+    for (const std::string& k : s.kinds) {
+      auto it = s.kind_dtypes.find(k);
+      dtypes[k] = it == s.kind_dtypes.end() ? "F32" : it->second;
+      all_f32 &= dtypes[k] == "F32";
+    }
+    j["state"] = {{"dtype", all_f32 ? "F32" : "mixed"},
+                  {"dtypes", dtypes},
+                  {"kinds", s.kinds},
+                  {"params", params}};
+  }
   j["files"] = files;
   write_synced(tmp / "trainer_state.json", j.dump(1) + "\n");
   fsync_dir(tmp);
@@ -652,6 +666,15 @@ std::string plain_file_name(const nlohmann::json& v, const std::string& where) {
 
 void parse_index(const nlohmann::json& state, const std::string& where, LoadedCheckpoint& c) {
   c.kinds = state.at("kinds").get<std::vector<std::string>>();
+  // Per-kind dtypes (absent before optimizer.state_dtype: everything F32).
+  const nlohmann::json dtypes = state.value("dtypes", nlohmann::json::object());
+  for (const std::string& k : c.kinds) {
+    const std::string d = dtypes.value(k, std::string("F32"));
+    if (d != "F32" && d != "BF16")
+      throw std::runtime_error(where + ": state kind '" + k + "' has dtype " + d +
+                               ", expected F32 or BF16");
+    c.dtypes[k] = d;
+  }
   for (const auto& [name, p] : state.at("params").items()) {
     CheckpointParam cp;
     cp.shape = p.at("shape").get<Shape>();
@@ -747,9 +770,27 @@ const SafetensorsReader& CheckpointStateReader::file(const std::string& name) {
   return *files_.emplace(name, std::move(r)).first->second;
 }
 
+std::string LoadedCheckpoint::dtype_of(const std::string& kind) const {
+  auto it = dtypes.find(kind);
+  return it == dtypes.end() ? "F32" : it->second;
+}
+
 void CheckpointStateReader::read(const std::string& name, const std::string& kind, int64_t begin,
                                  const Tensor& dst) {
+  if (dst.dtype() == DType::BF16) {  // read in fp32, then round (exact for BF16 slices)
+    Tensor wide = Tensor::empty(dst.shape(), DType::F32, Device::cpu(), MemCategory::Other);
+    read(name, kind, begin, wide);
+    dst.copy_(wide);
+    return;
+  }
+  if (dst.dtype() != DType::F32 || !dst.is_contiguous() || !dst.device().is_cpu())
+    throw std::logic_error(
+        "CheckpointStateReader::read: the destination must be a contiguous "
+        "F32 or BF16 tensor on the CPU, not " +
+        dst.str());
   const int64_t n = dst.numel(), end = begin + n;
+  const std::string stored = ck_.dtype_of(kind);
+  const size_t elem = stored == "BF16" ? 2 : 4;
   auto it = ck_.params.find(name);
   if (it == ck_.params.end())
     throw std::runtime_error(ck_.dir + ": the checkpoint holds no state for parameter '" + name +
@@ -767,11 +808,10 @@ void CheckpointStateReader::read(const std::string& name, const std::string& kin
       throw std::runtime_error(where + ": no tensor '" + tensor +
                                "', which the checkpoint's index lists; the file was replaced");
     const SafetensorsTensorInfo& info = f.info(tensor);
-    if (info.dtype_name != "F32" ||
-        info.nbytes() != static_cast<uint64_t>(s.end - s.begin) * sizeof(float))
+    if (info.dtype_name != stored || info.nbytes() != static_cast<uint64_t>(s.end - s.begin) * elem)
       throw std::runtime_error(where + ": tensor '" + tensor + "' has dtype " + info.dtype_name +
-                               " (" + std::to_string(info.nbytes()) +
-                               " bytes), the index says F32 [" + std::to_string(s.end - s.begin) +
+                               " (" + std::to_string(info.nbytes()) + " bytes), the index says " +
+                               stored + " [" + std::to_string(s.end - s.begin) +
                                "]; the file was replaced or altered");
     const uint8_t* raw = f.raw_data(tensor);
     if (verified_.insert({s.file, tensor}).second &&
@@ -782,8 +822,16 @@ void CheckpointStateReader::read(const std::string& name, const std::string& kin
           ") does not match the checksum recorded at save; the file is damaged. Restore it "
           "from a copy or resume from another checkpoint (accel-checkpoint verify checks all)");
     const int64_t lo = std::max(begin, s.begin), hi = std::min(end, s.end);
-    std::memcpy(out + (lo - begin), raw + (lo - s.begin) * sizeof(float),
-                static_cast<size_t>(hi - lo) * sizeof(float));
+    if (elem == sizeof(float)) {
+      std::memcpy(out + (lo - begin), raw + (lo - s.begin) * sizeof(float),
+                  static_cast<size_t>(hi - lo) * sizeof(float));
+    } else {  // BF16: widened (exact)
+      for (int64_t i = lo; i < hi; ++i) {
+        uint16_t b;
+        std::memcpy(&b, raw + (i - s.begin) * 2, 2);
+        out[i - begin] = bf16_to_f32(b);
+      }
+    }
     covered.push_back({lo, hi});
     sources += (sources.empty() ? "" : ", ") + where;
   }

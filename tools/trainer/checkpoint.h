@@ -5,10 +5,13 @@
 //                                      master weights), 16-bit with ZeRO-3's
 //                                      zero3_save_16bit_model, else absent
 //   optimizer.rank<R>.safetensors      rank R's slices of the training state, layout-free: for
-//                                      every parameter range [begin, end) the rank held, 1-D fp32
-//                                      tensors "<param>.master" (unless model.safetensors holds
-//                                      the fp32 masters), "<param>.exp_avg", "<param>.exp_avg_sq"
-//                                      (or ".momentum_buffer"). DDP and single: rank 0's file only
+//                                      every parameter range [begin, end) the rank held, 1-D
+//                                      tensors "<param>.master" (fp32; unless model.safetensors
+//                                      holds the fp32 masters), "<param>.exp_avg",
+//                                      "<param>.exp_avg_sq" (or ".momentum_buffer") in the
+//                                      optimizer's state dtype (F32, or BF16 with
+//                                      optimizer.state_dtype bf16; the index's "state" "dtypes"
+//                                      names each kind's). DDP and single: rank 0's file only
 //   fp8_state.safetensors              fp8 delayed scaling (TE recipe) only: amax histories,
 //                                      scales and the update count (tools/trainer/precision.h)
 //   trainer_state.json                 format_version, step, optimizer steps, seed, world size,
@@ -82,6 +85,8 @@ struct CheckpointSnapshot {
   bool masters_in_model = false;        // full_weights are the fp32 masters: no "master" slices
   std::vector<ParamStateSlice> slices;  // this rank's, in host memory
   std::vector<std::string> kinds;       // Strategy::state_kinds()
+  // Each kind's safetensors dtype ("F32", "BF16"), for the index; kinds not listed are F32.
+  std::map<std::string, std::string> kind_dtypes;
   bool save_optimizer = true;
   // Rank 0 writes model.safetensors, config.json and config.yaml (false: the caller puts the
   // model files into the folder itself, as accel-checkpoint reshard copies them).
@@ -215,7 +220,10 @@ struct LoadedCheckpoint {
   TrainerState state;
   nlohmann::json trainer_state;  // the whole file, for the parts with state of their own
   std::vector<std::string> kinds;
+  // Each kind's stored dtype ("F32" or "BF16"; checkpoints written before state_dtype: F32).
+  std::map<std::string, std::string> dtypes;
   std::map<std::string, CheckpointParam> params;  // the index, by parameter name
+  std::string dtype_of(const std::string& kind) const;
 };
 
 // "auto": the newest complete checkpoint under output_dir/checkpoints (nullopt when none);
@@ -235,7 +243,8 @@ class CheckpointStateReader {
  public:
   explicit CheckpointStateReader(const LoadedCheckpoint& ck);
   ~CheckpointStateReader();
-  // As ParamStateReader.
+  // As ParamStateReader; `dst` may also be BF16 (the slices, F32 or BF16 as stored, are
+  // widened to fp32 and rounded to nearest even into it: exact where they were stored in BF16).
   void read(const std::string& name, const std::string& kind, int64_t begin, const Tensor& dst);
   // Every slice's checksum (accel-checkpoint verify); returns the number checked.
   int64_t verify_all();

@@ -45,7 +45,8 @@ nlohmann::json run_info(const Run& run) {
       {"strategy", run.strategy->name()},
       {"mixed_precision", run.precision->name()},
       {"compute_dtype", dtype_name(run.precision->compute_dtype())},
-      {"state_dtype", "F32"},
+      // The optimizer moments' dtype (safetensors spelling; the masters are always F32).
+      {"state_dtype", run.cfg.optimizer.state_dtype == StateDType::Bf16 ? "BF16" : "F32"},
       {"activation_checkpointing", run.cfg.training.activation_checkpointing},
       {"bucket_cap_mb", run.cfg.distributed.ddp_bucket_cap_mb},
       {"global_batch", global_batch(run)},
@@ -310,6 +311,19 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
   for (const std::string& n : handle_newer_checkpoints(run.output_dir(), ck.state.step,
                                                        request.move_newer_aside, run.main_rank()))
     std::fprintf(stderr, "note: %s\n", n.c_str());
+  // A checkpoint whose moments are in another dtype than optimizer.state_dtype is converted as
+  // it is read (bf16 -> fp32 exactly, fp32 -> bf16 rounded to nearest even): say so.
+  const std::string want = run.cfg.optimizer.state_dtype == StateDType::Bf16 ? "BF16" : "F32";
+  std::string converted;
+  for (const std::string& kind : ck.kinds)
+    if (kind != "master" && ck.dtype_of(kind) != want)
+      converted += (converted.empty() ? "" : ", ") + kind + " " + ck.dtype_of(kind);
+  if (run.main_rank() && !converted.empty())
+    std::fprintf(stderr,
+                 "note: the checkpoint's optimizer state is stored as %s; optimizer.state_dtype is "
+                 "%s, so it is converted to %s on load (%s)\n",
+                 converted.c_str(), name_of(run.cfg.optimizer.state_dtype), want.c_str(),
+                 want == "F32" ? "exact" : "rounded to nearest even");
   restore_strategy_state(ck, *run.strategy);
   const std::string note = run.precision->restore_state(ck);
   if (run.main_rank() && !note.empty()) std::fprintf(stderr, "note: %s\n", note.c_str());

@@ -233,6 +233,7 @@ OptimizerOptions optimizer_options(const OptimizerConfig& c) {
   o.eps = c.eps;
   o.weight_decay = c.weight_decay;
   o.momentum = c.momentum;
+  o.state_dtype = c.state_dtype == StateDType::Bf16 ? DType::BF16 : DType::F32;
   return o;
 }
 

@@ -326,7 +326,8 @@ void RunLog::finish(int64_t step, double final_eval,
                             {"flops_per_token", flops_per_token_},
                             {"num_parameters", run_.model_config.num_parameters()},
                             {"world_size", run_.dist.world()},
-                            {"strategy", strategy.name()}};
+                            {"strategy", strategy.name()},
+                            {"optimizer_state_dtype", name_of(run_.cfg.optimizer.state_dtype)}};
   if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
   if (moe_) {
     summary["num_active_parameters"] = run_.model_config.num_active_parameters();
