@@ -155,7 +155,7 @@ TEST_F(ConfigLimits, ASelfReferencingAliasIsRefusedWithoutDeepRecursion) {
   for (int i = 1; i <= 150; ++i)
     chain += "  a" + std::to_string(i) + ": &a" + std::to_string(i) + " [*a" +
              std::to_string(i - 1) + "]\n";
-  for (const std::string text :
+  for (const std::string& text :
        {std::string("debug:\n  a: &a [*a, x]\n"), std::string("debug:\n  m: &m {k: *m}\n"),
         std::string("dynamo_config: &d {a: [*d]}\n"), chain,
         std::string("training_args: &t {learning_rate: 0.1, x: *t}\n"),
