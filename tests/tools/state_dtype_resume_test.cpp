@@ -29,34 +29,16 @@ data: {source: synthetic}
 checkpoint: {every_steps: 3, keep_last: 0}
 )";
 
-class StateDtypeResume : public ::testing::Test {
+class StateDtypeResume : public accel::tool_test::ConfigFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = accel::tool_test::fresh_test_dir("accel_state_dtype");
-    accel::tool_test::write_config(dir_, kConfig);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  Result train(const std::string& out, const std::string& extra) {
-    return accel::tool_test::run_command(std::string(ACCEL_BIN_DIR) + "/accel-train --config " +
-                                         (dir_ / "config.yaml").string() + " --output-dir " +
-                                         (dir_ / out).string() + " " + extra);
-  }
+  StateDtypeResume() : ConfigFolderTest("accel_state_dtype", kConfig) {}
   Result tool(const std::string& args) {
     return accel::tool_test::run_command(std::string(ACCEL_BIN_DIR) + "/accel-checkpoint " + args);
-  }
-  std::map<int, double> losses(const std::string& out) {
-    return accel::tool_test::read_losses(dir_ / out / "metrics.jsonl");
-  }
-  fs::path step(const std::string& out, int s) {
-    return dir_ / out / "checkpoints" / ("step_" + std::to_string(s));
   }
   nlohmann::json trainer_state(const fs::path& ckpt) {
     return nlohmann::json::parse(
         accel::tool_test::run_command("cat " + (ckpt / "trainer_state.json").string()).output);
   }
-  fs::path dir_;
 };
 
 TEST_F(StateDtypeResume, Bf16MomentsAreSavedInBf16AndResumeExactly) {
