@@ -291,7 +291,11 @@ TEST(CudaAdamWMulti, Bf16StateMatchesCpu) {
     cpu_opt.step(g, 1e-3);
     gpu_opt.step(gg, 1e-3);
   }
-  for (size_t i = 0; i < p.size(); ++i) expect_close(pg[i], p[i], 1e-4, 1e-5, names[i] + " param");
+  // Each step moves a param by at most about lr (Adam's m / sqrt(v) is of size 1), and moments
+  // rounded to bf16 on either side of a midpoint change that move by under 2^-7 of it; over ten
+  // steps: 10 x lr x 2^-7 (seen on the H200: 2.2e-5).
+  for (size_t i = 0; i < p.size(); ++i)
+    expect_close(pg[i], p[i], 1e-4, 10 * 1e-3 * std::ldexp(1.0, -7), names[i] + " param");
   for (const auto& [key, t] : gpu_opt.state_tensors()) EXPECT_EQ(t.dtype(), DType::BF16) << key;
 }
 
