@@ -107,6 +107,9 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& wan
 TEST(DynamicRopeState, ForwardsOfVaryingLengthUseTheLongestSinceTheLastReset) {
   NoGradGuard no_grad;
   CausalLM m(dynamic_model(), DType::F32, Device::cpu(), 3);
+  // One state for the model, as transformers' one rotary embedding: every layer reads it.
+  for (DecoderLayer* layer : m.model.layers)
+    EXPECT_EQ(layer->self_attn.dynamic_rope(), m.model.layers[0]->self_attn.dynamic_rope());
   EXPECT_EQ(m.dynamic_rope_max_seq_len_cached(), kMax);
   const Tensor l12 = m.forward(prefix_ids(12));
   EXPECT_EQ(m.dynamic_rope_max_seq_len_cached(), 12);
