@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -17,6 +18,7 @@
 #include "parallel/strategy.h"
 #include "parallel/zero.h"
 #include "runtime/config.h"
+#include "runtime/device.h"
 #include "tests/parallel/harness.h"
 
 namespace accel::testing {
@@ -362,6 +364,58 @@ inline std::string compare_losses(const std::vector<double>& got, const std::vec
 
 inline bool close_rel(double a, double b, double rel) {
   return std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
+}
+
+// The model-state memory check against the ZeRO paper's formulas, on `world` CPU ranks: each rank
+// trains two steps of `spec` under ddp, zero1, zero2 and zero3 in bf16 compute, on a deep and
+// narrow model (so that the transient buffers, a gradient bucket or two in flight and ZeRO-3's
+// gathered layers, stay small next to the persistent states, as in a real model), and its peak
+// bytes of Params, Grads and OptimizerState must be within 10% of formula(kind, P, world).
+inline void expect_model_states_follow(
+    const RunSpec& spec, int world,
+    const std::function<double(const std::string& kind, double P, int N)>& formula) {
+  const int port = pick_free_port();
+  auto exits = run_ranks(
+      world,
+      [&](int rank) -> int {
+        World w = make_world(rank, world, port);
+        const Device cpu = Device::cpu();
+        for (const char* kind : {"ddp", "zero1", "zero2", "zero3"}) {
+          RunSpec s = spec;
+          s.strategy = kind;
+          s.world = world;
+          s.compute = DType::BF16;
+          s.layers = 40;
+          s.global_batch = 4;
+          s.bucket_cap_mb = 0.02;
+          MemoryStats base = memory_stats(cpu);
+          Trainee t = make_trainee(s, w.pg, s.seed);
+          const double P = static_cast<double>(t.model->config.num_parameters());
+          reset_peak_memory_stats(cpu);
+          for (int step = 0; step < 2; ++step) train_step(s, t, step, rank, nullptr);
+          MemoryStats m = memory_stats(cpu);
+          double total = 0;
+          std::string detail;
+          for (MemCategory c :
+               {MemCategory::Params, MemCategory::Grads, MemCategory::OptimizerState}) {
+            const int i = static_cast<int>(c);
+            const double b = static_cast<double>(m.peak[i] - base.current[i]);
+            total += b;
+            detail += std::string(" ") + mem_category_name(c) + " " + std::to_string(b / P) + "P";
+          }
+          const double want = formula(kind, P, world);
+          const char* state = dtype_name(s.state_dtype);
+          if (rank == 0)
+            std::fprintf(stderr, "%s N=%d, %s state: model states %.3fP (formula %.3fP):%s\n", kind,
+                         world, state, total / P, want / P, detail.c_str());
+          RANK_CHECK(std::abs(total - want) <= 0.1 * want,
+                     "%s N=%d, %s state: model states %.3fP, formula %.3fP (%s)", kind, world,
+                     state, total / P, want / P, detail.c_str());
+        }
+        return 0;
+      },
+      std::chrono::seconds(120));
+  expect_all_ok(exits);
 }
 
 }  // namespace accel::testing
