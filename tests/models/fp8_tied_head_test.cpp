@@ -335,13 +335,7 @@ double fp8_step(const RunSpec& s, Fp8Run& r, int step, int rank, ProcessGroup* p
   }
   r.t.strategy->step(s.lr, s.clip, 1.0);
   r.fp8->step_end(pg);
-  double loss = loss_sum / s.accum;
-  if (pg && pg->size() > 1) {
-    Tensor v = Tensor::full({1}, loss, DType::F64);
-    pg->all_reduce(v, ReduceOp::Avg)->wait();
-    loss = v.item();
-  }
-  return loss;
+  return mean_over_ranks(loss_sum / s.accum, pg);
 }
 
 RunResult run_fp8(const std::string& how, const RunSpec& s, std::shared_ptr<ProcessGroup> pg,

@@ -274,6 +274,14 @@ inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
   return t;
 }
 
+// The mean of each rank's `v` over pg (v itself without pg or with one rank).
+inline double mean_over_ranks(double v, ProcessGroup* pg) {
+  if (!pg || pg->size() <= 1) return v;
+  Tensor t = Tensor::full({1}, v, DType::F64);
+  pg->all_reduce(t, ReduceOp::Avg)->wait();
+  return t.item();
+}
+
 // One optimizer step as the trainer runs it; returns the global mean loss.
 inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, ProcessGroup* pg,
                          double* grad_norm = nullptr) {
@@ -288,13 +296,7 @@ inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, Proce
   }
   StepResult r = t.strategy->step(s.lr, s.clip, 1.0);
   if (grad_norm) *grad_norm = r.grad_norm;
-  double loss = loss_sum / s.accum;
-  if (pg && pg->size() > 1) {
-    Tensor v = Tensor::full({1}, loss, DType::F64);
-    pg->all_reduce(v, ReduceOp::Avg)->wait();
-    loss = v.item();
-  }
-  return loss;
+  return mean_over_ranks(loss_sum / s.accum, pg);
 }
 
 using Weights = std::vector<std::pair<std::string, Tensor>>;
