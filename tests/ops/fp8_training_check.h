@@ -82,8 +82,8 @@ inline void expect_fp8_tracks_bf16(const DecoderConfig& c,
     EXPECT_LT(got, 0.8 * l.front()) << r.name << ": loss does not fall";
     EXPECT_LT(std::fabs(got - ref) / ref, 0.03)
         << r.name << ": final loss " << got << " vs bf16 " << ref;
-    std::printf("%s: first %.4f final %.4f (bf16 %.4f -> %.4f)\n", r.name, l.front(), got,
-                bf16.front(), ref);
+    std::printf("%s: first %.4f final %.4f (bf16 %.4f -> %.4f, %+.2f%%)\n", r.name, l.front(), got,
+                bf16.front(), ref, 100.0 * (got - ref) / ref);
   }
 }
 
