@@ -206,9 +206,11 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
   detail::check_defined("fp8_gemm", b, "b");
   if (a.dim() != 2 || b.dim() != 2)
     op_error("fp8_gemm", "a [M, K] and b [N, K] must be 2-d, got " + a.str() + ", " + b.str());
-  Tensor out = Tensor::empty({a.size(0), b.size(0)}, out_dtype, a.device());
-  fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
-  return out;
+  return keep_output("fp8_gemm", [&] {
+    Tensor out = Tensor::empty({a.size(0), b.size(0)}, out_dtype, a.device());
+    fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+    return out;
+  });
 }
 
 Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim) {
