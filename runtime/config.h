@@ -47,6 +47,9 @@ enum class OffloadDevice { None, Cpu, Nvme };
 enum class Fp8Backend { TE, AO, MSAMP };
 enum class Fp8Format { Hybrid, E4M3, E5M2 };
 enum class AmaxComputeAlgo { Max, MostRecent };
+// training.activation_checkpointing: what backward recomputes of each decoder layer (nothing;
+// the whole layer; the cheap elementwise work between the kept GEMM and attention outputs).
+enum class ActivationCheckpointing { None, Full, Selective };
 
 template <class E>
 struct EnumNames;
@@ -74,6 +77,7 @@ ACCEL_ENUM_NAMES(OffloadDevice, "none", "cpu", "nvme");
 ACCEL_ENUM_NAMES(Fp8Backend, "TE", "AO", "MSAMP");
 ACCEL_ENUM_NAMES(Fp8Format, "HYBRID", "E4M3", "E5M2");
 ACCEL_ENUM_NAMES(AmaxComputeAlgo, "max", "most_recent");
+ACCEL_ENUM_NAMES(ActivationCheckpointing, "none", "full", "selective");
 #undef ACCEL_ENUM_NAMES
 
 // The config spelling of `e` ("bf16", "FSDP", ...), for messages and config.yaml.
@@ -126,7 +130,7 @@ struct TrainingConfig {
   double num_epochs = 0;
   DeviceChoice device = DeviceChoice::Auto;
   bool allow_tf32 = false;
-  bool activation_checkpointing = false;
+  ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::None;
   NanPolicy nan_policy = NanPolicy::Stop;
   double loss_scale_init = 65536;  // fp16 dynamic loss scaling
   int64_t loss_scale_window = 1000;
