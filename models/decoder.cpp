@@ -999,13 +999,17 @@ Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayo
                                 std::to_string(config.max_position_embeddings));
   if (cache) cache->layers.resize(model.layers.size());
   router_stats_.assign(model.layers.size(), RouterStats());
+  const bool checkpointed = checkpointing_ != ActivationCheckpointing::None;
+  const CheckpointMode mode = checkpointing_ == ActivationCheckpointing::Selective
+                                  ? CheckpointMode::Selective
+                                  : CheckpointMode::Full;
   Tensor x = model.embed_tokens.forward(ids);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     DecoderLayer* layer = model.layers[i];
     RouterStats* stats = layer->moe ? &router_stats_[i] : nullptr;
     if (cache) {
       x = layer->forward(x, &cache->layers[i], {}, stats);
-    } else if (checkpoint_layers_ && stats) {
+    } else if (checkpointed && stats) {
       // checkpoint() has one output: the layer's output and its router probability sums travel
       // in one tensor of the router's dtype (fp32: exact for bf16 / f16 outputs), so that both
       // stay differentiable. The
@@ -1020,16 +1024,16 @@ Tensor CausalLM::final_hidden(const Tensor& ids, KVCache* cache, const TokenLayo
             stats->tokens = fresh.tokens;
             return cat({reshape(cast(y, fresh.prob_sum.dtype()), {-1}), fresh.prob_sum}, 0);
           },
-          {x});
+          {x}, mode);
       const int64_t n = shape_numel(shape);
       x = cast(reshape(narrow(packed, 0, 0, n), shape), dtype);
       stats->prob_sum = narrow(packed, 0, n, config.num_experts);
-    } else if (checkpoint_layers_) {
+    } else if (checkpointed) {
       x = checkpoint(
           [layer, layout](const std::vector<Tensor>& in) {
             return layer->forward(in[0], nullptr, layout);
           },
-          {x});
+          {x}, mode);
     } else {
       x = layer->forward(x, nullptr, layout, stats);
     }

@@ -348,8 +348,10 @@ class CausalLM : public Module {
   // restore_dynamic_rope puts the state there (checkpoints).
   int64_t dynamic_rope_max_seq_len_cached() const;
   void restore_dynamic_rope(int64_t max_seq_len_cached);
-  // Recompute each decoder layer in backward instead of keeping its activations.
-  void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
+  // What backward recomputes of each decoder layer instead of keeping it (training only: a
+  // forward with a KV cache keeps nothing). Full: the whole layer from its input. Selective: the
+  // layer keeps its GEMM and attention outputs (checkpoint's CheckpointMode::Selective).
+  void set_activation_checkpointing(ActivationCheckpointing mode) { checkpointing_ = mode; }
   // The expert-parallel context the model was built with (null: every expert here).
   const ExpertParallelContext* expert_parallel() const { return ep_.get(); }
 
@@ -375,7 +377,7 @@ class CausalLM : public Module {
  private:
   // The final norm's output [B, S, hidden] (forward without the LM head).
   Tensor final_hidden(const Tensor& ids, KVCache* cache, const TokenLayout& layout);
-  bool checkpoint_layers_ = false;
+  ActivationCheckpointing checkpointing_ = ActivationCheckpointing::None;
   std::shared_ptr<const ExpertParallelContext> ep_;
   std::vector<RouterStats> router_stats_;  // per layer, from the latest forward
 };

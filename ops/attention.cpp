@@ -54,9 +54,14 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
   const AttentionMask m = checked_mask(mask, q);
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   Tensor qc = contiguous(q), kc = contiguous(k), vc = contiguous(v);
-  Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
-  Tensor lse = Tensor::empty({q.size(0), q.size(2), q.size(1)}, DType::F32, q.device());
-  backend_for(q.device()).attention(out, lse, qc, kc, vc, m, sc);
+  // The log-sum-exp is kept with the output: the backward needs both.
+  const std::vector<Tensor> computed = keep_outputs("attention", [&] {
+    Tensor o = Tensor::empty(q.shape(), q.dtype(), q.device());
+    Tensor l = Tensor::empty({q.size(0), q.size(2), q.size(1)}, DType::F32, q.device());
+    backend_for(q.device()).attention(o, l, qc, kc, vc, m, sc);
+    return std::vector<Tensor>{o, l};
+  });
+  Tensor out = computed[0], lse = computed[1];
   Tensor saved_out = out.detach();
   return record("attention", out, {qc, kc, vc},
                 [qc, kc, vc, saved_out, lse, m, sc](const Tensor& g) {

@@ -217,9 +217,11 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
   detail::check_defined("fp8_gemm", b, "b");
   if (a.dim() != 2 || b.dim() != 2)
     op_error("fp8_gemm", "a [M, K] and b [N, K] must be 2-d, got " + a.str() + ", " + b.str());
-  Tensor out = Tensor::empty({a.size(0), b.size(0)}, out_dtype, a.device());
-  fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
-  return out;
+  return keep_output("fp8_gemm", [&] {
+    Tensor out = Tensor::empty({a.size(0), b.size(0)}, out_dtype, a.device());
+    fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+    return out;
+  });
 }
 
 Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim) {
@@ -336,11 +338,13 @@ Tensor fp8_gemm_scaled(const Fp8ScaledTensor& a, const Fp8ScaledTensor& b, DType
     if (reinterpret_cast<uintptr_t>(t->scale_inv.data_ptr()) % 16 != 0)
       op_error(op, "scale_inv tensors must start on 16-byte boundaries");
   }
-  Tensor out = Tensor::empty({a.data.size(0), b.data.size(0)}, out_dtype, a.data.device());
-  if (out.numel() == 0) return out;
-  backend_for(a.data.device())
-      .fp8_gemm_scaled(out, a.data, a.scale_inv, a.mode, b.data, b.scale_inv, b.mode, fast_accum);
-  return out;
+  return keep_output(op, [&] {  // selective checkpointing keeps it (runtime/autograd.h)
+    Tensor out = Tensor::empty({a.data.size(0), b.data.size(0)}, out_dtype, a.data.device());
+    if (out.numel() == 0) return out;
+    backend_for(a.data.device())
+        .fp8_gemm_scaled(out, a.data, a.scale_inv, a.mode, b.data, b.scale_inv, b.mode, fast_accum);
+    return out;
+  });
 }
 
 // ---- delayed scaling --------------------------------------------------------------------------

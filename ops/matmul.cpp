@@ -57,14 +57,17 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     full.push_back(x.size(-1));
     return as_gemm_operand(detail::expand_raw(x, full).clone(), nb);
   };
-  GemmOperand ga = prepare(a, batch_a), gb = prepare(b, batch_b);
-  Shape out_shape = batch;
-  out_shape.push_back(M);
-  out_shape.push_back(N);
-  Tensor out = Tensor::empty(out_shape, a.dtype(), a.device());
-  backend_for(a.device())
-      .matmul(out.as_strided({nb, M, N}, {M * N, N, 1}, 0), ga.t, gb.t, ga.trans, gb.trans, 1.0,
-              0.0);
+  Tensor out = keep_output("matmul", [&] {
+    GemmOperand ga = prepare(a, batch_a), gb = prepare(b, batch_b);
+    Shape out_shape = batch;
+    out_shape.push_back(M);
+    out_shape.push_back(N);
+    Tensor o = Tensor::empty(out_shape, a.dtype(), a.device());
+    backend_for(a.device())
+        .matmul(o.as_strided({nb, M, N}, {M * N, N, 1}, 0), ga.t, gb.t, ga.trans, gb.trans, 1.0,
+                0.0);
+    return o;
+  });
   bool need_a = a.requires_grad(), need_b = b.requires_grad();
   return record("matmul", out, {a, b}, [a, b, need_a, need_b](const Tensor& g) {
     Tensor ad = a.detach(), bd = b.detach();

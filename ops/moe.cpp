@@ -191,7 +191,6 @@ Tensor grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
   Tensor xc = contiguous(x).detach();
   std::vector<Tensor> wc;
   for (const Tensor& w : weights) wc.push_back(contiguous(w).detach());
-  Tensor out = Tensor::empty({x.size(0), out_features}, x.dtype(), x.device());
   // Views of each group's rows (one GEMM per group, grouped into one call where it can be).
   auto blocks = [sizes = group_sizes](const Tensor& t) {
     std::vector<Tensor> v;
@@ -202,7 +201,11 @@ Tensor grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
     }
     return v;
   };
-  backend_for(x.device()).grouped_matmul(blocks(out), blocks(xc), wc, false, true);
+  Tensor out = keep_output("grouped_linear", [&] {
+    Tensor o = Tensor::empty({x.size(0), out_features}, x.dtype(), x.device());
+    backend_for(x.device()).grouped_matmul(blocks(o), blocks(xc), wc, false, true);
+    return o;
+  });
   std::vector<Tensor> inputs{x};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   std::vector<bool> need;

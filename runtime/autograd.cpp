@@ -1,8 +1,11 @@
 #include "runtime/autograd.h"
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -178,16 +181,92 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
   }
 }
 
+namespace {
+// The outputs a selective checkpoint's forward kept, in call order, with the op names (string
+// literals) that kept them.
+struct KeptOutputs {
+  std::vector<std::pair<const char*, std::vector<Tensor>>> calls;
+};
+
+// Where keep_outputs puts or finds outputs on this thread: the selective checkpoint whose forward
+// (keeping) or recomputation (replaying from `next`) is running; null elsewhere, and inside a
+// full checkpoint (which keeps nothing of its own).
+struct KeepScope {
+  KeptOutputs* kept = nullptr;
+  bool replaying = false;
+  size_t next = 0;
+};
+thread_local KeepScope* g_keep_scope = nullptr;
+
+class KeepScopeGuard {
+ public:
+  explicit KeepScopeGuard(KeepScope* scope) : prev_(g_keep_scope) { g_keep_scope = scope; }
+  ~KeepScopeGuard() { g_keep_scope = prev_; }
+  KeepScopeGuard(const KeepScopeGuard&) = delete;
+  KeepScopeGuard& operator=(const KeepScopeGuard&) = delete;
+
+ private:
+  KeepScope* prev_;
+};
+
+// Recording is off inside backward functions; a recomputation turns it back on.
+class EnableGrad {
+ public:
+  EnableGrad() : prev_(g_grad_enabled) { g_grad_enabled = true; }
+  ~EnableGrad() { g_grad_enabled = prev_; }
+  EnableGrad(const EnableGrad&) = delete;
+  EnableGrad& operator=(const EnableGrad&) = delete;
+
+ private:
+  bool prev_;
+};
+}  // namespace
+
+std::vector<Tensor> keep_outputs(const char* op,
+                                 const std::function<std::vector<Tensor>()>& compute) {
+  KeepScope* scope = g_keep_scope;
+  if (!scope) return compute();
+  auto& calls = scope->kept->calls;
+  if (!scope->replaying) {
+    std::vector<Tensor> out;
+    {
+      KeepScopeGuard inner(nullptr);  // what compute calls itself is part of this op
+      out = compute();
+    }
+    calls.push_back({op, out});
+    return out;
+  }
+  if (scope->next >= calls.size() || std::strcmp(calls[scope->next].first, op) != 0)
+    throw std::logic_error(std::string("[checkpoint] the selective recomputation called '") + op +
+                           "' where its forward " +
+                           (scope->next < calls.size()
+                                ? std::string("called '") + calls[scope->next].first + "'"
+                                : "made no more calls") +
+                           " (call " + std::to_string(scope->next) +
+                           "): the checkpointed function must run the same ops in the same order");
+  std::vector<Tensor> out;
+  for (const Tensor& t : calls[scope->next++].second) out.push_back(t.defined() ? t.detach() : t);
+  return out;
+}
+
+Tensor keep_output(const char* op, const std::function<Tensor()>& compute) {
+  return keep_outputs(op, [&] { return std::vector<Tensor>{compute()}; })[0];
+}
+
 Tensor checkpoint(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
-                  const std::vector<Tensor>& inputs) {
+                  const std::vector<Tensor>& inputs, CheckpointMode mode) {
   if (!grad_enabled()) return fn(inputs);
+  std::shared_ptr<KeptOutputs> kept;
+  if (mode == CheckpointMode::Selective) kept = std::make_shared<KeptOutputs>();
   Tensor out;
   {
     NoGradGuard no_grad;
+    KeepScope keeping{kept.get()};
+    KeepScopeGuard scope(kept ? &keeping : nullptr);
     out = fn(inputs);
   }
   std::vector<Tensor> saved(inputs);
-  return record("checkpoint", out, inputs, [fn, saved](const Tensor& g) {
+  return record("checkpoint", out, inputs, [fn, saved, kept](const Tensor& g) {
     std::vector<Tensor> detached;
     detached.reserve(saved.size());
     for (const Tensor& t : saved) {
@@ -195,15 +274,20 @@ Tensor checkpoint(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
       if (t.requires_grad()) d.set_requires_grad(true);
       detached.push_back(d);
     }
-    Tensor recomputed;
     {
-      // Recording is off inside backward functions; turn it back on for the recomputation.
-      struct EnableGrad {
-        bool prev = g_grad_enabled;
-        EnableGrad() { g_grad_enabled = true; }
-        ~EnableGrad() { g_grad_enabled = prev; }
-      } enable;
-      recomputed = fn(detached);
+      EnableGrad enable;
+      Tensor recomputed;
+      {
+        KeepScope replaying{kept.get(), true};
+        KeepScopeGuard scope(kept ? &replaying : nullptr);
+        recomputed = fn(detached);
+        if (kept && replaying.next != kept->calls.size())
+          throw std::logic_error("[checkpoint] the selective recomputation made " +
+                                 std::to_string(replaying.next) + " of the " +
+                                 std::to_string(kept->calls.size()) +
+                                 " kept calls of its forward: the checkpointed function must run "
+                                 "the same ops in the same order");
+      }
       if (recomputed.requires_grad()) run_backward(recomputed, g, false);
     }
     std::vector<Tensor> grads;

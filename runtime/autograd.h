@@ -66,10 +66,34 @@ Tensor record_folding(const char* name, Tensor out, std::vector<Tensor> inputs, 
 // The engine behind Tensor::backward.
 void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_graph);
 
+// What a checkpoint recomputes in backward.
+enum class CheckpointMode {
+  Full,       // everything fn computed
+  Selective,  // all but the outputs of the ops that compute through keep_outputs (GEMMs, attention)
+};
+
 // Activation checkpointing: runs fn(inputs) without keeping its intermediate activations, and in
 // backward runs fn again with recording on to get the gradients. fn must be deterministic.
 // Parameters fn uses (leaves reached through its closure) receive their gradients as usual.
+//
+// Selective mode keeps, besides the inputs, the outputs of fn's expensive ops (those computing
+// through keep_outputs) in the order fn computed them. The recomputation in backward runs fn
+// again, but each expensive op hands back its kept outputs instead of computing, and records its
+// node with the inputs the recomputation made: only the cheap work between them (norms, RoPE,
+// SwiGLU, casts, bias adds) runs twice, and no GEMM does. This is PyTorch's selective checkpoint
+// with a fixed policy; it fits a tape engine whose nodes hold their inputs, where an op's saved
+// input cannot be dropped and rebuilt on its own.
 Tensor checkpoint(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
-                  const std::vector<Tensor>& inputs);
+                  const std::vector<Tensor>& inputs, CheckpointMode mode = CheckpointMode::Full);
+
+// How an expensive op (a GEMM, attention) computes its outputs, so that a selective checkpoint
+// keeps them: returns compute(), except during a selective checkpoint's recomputation, where it
+// returns what the same call kept in that checkpoint's forward (new handles on the same storage).
+// compute() records nothing (the op records its node around the result, in both cases). `op` (a
+// string literal) names the call; the recomputation must make the same calls in the same order,
+// or it throws std::logic_error naming both.
+std::vector<Tensor> keep_outputs(const char* op,
+                                 const std::function<std::vector<Tensor>()>& compute);
+Tensor keep_output(const char* op, const std::function<Tensor()>& compute);
 
 }  // namespace accel

@@ -13,6 +13,7 @@
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <type_traits>
@@ -397,11 +398,18 @@ double parse_double(const Ctx& c, const YAML::Node& n, double lo, double hi, boo
   return v;
 }
 
-bool parse_bool(const Ctx& c, const YAML::Node& n) {
-  std::string s = lower(trim(need_scalar(c, n, "a boolean (true or false)")));
+// The boolean a spelling stands for (any case), if it is one.
+std::optional<bool> boolean_spelling(const std::string& text) {
+  const std::string s = lower(trim(text));
   if (s == "true" || s == "yes" || s == "on" || s == "1") return true;
   if (s == "false" || s == "no" || s == "off" || s == "0") return false;
-  type_error(c, "a boolean (true or false)", n);
+  return std::nullopt;
+}
+
+bool parse_bool(const Ctx& c, const YAML::Node& n) {
+  const std::optional<bool> b = boolean_spelling(need_scalar(c, n, "a boolean (true or false)"));
+  if (!b) type_error(c, "a boolean (true or false)", n);
+  return *b;
 }
 
 // Case-insensitive match against `choices`; returns the canonical spelling.
@@ -807,8 +815,8 @@ std::vector<Field> build_schema() {
               "fsdp_config.fsdp_offload_params", true));
   add(acc_(f_bool("fsdp_config.fsdp_activation_checkpointing",
                   ACCEL_REF(fsdp.fsdp_activation_checkpointing),
-                  "Recompute each decoder layer's activations in backward (same as "
-                  "training.activation_checkpointing).")));
+                  "Recompute each decoder layer's activations in backward (true: "
+                  "training.activation_checkpointing full unless that key chose a mode).")));
   add(acc_(f_bool("fsdp_config.fsdp_cpu_ram_efficient_loading",
                   ACCEL_REF(fsdp.fsdp_cpu_ram_efficient_loading),
                   "FSDP with model.init_from: only rank 0 reads the weight files; setup "
@@ -1199,8 +1207,30 @@ std::vector<Field> build_schema() {
              "auto: CUDA when a GPU is visible, else CPU."));
   add(f_bool("training.allow_tf32", ACCEL_REF(training.allow_tf32),
              "Allow TF32 tensor-core math for fp32 GEMMs on the GPU."));
-  add(f_bool("training.activation_checkpointing", ACCEL_REF(training.activation_checkpointing),
-             "Recompute each decoder layer's activations in backward to save memory."));
+  {
+    // A boolean before the modes existed: its spellings stay (true is full, false none).
+    Field f =
+        f_enum("training.activation_checkpointing", ACCEL_REF(training.activation_checkpointing),
+               "What backward recomputes of each decoder layer to save memory: none; full "
+               "(the whole layer from its input); selective (keeps the GEMM and attention "
+               "outputs and recomputes only the norms, RoPE, SwiGLU, casts and bias adds "
+               "between them). true means full, false none.");
+    f.type += " (or true = full, false = none)";
+    f.set = [](Config& c, const YAML::Node& n, Ctx& ctx) {
+      const std::string expected = "one of none, full, selective (or true = full, false = none)";
+      const std::string& text = need_scalar(ctx, n, expected);
+      ActivationCheckpointing& mode = c.training.activation_checkpointing;
+      if (const std::optional<bool> b = boolean_spelling(text)) {
+        mode = *b ? ActivationCheckpointing::Full : ActivationCheckpointing::None;
+        return;
+      }
+      const auto& names = EnumNames<ActivationCheckpointing>::names;
+      const auto* found = std::find(std::begin(names), std::end(names), lower(trim(text)));
+      if (found == std::end(names)) type_error(ctx, expected, n);
+      mode = static_cast<ActivationCheckpointing>(found - std::begin(names));
+    };
+    add(f);
+  }
   add(f_enum("training.nan_policy", ACCEL_REF(training.nan_policy),
              "On a non-finite loss or gradient: stop with an error, or skip the step."));
   add(f_double("training.loss_scale_init", ACCEL_REF(training.loss_scale_init), 0,
@@ -1921,6 +1951,11 @@ void resolve(Config& c) {
   if (c.gpu_ids != "all")
     for (auto& p : split(c.gpu_ids, ',')) c.gpu_id_list.push_back(std::stoi(p));
 
+  // Accelerate's boolean turns on full recomputation unless training.activation_checkpointing
+  // chose a mode; under FSDP the two keys then agree.
+  if (c.fsdp.fsdp_activation_checkpointing &&
+      c.training.activation_checkpointing == ActivationCheckpointing::None)
+    c.training.activation_checkpointing = ActivationCheckpointing::Full;
   if (c.distributed_type == DistributedType::Fsdp) {
     if (c.fsdp.fsdp_version == 1) {
       c.notices.push_back(
@@ -1945,8 +1980,8 @@ void resolve(Config& c) {
                             " is wrapped");
       c.fsdp.fsdp_transformer_layer_cls_to_wrap = layer;
     }
-    if (c.fsdp.fsdp_activation_checkpointing || c.training.activation_checkpointing)
-      c.fsdp.fsdp_activation_checkpointing = c.training.activation_checkpointing = true;
+    c.fsdp.fsdp_activation_checkpointing =
+        c.training.activation_checkpointing != ActivationCheckpointing::None;
   }
 }
 

@@ -50,6 +50,9 @@ enum class AmaxComputeAlgo { Max, MostRecent };
 // fp8_config.recipe_name (backend AO): torchao's Float8LinearRecipeName values, plus DeepSeek-V3's
 // blockwise recipe.
 enum class Fp8RecipeName { Tensorwise, Rowwise, RowwiseWithGwHp, Blockwise };
+// training.activation_checkpointing: what backward recomputes of each decoder layer (nothing;
+// the whole layer; the cheap elementwise work between the kept GEMM and attention outputs).
+enum class ActivationCheckpointing { None, Full, Selective };
 
 template <class E>
 struct EnumNames;
@@ -78,6 +81,7 @@ ACCEL_ENUM_NAMES(Fp8Backend, "TE", "AO", "MSAMP");
 ACCEL_ENUM_NAMES(Fp8Format, "HYBRID", "E4M3", "E5M2");
 ACCEL_ENUM_NAMES(AmaxComputeAlgo, "max", "most_recent");
 ACCEL_ENUM_NAMES(Fp8RecipeName, "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise");
+ACCEL_ENUM_NAMES(ActivationCheckpointing, "none", "full", "selective");
 #undef ACCEL_ENUM_NAMES
 
 // The config spelling of `e` ("bf16", "FSDP", ...), for messages and config.yaml.
@@ -130,7 +134,7 @@ struct TrainingConfig {
   double num_epochs = 0;
   DeviceChoice device = DeviceChoice::Auto;
   bool allow_tf32 = false;
-  bool activation_checkpointing = false;
+  ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::None;
   NanPolicy nan_policy = NanPolicy::Stop;
   double loss_scale_init = 65536;  // fp16 dynamic loss scaling
   int64_t loss_scale_window = 1000;

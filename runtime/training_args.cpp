@@ -388,7 +388,14 @@ std::vector<Arg> build_table() {
   same("tf32", null, "training.allow_tf32", "null leaves it to accel-train (off).");
 
   // ---- memory and speed ----
-  same("gradient_checkpointing", false, "training.activation_checkpointing");
+  mapped("gradient_checkpointing", false, "training.activation_checkpointing",
+         "true -> full (every layer recomputed whole), false -> none.",
+         [](Mapper& m, const json& v) {
+           if (v.is_null()) return;  // Trainer's default, as for the other mapped flags
+           m.set("gradient_checkpointing", m.shown("gradient_checkpointing"),
+                 "training.activation_checkpointing",
+                 m.flag("gradient_checkpointing") ? "full" : "none");
+         });
   no_effect("gradient_checkpointing_kwargs", null,
             "recomputation has no variants (use_reentrant) to choose", true);
   no_effect("torch_compile", false, "torch.compile is not used; " + kFused);

@@ -195,6 +195,14 @@ std::string shape_text(const Shape& s) {
   return t + "]";
 }
 
+// trainer_state.json's mode (none, full, selective); checkpoints from before the modes hold a
+// boolean (true: full).
+std::string activation_checkpointing_of(const nlohmann::json& st) {
+  const nlohmann::json v = st.value("activation_checkpointing", nlohmann::json(false));
+  if (v.is_string()) return v.get<std::string>();
+  return v.is_boolean() && v.get<bool>() ? "full" : "none";
+}
+
 int inspect(const std::string& ckpt) {
   const fs::path dir(ckpt);
   const nlohmann::json st = read_json(dir / "trainer_state.json");
@@ -207,8 +215,7 @@ int inspect(const std::string& ckpt) {
       "  mixed_precision %s, compute dtype %s, state dtype %s, activation_checkpointing %s\n",
       st.value("mixed_precision", std::string("?")).c_str(),
       st.value("compute_dtype", std::string("?")).c_str(),
-      st.value("state_dtype", std::string("?")).c_str(),
-      st.value("activation_checkpointing", false) ? "true" : "false");
+      st.value("state_dtype", std::string("?")).c_str(), activation_checkpointing_of(st).c_str());
   if (st.contains("global_batch"))
     std::printf("  global batch %s\n", st["global_batch"].dump().c_str());
   std::printf("  data position %s, loss scaler %s, rng %s\n",

@@ -1,8 +1,9 @@
 // The families beyond Llama under the strategies, activation checkpointing and fp8: a tiny Qwen3
 // (q/k norms, biases, head_dim apart from hidden / heads, tied embeddings), a tiny Mistral (a
 // sliding window shorter than the sequence) and tiny Qwen3-MoE / Mixtral (experts in their
-// decoder layers, FSDP's units) trained with FSDP and ZeRO-2 on 2 CPU ranks must follow the
-// single process; fp8 (TE and AO, CPU emulation) converts their projections and learns.
+// decoder layers, FSDP's units) trained with FSDP (full checkpointing) and ZeRO-2 (selective) on
+// 2 CPU ranks must follow the single process; fp8 (TE and AO, CPU emulation) converts their
+// projections and learns.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,34 +18,12 @@ namespace accel {
 namespace {
 using namespace accel::testing;
 
-DecoderConfig family_config(const std::string& family) {
-  DecoderConfig c = tiny_llama(2);
-  c.model_type = family;
-  if (family == "qwen3") {
-    c.head_dim = 16;  // 4 heads of 16 from a width of 32
-    c.attention_bias = true;
-    c.tie_word_embeddings = true;
-  }
-  if (family == "mistral") c.sliding_window = 5;  // over 8 tokens
-  // Mixtures of experts: 4 experts, top-2; Qwen3-MoE's layer 1 stays dense (mlp_only_layers).
-  if (family == "qwen3_moe" || family == "mixtral") {
-    c.num_experts = 4;
-    c.num_experts_per_tok = 2;
-    if (family == "qwen3_moe") {
-      c.moe_intermediate_size = 16;
-      c.norm_topk_prob = true;
-      c.mlp_only_layers = {1};
-    }
-  }
-  return c;
-}
-
 // `how`: reference (one process, tests/parallel/strategy_test_util.h), single, zero2, or fsdp (from
 // a loaded config, so the wrap policy comes from model.name as in accel-train).
 RunResult run_family(const std::string& family, const std::string& how, const RunSpec& s,
                      std::shared_ptr<ProcessGroup> pg, int rank) {
   Trainee t;
-  t.model = std::make_unique<CausalLM>(family_config(family), DType::F32, Device::cpu(), s.seed);
+  t.model = std::make_unique<CausalLM>(tiny_family(family), DType::F32, Device::cpu(), s.seed);
   t.model->set_activation_checkpointing(s.activation_checkpointing);
   if (how == "fsdp") {
     const Config cfg =
@@ -82,12 +61,17 @@ TEST_P(FamilyStrategies, FsdpAndZero2OnTwoRanksFollowTheSingleProcess) {
   s.steps = 6;
   const RunResult ref = run_family(family, "reference", s, nullptr, 0);
   ASSERT_LT(ref.losses.back(), ref.losses.front()) << "the reference does not learn";
-  // The single-process strategy with activation checkpointing: the same run.
-  RunSpec ckpt = s;
-  ckpt.activation_checkpointing = true;
-  const RunResult single = run_family(family, "single", ckpt, nullptr, 0);
-  EXPECT_EQ(compare_losses(single.losses, ref.losses, 1e-5), "");
-  EXPECT_EQ(compare_weights(single.final_weights, ref.final_weights, 1e-5), "");
+  // The single-process strategy with either activation checkpointing: the same run.
+  for (ActivationCheckpointing mode :
+       {ActivationCheckpointing::Full, ActivationCheckpointing::Selective}) {
+    SCOPED_TRACE(name_of(mode));
+    RunSpec ckpt = s;
+    ckpt.activation_checkpointing = mode;
+    const RunResult single = run_family(family, "single", ckpt, nullptr, 0);
+    EXPECT_EQ(compare_losses(single.losses, ref.losses, 1e-5), "");
+    EXPECT_EQ(compare_weights(single.final_weights, ref.final_weights, 1e-5), "");
+  }
+  // FSDP with full checkpointing, ZeRO-2 with selective.
   for (const char* how : {"fsdp", "zero2"}) {
     SCOPED_TRACE(how);
     const int world = 2;
@@ -96,7 +80,8 @@ TEST_P(FamilyStrategies, FsdpAndZero2OnTwoRanksFollowTheSingleProcess) {
       World w = make_world(rank, world, port);
       RunSpec d = s;
       d.world = world;
-      d.activation_checkpointing = std::string(how) == "fsdp";
+      d.activation_checkpointing = std::string(how) == "fsdp" ? ActivationCheckpointing::Full
+                                                              : ActivationCheckpointing::Selective;
       const RunResult got = run_family(family, how, d, w.pg, rank);
       const std::string losses = compare_losses(got.losses, ref.losses, 1e-5);
       RANK_CHECK(losses.empty(), "%s %s: %s", family.c_str(), how, losses.c_str());
@@ -115,10 +100,10 @@ class FamilyFp8 : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(FamilyFp8, TeAndAoConvertTheProjectionsAndLearn) {
   const std::string family = GetParam();
-  DecoderConfig c = family_config(family);
+  DecoderConfig c = tiny_family(family);
   auto train = [&](const Fp8Config* fp8_cfg, int* fp8_layers) {
     CausalLM model(c, DType::F32, Device::cpu(), 42);
-    model.set_activation_checkpointing(true);
+    model.set_activation_checkpointing(ActivationCheckpointing::Full);
     std::unique_ptr<Fp8Training> fp8 =
         fp8_cfg ? apply_fp8(model, *fp8_cfg, Device::cpu()) : nullptr;
     if (fp8_layers) *fp8_layers = fp8 ? static_cast<int>(fp8->num_fp8_layers()) : 0;

@@ -161,7 +161,8 @@ TEST(DynamicRopeState, ActivationCheckpointingRecomputesWithTheForwardsFrequenci
   std::vector<std::vector<double>> grads[2];
   for (int ac = 0; ac < 2; ++ac) {
     CausalLM m(dynamic_model(), DType::F32, Device::cpu(), 3);
-    m.set_activation_checkpointing(ac == 1);
+    m.set_activation_checkpointing(ac == 1 ? ActivationCheckpointing::Full
+                                           : ActivationCheckpointing::None);
     {
       NoGradGuard no_grad;
       m.forward(prefix_ids(12));

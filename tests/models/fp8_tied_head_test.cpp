@@ -364,11 +364,15 @@ TEST(Fp8TiedHead, StrategiesFollowTheSingleProcess) {
   const RunResult ref = run_fp8("reference", s, nullptr, 0, &ref_scales);
   ASSERT_LT(ref.losses.back(), ref.losses.front()) << "the reference does not learn";
   const double tol = 1e-5;
-  RunSpec ckpt = s;
-  ckpt.activation_checkpointing = true;
-  const RunResult single = run_fp8("single", ckpt, nullptr, 0);
-  EXPECT_EQ(compare_losses(single.losses, ref.losses, tol), "");
-  EXPECT_EQ(compare_weights(single.final_weights, ref.final_weights, tol), "");
+  for (ActivationCheckpointing mode :
+       {ActivationCheckpointing::Full, ActivationCheckpointing::Selective}) {
+    SCOPED_TRACE(name_of(mode));
+    RunSpec ckpt = s;
+    ckpt.activation_checkpointing = mode;
+    const RunResult single = run_fp8("single", ckpt, nullptr, 0);
+    EXPECT_EQ(compare_losses(single.losses, ref.losses, tol), "");
+    EXPECT_EQ(compare_weights(single.final_weights, ref.final_weights, tol), "");
+  }
   const int world = 2;
   const int port = pick_free_port();
   auto exits = run_ranks(world, [&](int rank) -> int {
@@ -379,7 +383,11 @@ TEST(Fp8TiedHead, StrategiesFollowTheSingleProcess) {
     const RunResult ddp = run_fp8("ddp", d, w.pg, rank, &ddp_scales);
     for (const char* how : {"ddp", "zero3", "fsdp"}) {
       RunSpec dd = d;
-      dd.activation_checkpointing = std::string(how) != "ddp";
+      // ZeRO-3 with selective checkpointing, FSDP with full.
+      dd.activation_checkpointing = std::string(how) == "ddp" ? ActivationCheckpointing::None
+                                    : std::string(how) == "zero3"
+                                        ? ActivationCheckpointing::Selective
+                                        : ActivationCheckpointing::Full;
       std::vector<double> scales = ddp_scales;
       const RunResult got = std::string(how) == "ddp" ? ddp : run_fp8(how, dd, w.pg, rank, &scales);
       if (rank == 0) {

@@ -260,7 +260,7 @@ TEST(MoeCheckpointing, SameLossGradientsAndAuxAsWithout) {
     CausalLM a(c, DType::F32, Device::cpu(), 9), b(c, DType::F32, Device::cpu(), 9);
     widen_routers(a, 20.0);
     widen_routers(b, 20.0);
-    b.set_activation_checkpointing(true);
+    b.set_activation_checkpointing(ActivationCheckpointing::Full);
     Tensor ids = some_ids(2, 7, c.vocab_size, 8);
     Tensor targets = shift_labels(ids);
     Tensor la = a.forward_loss(ids, targets), lb = b.forward_loss(ids, targets);

@@ -169,14 +169,17 @@ struct Case {
   int world = 2;
   int ep = 2;  // 1: no expert parallelism (every rank holds every expert)
   int experts = 8;
-  bool checkpointing = false;
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::None;
   int64_t rows = 12, seq = 8;  // the global batch: rows of seq tokens
 };
 
 std::string case_name(const Case& c) {
   return c.family + "_" + c.engine + "_world" + std::to_string(c.world) + "_ep" +
          std::to_string(c.ep) + (c.experts != 8 ? "_experts" + std::to_string(c.experts) : "") +
-         (c.checkpointing ? "_ckpt" : "") + (c.rows * c.seq < 96 ? "_few_tokens" : "");
+         (c.checkpointing != ActivationCheckpointing::None
+              ? std::string("_ckpt_") + name_of(c.checkpointing)
+              : "") +
+         (c.rows * c.seq < 96 ? "_few_tokens" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
@@ -293,9 +296,10 @@ TEST_P(MoeEpParity, MatchesOneProcess) {
     }
     if (c.ep > 1) {
       // Per sparse layer: the count exchange and two row all-to-alls in forward (again when
-      // backward recomputes the layer), two in backward.
+      // backward recomputes the layer, selectively too: they are not kept), two in backward.
       const int sparse = tiny_moe(c.family).num_sparse_layers();
-      const int64_t want = kSteps * sparse * (c.checkpointing ? 8 : 5);
+      const int64_t want =
+          kSteps * sparse * (c.checkpointing != ActivationCheckpointing::None ? 8 : 5);
       const int64_t calls = ctx->ep_group->stats()[CommKind::AllToAll].calls;
       RANK_CHECK(calls == want, "all-to-all calls %lld, want %lld", static_cast<long long>(calls),
                  static_cast<long long>(want));
@@ -341,7 +345,12 @@ std::vector<Case> parity_cases() {
   }
   Case ckpt;  // backward recomputes each layer, its all-to-alls included
   ckpt.engine = "zero2";
-  ckpt.checkpointing = true;
+  ckpt.checkpointing = ActivationCheckpointing::Full;
+  out.push_back(ckpt);
+  ckpt.engine = "fsdp";  // only the cheap work between the kept GEMMs
+  ckpt.checkpointing = ActivationCheckpointing::Selective;
+  out.push_back(ckpt);
+  ckpt.family = "mixtral";
   out.push_back(ckpt);
   return out;
 }

@@ -70,6 +70,28 @@ TEST(StrategyDdp, AllReducesDuringBackwardOfTheLastMicroBatchOnly) {
   expect_all_ok(exits);
 }
 
+// The buckets fire from the recomputed layers' backward as from the plain one.
+TEST(StrategyDdp, SelectiveCheckpointingWithAccumulationMatchesSingleProcess) {
+  RunSpec single;
+  single.accum = 2;
+  single.steps = 4;
+  const RunResult ref = run_training(single, nullptr, 0, single.seed);
+  const int port = pick_free_port();
+  auto exits = run_ranks(2, [&](int rank) -> int {
+    World w = make_world(rank, 2, port);
+    RunSpec s = single;
+    s.world = 2;
+    s.strategy = "ddp";
+    s.activation_checkpointing = ActivationCheckpointing::Selective;
+    const RunResult got = run_training(s, w.pg, rank, s.seed);
+    const std::string d = compare_losses(got.losses, ref.losses, 1e-5) +
+                          compare_weights(got.final_weights, ref.final_weights, 1e-5);
+    RANK_CHECK(d.empty(), "ddp + selective checkpointing: %s", d.c_str());
+    return 0;
+  });
+  expect_all_ok(exits);
+}
+
 // Two parameters; the loss uses only `a`.
 class OneUnused : public Module {
  public:

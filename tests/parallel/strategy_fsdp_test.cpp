@@ -31,7 +31,7 @@ constexpr double kRel = 1e-5;
 struct FsdpCase {
   int world = 2;
   bool reshard = true;
-  bool ac = false;
+  ActivationCheckpointing ac = ActivationCheckpointing::None;
   bool offload = false;
   FsdpWrapPolicy wrap = FsdpWrapPolicy::TransformerBased;
   int64_t min_params = 0;
@@ -44,7 +44,8 @@ Config fsdp_config(const FsdpCase& c) {
   cfg.distributed_type = DistributedType::Fsdp;
   cfg.fsdp.fsdp_version = 2;
   cfg.fsdp.fsdp_reshard_after_forward = c.reshard;
-  cfg.fsdp.fsdp_activation_checkpointing = c.ac;
+  cfg.training.activation_checkpointing = c.ac;
+  cfg.fsdp.fsdp_activation_checkpointing = c.ac != ActivationCheckpointing::None;
   cfg.fsdp.fsdp_offload_params = c.offload;
   cfg.fsdp.fsdp_auto_wrap_policy = c.wrap;
   cfg.fsdp.fsdp_min_num_params = c.min_params;
@@ -53,13 +54,13 @@ Config fsdp_config(const FsdpCase& c) {
 }
 
 // As make_trainee, but the strategy comes from the config through make_strategy (as in the
-// trainer, which also turns on activation checkpointing for fsdp_activation_checkpointing).
+// trainer, which takes activation checkpointing's mode from the config).
 Trainee make_fsdp_trainee(const RunSpec& s, const FsdpCase& c, std::shared_ptr<ProcessGroup> pg,
                           uint64_t model_seed) {
   Trainee t;
   t.model = std::make_unique<CausalLM>(tiny_llama(s.layers), DType::F32, Device::cpu(), model_seed);
   Config cfg = fsdp_config(c);
-  t.model->set_activation_checkpointing(cfg.fsdp.fsdp_activation_checkpointing);
+  t.model->set_activation_checkpointing(cfg.training.activation_checkpointing);
   t.strategy = make_strategy(cfg, pg, c.compute);
   t.strategy->setup(*t.model, test_optimizer(s.optimizer));
   return t;
@@ -77,7 +78,7 @@ std::string case_name(const ::testing::TestParamInfo<FsdpCase>& info) {
   const FsdpCase& c = info.param;
   std::string n = "world" + std::to_string(c.world);
   if (!c.reshard) n += "_noreshard";
-  if (c.ac) n += "_ac";
+  if (c.ac != ActivationCheckpointing::None) n += std::string("_ac_") + name_of(c.ac);
   if (c.offload) n += "_offload";
   if (c.wrap == FsdpWrapPolicy::SizeBased) n += "_sizewrap";
   if (c.wrap == FsdpWrapPolicy::NoWrap) n += "_nowrap";
@@ -121,7 +122,7 @@ std::vector<FsdpCase> parity_cases() {
     c.reshard = false;
     out.push_back(c);
     c = base;
-    c.ac = true;
+    c.ac = ActivationCheckpointing::Full;
     out.push_back(c);
     c = base;
     c.offload = true;
@@ -130,8 +131,13 @@ std::vector<FsdpCase> parity_cases() {
   FsdpCase c;
   c.world = 3;
   c.reshard = false;
-  c.ac = true;
+  c.ac = ActivationCheckpointing::Full;
   c.offload = true;
+  out.push_back(c);
+  c = FsdpCase{};
+  c.ac = ActivationCheckpointing::Selective;
+  out.push_back(c);
+  c.reshard = false;
   out.push_back(c);
   c = FsdpCase{};
   c.wrap = FsdpWrapPolicy::SizeBased;
@@ -531,7 +537,9 @@ int64_t expected_gather_bytes(const FlatLayout& l, const std::set<std::string>& 
 
 struct Fp8Case {
   int world = 2;
-  bool reshard = true, ac = false, offload = false;
+  bool reshard = true;
+  ActivationCheckpointing ac = ActivationCheckpointing::None;
+  bool offload = false;
 };
 
 // Why bit-identical: the fp8 all-gather casts each weight's shard with 448 / (global amax of the
@@ -676,10 +684,13 @@ void fp8_training_case(const Fp8Case& fc) {
 }
 
 TEST(FsdpFp8AllGather, TrainingWorld2EqualsBf16GatherAndSingleProcessWithExactBytes) {
-  fp8_training_case({2, true, false, false});
+  fp8_training_case({2, true, ActivationCheckpointing::None, false});
 }
 TEST(FsdpFp8AllGather, TrainingWorld3NoReshardCheckpointingOffload) {
-  fp8_training_case({3, false, true, true});
+  fp8_training_case({3, false, ActivationCheckpointing::Full, true});
+}
+TEST(FsdpFp8AllGather, TrainingWorld2NoReshardSelectiveCheckpointing) {
+  fp8_training_case({2, false, ActivationCheckpointing::Selective, false});
 }
 
 TEST(FsdpFp8AllGather, ConfigNeedsDynamicScaling) {

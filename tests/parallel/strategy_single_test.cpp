@@ -76,7 +76,7 @@ std::vector<Variant> variants() {
   out.push_back({"sgd, tied embeddings", s});
   s = RunSpec{};
   s.layers = 3;
-  s.activation_checkpointing = true;
+  s.activation_checkpointing = ActivationCheckpointing::Full;
   s.clip = 0.0;
   out.push_back({"activation checkpointing, no clipping", s});
   return out;

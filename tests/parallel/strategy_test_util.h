@@ -37,6 +37,30 @@ inline DecoderConfig tiny_llama(int64_t layers = 2, bool tied = false) {
   return c;
 }
 
+// tiny_llama as another family: a tiny Qwen2 (q/k/v biases), Qwen3 (q/k norms, biases, head_dim
+// apart from hidden / heads, tied embeddings), Mistral (a sliding window shorter than the tests'
+// 8 tokens), Qwen3-MoE or Mixtral (4 experts, top-2; Qwen3-MoE's layer 1 stays dense).
+inline DecoderConfig tiny_family(const std::string& family) {
+  DecoderConfig c = tiny_llama(2);
+  c.model_type = family;
+  if (family == "qwen3") {
+    c.head_dim = 16;  // 4 heads of 16 from a width of 32
+    c.attention_bias = true;
+    c.tie_word_embeddings = true;
+  }
+  if (family == "mistral") c.sliding_window = 5;
+  if (family == "qwen3_moe" || family == "mixtral") {
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    if (family == "qwen3_moe") {
+      c.moe_intermediate_size = 16;
+      c.norm_topk_prob = true;
+      c.mlp_only_layers = {1};
+    }
+  }
+  return c;
+}
+
 // The reference every strategy is compared with: one process, written without the engine
 // (parallel/zero.h) that the strategies, `single` included, share. Each parameter keeps its own
 // fp32 master and its autograd gradient; the norm, the non-finite check, clipping and the update
@@ -176,7 +200,7 @@ struct RunSpec {
   bool find_unused = false;
   bool offload_optimizer = false;
   bool save_16bit = false;
-  bool activation_checkpointing = false;
+  ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::None;
   bool tied_embeddings = false;
   OptimizerName optimizer = OptimizerName::AdamW;
   DType state_dtype = DType::F32;  // OptimizerOptions::state_dtype (optimizer.state_dtype)

@@ -207,13 +207,13 @@ TEST(StrategyZero, Stage3WithActivationCheckpointingAndOffloadMatchesSingleProce
     s.world = 2;
     s.accum = 1;
     s.strategy = "zero3";
-    s.activation_checkpointing = true;
+    s.activation_checkpointing = ActivationCheckpointing::Full;
     RunResult a = run_training(s, w.pg, rank, s.seed);
     std::string d = compare_losses(a.losses, ref.losses, 1e-5) +
                     compare_weights(a.final_weights, ref.final_weights, 1e-5);
     RANK_CHECK(d.empty(), "zero3 + activation checkpointing: %s", d.c_str());
     s.strategy = "zero2";
-    s.activation_checkpointing = false;
+    s.activation_checkpointing = ActivationCheckpointing::None;
     s.offload_optimizer = true;
     RunResult b = run_training(s, w.pg, rank, s.seed);
     d = compare_losses(b.losses, ref.losses, 1e-5) +

@@ -125,7 +125,7 @@ TEST_F(ConfigTest, EverySectionParsed) {
   EXPECT_EQ(t.sample_prompt, "Once upon a time: \"quoted\"");
   EXPECT_EQ(t.device, DeviceChoice::Cpu);
   EXPECT_TRUE(t.allow_tf32);
-  EXPECT_TRUE(t.activation_checkpointing);
+  EXPECT_EQ(t.activation_checkpointing, ActivationCheckpointing::Full);  // true
   EXPECT_EQ(t.nan_policy, NanPolicy::Skip);
   EXPECT_DOUBLE_EQ(t.loss_scale_init, 1024);
   EXPECT_EQ(t.loss_scale_window, 100);
@@ -357,6 +357,39 @@ TEST_F(ConfigTest, OptimizerStateDtype) {
   EXPECT_FALSE(has_notice(b32));
 }
 
+TEST_F(ConfigTest, ActivationCheckpointingModes) {
+  using AC = ActivationCheckpointing;
+  EXPECT_EQ(load_config("", {}, {}).training.activation_checkpointing, AC::None);
+  // The modes by name (any case), and the boolean the key was before them.
+  const std::pair<const char*, AC> spellings[] = {{"none", AC::None},           {"full", AC::Full},
+                                                  {"Selective", AC::Selective}, {"true", AC::Full},
+                                                  {"false", AC::None},          {"yes", AC::Full}};
+  for (const auto& [text, mode] : spellings) {
+    SCOPED_TRACE(text);
+    const Config c =
+        load_config("", {std::string("training.activation_checkpointing=") + text}, {});
+    EXPECT_EQ(c.training.activation_checkpointing, mode);
+    // config.yaml writes the mode's name, which loads back to the same mode.
+    const Config again = load_config(write("ac.yaml", config_to_yaml(c)), {}, {});
+    EXPECT_EQ(again.training.activation_checkpointing, mode);
+  }
+  expect_error([] { load_config("", {"training.activation_checkpointing=partial"}, {}); },
+               {"training.activation_checkpointing", "none, full, selective", "partial"});
+  // Accelerate's FSDP boolean is full recomputation, unless the training key chose a mode.
+  const Config fsdp = load_config("",
+                                  {"distributed_type=FSDP", "num_processes=2",
+                                   "fsdp_config.fsdp_activation_checkpointing=true"},
+                                  {});
+  EXPECT_EQ(fsdp.training.activation_checkpointing, AC::Full);
+  const Config selective = load_config(
+      "",
+      {"distributed_type=FSDP", "num_processes=2", "fsdp_config.fsdp_activation_checkpointing=true",
+       "training.activation_checkpointing=selective"},
+      {});
+  EXPECT_EQ(selective.training.activation_checkpointing, AC::Selective);
+  EXPECT_TRUE(selective.fsdp.fsdp_activation_checkpointing);
+}
+
 TEST_F(ConfigTest, ImpossibleCombinationsFail) {
   struct Case {
     std::string yaml;
@@ -554,7 +587,8 @@ TEST_F(ConfigTest, AccelerateFsdp2ExampleLoads) {
   EXPECT_EQ(c.num_processes, 8);
   EXPECT_FALSE(c.fsdp.fsdp_reshard_after_forward);
   EXPECT_TRUE(c.fsdp.fsdp_activation_checkpointing);
-  EXPECT_TRUE(c.training.activation_checkpointing);  // the two switches agree
+  // The two switches agree: Accelerate's boolean is full recomputation.
+  EXPECT_EQ(c.training.activation_checkpointing, ActivationCheckpointing::Full);
   EXPECT_EQ(c.fsdp.fsdp_state_dict_type, FsdpStateDictType::Full);
   EXPECT_TRUE(c.notices.empty()) << notices_text(c);
 

@@ -152,7 +152,7 @@ training: {seq_len: 32}
   EXPECT_FALSE(c.checkpoint.at_end);
   EXPECT_EQ(c.checkpoint.keep_last, 0);
   EXPECT_EQ(spelled(c.mixed_precision), "bf16");
-  EXPECT_TRUE(c.training.activation_checkpointing);
+  EXPECT_EQ(c.training.activation_checkpointing, ActivationCheckpointing::Full);
   EXPECT_EQ(spelled(c.distributed.backend), "cpu");
   EXPECT_EQ(c.training.seq_len, 32);
 
@@ -347,6 +347,9 @@ TEST_F(TrainingArgsTest, ValuesWeCannotHonourAreRefusedByName) {
   refused("neftune_noise_alpha: 5.0", {"training_args.neftune_noise_alpha"});
   refused("accelerator_config: {split_batches: true}", {"split_batches=true"});
   refused("bf16: true, fp16: true", {"bf16 and fp16 are both true"});
+  // Trainer's flag is a boolean (true is full recomputation), never one of our modes.
+  refused("gradient_checkpointing: selective",
+          {"training_args.gradient_checkpointing", "true or false"});
   refused("lr_scheduler_type: cosine, lr_scheduler_kwargs: {num_cycles: 2}",
           {"training_args.lr_scheduler_kwargs", "num_cycles"});
   // Unknown names get the closest field.

@@ -28,9 +28,10 @@ data: {source: synthetic}
   std::string cmd =
       std::string(ACCEL_BIN_DIR) + "/accel-bench --config " + (d / "tiny.yaml").string() +
       " --strategies single,ddp,fsdp-fp8 --precisions no,bogus --steps 3 --warmup 1" +
-      " --num-processes 2 --device cpu --work-dir " + (d / "work").string() + " --json " +
-      (d / "r.json").string() + " --chart " + (d / "r.svg").string() + " --markdown " +
-      (d / "r.md").string() + " > " + (d / "out.txt").string() + " 2>&1";
+      " --num-processes 2 --device cpu --set training.activation_checkpointing=selective" +
+      " --work-dir " + (d / "work").string() + " --json " + (d / "r.json").string() + " --chart " +
+      (d / "r.svg").string() + " --markdown " + (d / "r.md").string() + " > " +
+      (d / "out.txt").string() + " 2>&1";
   int status = std::system(cmd.c_str());
   EXPECT_EQ(WEXITSTATUS(status), 1);  // the bogus precision fails
   std::ifstream in(d / "r.json");
@@ -45,6 +46,9 @@ data: {source: synthetic}
       EXPECT_GT(r["tokens_per_s"].get<double>(), 0);
       EXPECT_GT(r["peak_bytes_max_rank"].get<int64_t>(), 0);
       EXPECT_GT(r["final_loss"].get<double>(), 0);
+      // --set reaches the runs, whose summaries report the mode and the activations' peak.
+      EXPECT_EQ(r["activation_checkpointing"], "selective");
+      EXPECT_GT(r["peak_activation_bytes_rank0"].get<int64_t>(), 0);
       if (r["strategy"] == "ddp") {
         EXPECT_EQ(r["world_size"], 2);
         EXPECT_GT(r["comm_wire_bytes_per_step"]["all_reduce"].get<int64_t>(), 0);

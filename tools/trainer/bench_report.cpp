@@ -61,6 +61,8 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
   if (summary.contains("final_aux_loss") && summary["final_aux_loss"].is_number())
     row.final_aux_loss = summary["final_aux_loss"].get<double>();
   row.state_dtype = summary.value("optimizer_state_dtype", std::string("fp32"));
+  row.activation_checkpointing = summary.value("activation_checkpointing", std::string("none"));
+  row.peak_activation_bytes = row.peak_by_category.value("activations", int64_t{0});
   row.expected_model_state_bytes = expected_model_state_bytes(
       row.strategy, row.precision, summary.at("num_parameters").get<int64_t>(), row.world_size,
       row.state_dtype == "bf16" ? 2 : 4);
@@ -98,12 +100,13 @@ std::vector<std::vector<std::string>> cells(const std::vector<BenchRow>& rows) {
   for (const BenchRow& r : rows) a2a |= r.all_to_all_bytes_per_step > 0;
   std::vector<std::vector<std::string>> out{
       {"strategy", "precision", "ranks", "tok/s", "tok/s/dev", "step ms (p50/p90)", "MFU",
-       "peak mem/rank", "model states (formula)", "comm/step", "loss", "status"}};
+       "peak mem/rank", "activations (checkpointing)", "model states (formula)", "comm/step",
+       "loss", "status"}};
   if (a2a) out[0].insert(out[0].end() - 2, "all-to-all/step");
   for (const BenchRow& r : rows) {
     if (r.status != "ok") {
       out.push_back({r.strategy, r.precision, std::to_string(r.world_size), "-", "-", "-", "-", "-",
-                     "-", "-", "-", r.status + ": " + r.reason});
+                     "-", "-", "-", "-", r.status + ": " + r.reason});
       if (a2a) out.back().insert(out.back().end() - 2, "-");
       continue;
     }
@@ -113,8 +116,10 @@ std::vector<std::vector<std::string>> cells(const std::vector<BenchRow>& rows) {
                    fmt("%.0f", r.tokens_per_s), fmt("%.0f", r.tokens_per_s_per_device),
                    fmt("%.1f", r.step_ms_median) + " / " + fmt("%.1f", r.step_ms_p90),
                    r.mfu >= 0 ? fmt("%.1f%%", 100 * r.mfu) : "-",
-                   format_bytes(r.peak_bytes_max_rank), format_bytes(r.expected_model_state_bytes),
-                   comm ? format_bytes(comm) : "0", fmt("%.4f", r.final_loss), "ok"});
+                   format_bytes(r.peak_bytes_max_rank),
+                   format_bytes(r.peak_activation_bytes) + " (" + r.activation_checkpointing + ")",
+                   format_bytes(r.expected_model_state_bytes), comm ? format_bytes(comm) : "0",
+                   fmt("%.4f", r.final_loss), "ok"});
     if (a2a)
       out.back().insert(out.back().end() - 2, r.all_to_all_bytes_per_step
                                                   ? format_bytes(r.all_to_all_bytes_per_step)
@@ -189,6 +194,8 @@ nlohmann::json bench_json(const std::vector<BenchRow>& rows) {
                  {"peak_bytes_by_category_per_rank", r.peak_by_rank},
                  {"expected_model_state_bytes", r.expected_model_state_bytes},
                  {"optimizer_state_dtype", r.state_dtype},
+                 {"activation_checkpointing", r.activation_checkpointing},
+                 {"peak_activation_bytes_rank0", r.peak_activation_bytes},
                  {"comm_wire_bytes_per_step", r.comm_bytes_per_step},
                  {"all_to_all_wire_bytes_per_step", r.all_to_all_bytes_per_step}});
   for (size_t i = 0; i < rows.size(); ++i)

@@ -19,12 +19,14 @@ struct BenchRow {
   double step_ms_median = 0, step_ms_p90 = 0;
   double mfu = -1;  // < 0: unknown
   double final_loss = 0;
-  int64_t peak_bytes_max_rank = 0;         // the largest per-rank peak
-  nlohmann::json peak_by_category;         // rank 0's peak bytes by category
-  nlohmann::json peak_by_rank;             // every rank's peak bytes by category
-  int64_t expected_model_state_bytes = 0;  // ZeRO paper formula for this strategy
-  std::string state_dtype = "fp32";        // optimizer.state_dtype of the run
-  nlohmann::json comm_bytes_per_step;      // wire bytes per step by collective (rank 0)
+  int64_t peak_bytes_max_rank = 0;                // the largest per-rank peak
+  nlohmann::json peak_by_category;                // rank 0's peak bytes by category
+  nlohmann::json peak_by_rank;                    // every rank's peak bytes by category
+  int64_t expected_model_state_bytes = 0;         // ZeRO paper formula for this strategy
+  std::string state_dtype = "fp32";               // optimizer.state_dtype of the run
+  std::string activation_checkpointing = "none";  // training.activation_checkpointing of the run
+  int64_t peak_activation_bytes = 0;              // rank 0's peak of activation bytes
+  nlohmann::json comm_bytes_per_step;             // wire bytes per step by collective (rank 0)
   // Of which expert parallelism's all-to-all (token dispatch and return), 0 without.
   int64_t all_to_all_bytes_per_step = 0;
   // Mixture of experts (null otherwise): tokens per expert over the run, {min, max, mean,

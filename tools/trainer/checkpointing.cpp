@@ -47,7 +47,7 @@ nlohmann::json run_info(const Run& run) {
       {"compute_dtype", dtype_name(run.precision->compute_dtype())},
       // The optimizer moments' dtype (safetensors spelling; the masters are always F32).
       {"state_dtype", run.cfg.optimizer.state_dtype == StateDType::Bf16 ? "BF16" : "F32"},
-      {"activation_checkpointing", run.cfg.training.activation_checkpointing},
+      {"activation_checkpointing", name_of(run.cfg.training.activation_checkpointing)},
       {"bucket_cap_mb", run.cfg.distributed.ddp_bucket_cap_mb},
       {"global_batch", global_batch(run)},
       // Training draws no random numbers after initialization except the data order, a

@@ -303,8 +303,7 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
                    run.expert_parallel ? ", rank 0's experts only" : "", c.model.init_from.c_str());
     }
   }
-  run.model->set_activation_checkpointing(c.training.activation_checkpointing ||
-                                          c.fsdp.fsdp_activation_checkpointing);
+  run.model->set_activation_checkpointing(c.training.activation_checkpointing);
 
   // 4. Precision conversion.
   run.precision->convert(*run.model, run.device);

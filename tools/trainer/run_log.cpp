@@ -315,19 +315,21 @@ void RunLog::finish(int64_t step, double final_eval,
   const std::string sample = sample_fn();
   if (!main_) return;
   const Strategy& strategy = *run_.strategy;
-  nlohmann::json summary = {{"summary", true},
-                            {"steps", step},
-                            {"final_loss", last_loss_},
-                            {"train_seconds", train_s},
-                            {"skipped_steps", run_.precision->skipped_steps()},
-                            {"peak_memory_bytes", memory_json(peak_memory(run_.device).data())},
-                            {"peak_memory_bytes_per_rank", rank_memory},
-                            {"tokens_per_step", run_.tokens_per_step()},
-                            {"flops_per_token", flops_per_token_},
-                            {"num_parameters", run_.model_config.num_parameters()},
-                            {"world_size", run_.dist.world()},
-                            {"strategy", strategy.name()},
-                            {"optimizer_state_dtype", name_of(run_.cfg.optimizer.state_dtype)}};
+  nlohmann::json summary = {
+      {"summary", true},
+      {"steps", step},
+      {"final_loss", last_loss_},
+      {"train_seconds", train_s},
+      {"skipped_steps", run_.precision->skipped_steps()},
+      {"peak_memory_bytes", memory_json(peak_memory(run_.device).data())},
+      {"peak_memory_bytes_per_rank", rank_memory},
+      {"tokens_per_step", run_.tokens_per_step()},
+      {"flops_per_token", flops_per_token_},
+      {"num_parameters", run_.model_config.num_parameters()},
+      {"world_size", run_.dist.world()},
+      {"strategy", strategy.name()},
+      {"optimizer_state_dtype", name_of(run_.cfg.optimizer.state_dtype)},
+      {"activation_checkpointing", name_of(run_.cfg.training.activation_checkpointing)}};
   if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
   if (moe_) {
     summary["num_active_parameters"] = run_.model_config.num_active_parameters();
@@ -353,12 +355,17 @@ void RunLog::finish(int64_t step, double final_eval,
   if (step > 0) write_chart();
   const std::string report_line = strategy.run_report_line();
   if (!report_line.empty()) std::fprintf(stderr, "%s\n", report_line.c_str());
+  const MemoryStats mem = memory_stats(run_.device);
   std::fprintf(
-      stderr, "done: %lld steps, final loss %.4f%s%s, %.1fs, peak memory %s\n",
+      stderr,
+      "done: %lld steps, final loss %.4f%s%s, %.1fs, peak memory %s (activations %s, "
+      "checkpointing %s)\n",
       static_cast<long long>(step), last_loss_,
       moe_ ? (" (router aux loss " + std::to_string(last_aux_loss_) + ")").c_str() : "",
       std::isfinite(final_eval) ? (", eval loss " + std::to_string(final_eval)).c_str() : "",
-      train_s, format_bytes(memory_stats(run_.device).peak_total).c_str());
+      train_s, format_bytes(mem.peak_total).c_str(),
+      format_bytes(mem.peak[static_cast<int>(MemCategory::Activations)]).c_str(),
+      name_of(run_.cfg.training.activation_checkpointing));
   if (!sample.empty())
     std::fprintf(stderr, "sample (greedy): %s%s\n", run_.cfg.training.sample_prompt.c_str(),
                  sample.c_str());
