@@ -315,19 +315,21 @@ void RunLog::finish(int64_t step, double final_eval,
   const std::string sample = sample_fn();
   if (!main_) return;
   const Strategy& strategy = *run_.strategy;
-  nlohmann::json summary = {{"summary", true},
-                            {"steps", step},
-                            {"final_loss", last_loss_},
-                            {"train_seconds", train_s},
-                            {"skipped_steps", run_.precision->skipped_steps()},
-                            {"peak_memory_bytes", memory_json(peak_memory(run_.device).data())},
-                            {"peak_memory_bytes_per_rank", rank_memory},
-                            {"tokens_per_step", run_.tokens_per_step()},
-                            {"flops_per_token", flops_per_token_},
-                            {"num_parameters", run_.model_config.num_parameters()},
-                            {"world_size", run_.dist.world()},
-                            {"strategy", strategy.name()},
-                            {"optimizer_state_dtype", name_of(run_.cfg.optimizer.state_dtype)}};
+  nlohmann::json summary = {
+      {"summary", true},
+      {"steps", step},
+      {"final_loss", last_loss_},
+      {"train_seconds", train_s},
+      {"skipped_steps", run_.precision->skipped_steps()},
+      {"peak_memory_bytes", memory_json(peak_memory(run_.device).data())},
+      {"peak_memory_bytes_per_rank", rank_memory},
+      {"tokens_per_step", run_.tokens_per_step()},
+      {"flops_per_token", flops_per_token_},
+      {"num_parameters", run_.model_config.num_parameters()},
+      {"world_size", run_.dist.world()},
+      {"strategy", strategy.name()},
+      {"optimizer_state_dtype", name_of(run_.cfg.optimizer.state_dtype)},
+      {"optimizer_master_weights", name_of(run_.cfg.optimizer.master_weights)}};
   if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
   if (moe_) {
     summary["num_active_parameters"] = run_.model_config.num_active_parameters();
