@@ -112,4 +112,13 @@ ACCEL_HD uint16_t stochastic_bf16(float x, const StochasticRounding& r, int64_t 
   return f32_to_bf16_stochastic(x, philox::bits(r.seed, r.first, static_cast<uint64_t>(i)));
 }
 
+// The bits philox::bits(r.seed, r.first, i + k) gives for k = 0..3 when r.first + i is a multiple
+// of 4: one Philox block instead of four (the CUDA kernel's vector path).
+ACCEL_HD philox::U4 stochastic_bits4(const StochasticRounding& r, int64_t i) {
+  const uint64_t block = (r.first + static_cast<uint64_t>(i)) >> 2;
+  return philox::philox4x32(
+      philox::U4{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, 0u},
+      static_cast<uint32_t>(r.seed), static_cast<uint32_t>(r.seed >> 32));
+}
+
 }  // namespace accel::optim_math

@@ -81,14 +81,13 @@ template <class TP>
 constexpr bool kBf16Master = std::is_same_v<TP, __nv_bfloat16>;
 
 // One AdamW element: the fp32-master math above, or for a bf16 master weight the CPU's own
-// (ops/optim_math.h) with element `i`'s stochastic rounding.
+// (ops/optim_math.h), stochastically rounded with `bits` (element i's Philox bits).
 template <class TP>
 __device__ __forceinline__ TP adamw_store(float gr, float pi, float& mi, float& vi,
-                                          const AdamScalars& s, const StochasticRounding& r,
-                                          int64_t i) {
+                                          const AdamScalars& s, uint32_t bits) {
   if constexpr (kBf16Master<TP>) {
     return __ushort_as_bfloat16(
-        optim_math::stochastic_bf16(optim_math::adamw_element(gr, pi, mi, vi, s), r, i));
+        optim_math::f32_to_bf16_stochastic(optim_math::adamw_element(gr, pi, mi, vi, s), bits));
   } else {
     adamw_update(gr * s.grad_scale, pi, mi, vi, s);
     return from_f<TP>(pi);
@@ -118,10 +117,22 @@ __global__ void __launch_bounds__(kMultiThreads)
       Pack<TS> vp = *reinterpret_cast<const Pack<TS>*>(v + i);
       const Pack<TG> gp = *reinterpret_cast<const Pack<TG>*>(g + i);
       [[maybe_unused]] Pack<std::conditional_t<kCopy, TC, TP>> cp;
+      // bf16 masters: the four elements' random bits, from one Philox block where they share it.
+      uint32_t bits[kVec] = {};
+      if constexpr (kBf16Master<TP>) {
+        if (((a.sr[t].first + i) & 3) == 0) {
+          const philox::U4 b = optim_math::stochastic_bits4(a.sr[t], i);
+          bits[0] = b.x, bits[1] = b.y, bits[2] = b.z, bits[3] = b.w;
+        } else {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k)
+            bits[k] = philox::bits(a.sr[t].seed, a.sr[t].first, static_cast<uint64_t>(i + k));
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         float mi = to_f(mp.x[k]), vi = to_f(vp.x[k]);
-        pp.x[k] = adamw_store<TP>(to_f(gp.x[k]), to_f(pp.x[k]), mi, vi, s, a.sr[t], i + k);
+        pp.x[k] = adamw_store<TP>(to_f(gp.x[k]), to_f(pp.x[k]), mi, vi, s, bits[k]);
         mp.x[k] = store_state<TS>(mi);
         vp.x[k] = store_state<TS>(vi);
         if constexpr (kCopy) cp.x[k] = round_copy<TC>(to_f(pp.x[k]));
@@ -134,7 +145,9 @@ __global__ void __launch_bounds__(kMultiThreads)
   }
   for (int64_t i = rest + threadIdx.x; i < end; i += kMultiThreads) {
     float mi = to_f(m[i]), vi = to_f(v[i]);
-    p[i] = adamw_store<TP>(to_f(g[i]), to_f(p[i]), mi, vi, s, a.sr[t], i);
+    const uint32_t bits =
+        kBf16Master<TP> ? philox::bits(a.sr[t].seed, a.sr[t].first, static_cast<uint64_t>(i)) : 0;
+    p[i] = adamw_store<TP>(to_f(g[i]), to_f(p[i]), mi, vi, s, bits);
     m[i] = store_state<TS>(mi);
     v[i] = store_state<TS>(vi);
     if constexpr (kCopy) c[i] = round_copy<TC>(to_f(p[i]));

@@ -109,6 +109,13 @@ TEST(StochasticRounding, IsDeterministicForASeedAndKeepsBf16Values) {
     const uint16_t h = f32_to_bf16(static_cast<float>(xs[i % xs.size()]));
     EXPECT_EQ(optim_math::f32_to_bf16_stochastic(bf16_to_f32(h), 0xffffu * (i & 1) + i), h);
   }
+  // The CUDA kernel's four-at-a-time bits are philox::bits' own.
+  const StochasticRounding r{0x1234567890abcdefull, 8};
+  for (int64_t i = 0; i < 64; i += 4) {
+    const philox::U4 b = optim_math::stochastic_bits4(r, i);
+    const uint32_t four[] = {b.x, b.y, b.z, b.w};
+    for (int k = 0; k < 4; ++k) EXPECT_EQ(four[k], philox::bits(r.seed, r.first, i + k)) << i + k;
+  }
   EXPECT_TRUE(std::isnan(bf16_to_f32(optim_math::f32_to_bf16_stochastic(NAN, 0xffff))));
   EXPECT_EQ(bf16_to_f32(optim_math::f32_to_bf16_stochastic(INFINITY, 0xffff)), INFINITY);
 }
