@@ -141,7 +141,7 @@ TEST(LlamaTinyMasterBf16, EndsCloseToFp32Masters) {
               " --set data.text_files=" + files +
               " --set training.device=cpu --set training.progress=none --set training.max_steps=100"
               " --set training.micro_batch_size=8 --set training.seq_len=64"
-              " --set optimizer.warmup_steps=20 --set training.eval_every=0"
+              " --set optimizer.warmup_steps=20 --set training.eval_every=100"
               " --set training.sample_tokens=0 --set checkpoint.every_steps=0"
               " --set checkpoint.at_end=false -o " +
               (out / master).string() + " > " + (out / master).string() + ".log 2>&1 & ";
