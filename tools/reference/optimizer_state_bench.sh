@@ -18,8 +18,10 @@
 # differences from fp32.
 # Environment: ACCEL_BIN (default build/bin), CONFIG (default configs/llama-125m.yaml), STEPS,
 # TEXT_DIR, BENCH_TMP (default /tmp), BENCH_EXTRA (more accel-train flags for every run, e.g.
-# "--set training.seq_len=64 --set training.micro_batch_size=2" with CONFIG=configs/llama-tiny.yaml
-# to check the flow on a CPU). Needs python3 (no packages). Not a test; not part of the build.
+# "--set training.seq_len=64 --set training.micro_batch_size=2 --set mixed_precision=bf16" with
+# CONFIG=configs/llama-tiny.yaml to check the flow on a CPU: bf16 masters need bf16 compute, which
+# llama-125m has and llama-tiny does not). Needs python3 (no packages). Not a test; not part of
+# the build.
 set -euo pipefail
 BIN=${ACCEL_BIN:-build/bin}
 CONFIG=${CONFIG:-configs/llama-125m.yaml}
