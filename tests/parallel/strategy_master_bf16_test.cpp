@@ -3,7 +3,8 @@
 // only on its parameter and its place in it, so with the same gradient on every rank (each rank
 // trains on the whole batch; averaging equal bf16 values over 2 or 3 ranks is exact) every
 // strategy at world size 2 and 3 (and single) ends with the weights of the reference single
-// process (tests/parallel/strategy_test_util.h, written without the engine) bit for bit. With the
+// process (tests/parallel/strategy_test_util.h, written without the engine) bit for bit, also with
+// ZeRO-2/3 optimizer offload (a bf16 master of its own, copied to the compute weights). With the
 // batch split over the ranks the usual bf16 tolerance holds; the reference stays near its
 // fp32-master run; and the model-state memory per rank follows the ZeRO formulas without the
 // fp32 master (DDP 12P, ZeRO-1 4P + 8P/N, ZeRO-2 2P + 10P/N, ZeRO-3 12P/N with fp32 moments;
@@ -64,11 +65,12 @@ struct Case {
   std::string strategy;
   int world;
   DType state;
+  bool offload = false;  // deepspeed offload_optimizer: a bf16 master of its own on the host
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return info.param.strategy + "_world" + std::to_string(info.param.world) + "_state_" +
-         dtype_name(info.param.state);
+         dtype_name(info.param.state) + (info.param.offload ? "_offload" : "");
 }
 
 class StrategyMasterBf16Parity : public ::testing::TestWithParam<Case> {};
@@ -86,6 +88,7 @@ TEST_P(StrategyMasterBf16Parity, EqualsTheReferenceBitForBit) {
     RunSpec s = ref_spec;
     s.strategy = c.strategy;
     s.world = c.world;
+    s.offload_optimizer = c.offload;
     Trainee t = make_trainee(s, w.pg, rank == 0 ? s.seed : s.seed + 1 + rank);
     // No fp32 master: every master tensor this rank holds is bf16.
     for (const auto& [key, st] : t.strategy->optimizer_state())
@@ -111,7 +114,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"ddp", 2, DType::F32}, Case{"ddp", 3, DType::BF16},
                       Case{"zero1", 2, DType::BF16}, Case{"zero1", 3, DType::F32},
                       Case{"zero2", 2, DType::F32}, Case{"zero2", 3, DType::BF16},
-                      Case{"zero3", 2, DType::BF16}, Case{"zero3", 3, DType::F32},
+                      Case{"zero2", 3, DType::F32, true}, Case{"zero3", 2, DType::BF16},
+                      Case{"zero3", 3, DType::F32}, Case{"zero3", 2, DType::F32, true},
                       Case{"fsdp", 2, DType::F32}, Case{"fsdp", 3, DType::BF16}),
     case_name);
 
