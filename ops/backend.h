@@ -105,16 +105,21 @@ class Backend {
   virtual void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
                            double stddev) = 0;
 
+  // `rounding`: the bf16 param's stochastic rounding (ops.h), null for other params.
   virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                          const AdamWParams& p, double grad_scale) = 0;
+                          const AdamWParams& p, double grad_scale,
+                          const StochasticRounding* rounding = nullptr) = 0;
   // adamw_step over lists, checked by the op layer (same lengths, shapes, device; copies empty or
-  // one 16-bit tensor per param); each copy gets its param after the update, rounded once.
+  // one 16-bit tensor per param; rounding empty or one per param); each copy gets its param after
+  // the update, rounded once.
   virtual void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                 const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                                 const std::vector<Tensor>& compute_copies, const AdamWParams& p,
-                                double grad_scale) = 0;
+                                double grad_scale,
+                                const std::vector<StochasticRounding>& rounding = {}) = 0;
   virtual void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
-                        double momentum, double weight_decay, double grad_scale) = 0;
+                        double momentum, double weight_decay, double grad_scale,
+                        const StochasticRounding* rounding = nullptr) = 0;
   virtual double sum_of_squares(const std::vector<Tensor>& xs) = 0;
 
   // fp8 (ops/fp8.h; arguments checked and allocated by ops/fp8.cpp, tensors contiguous). x [R, C]

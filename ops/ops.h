@@ -174,25 +174,41 @@ struct AdamWParams {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t step;  // 1-based, for bias correction
 };
-// Updates fp32 master `param` and moments m, v from `grad` (same dtype as param, or 16-bit grad
-// for a fp32 param), as torch.optim.AdamW does. `grad_scale` multiplies the gradient first
-// (clipping and loss-scale unscaling). m and v are in the param's dtype, or bf16 beside an fp32
-// param (optimizer.state_dtype bf16): then each moment is widened to fp32, updated, used for
-// this step's update unrounded, and stored rounded to nearest even.
+// Stochastic rounding of a bf16 param's update (optimizer.master_weights bf16): element i of the
+// tensor rounds its new fp32 value to bf16 with the random bits of the counter-based Philox
+// stream at (seed, first + i) (ops/optim_math.h), so a parameter's elements round alike whatever
+// tensor or shard holds them.
+struct StochasticRounding {
+  uint64_t seed = 0;
+  uint64_t first = 0;
+};
+// Updates master `param` and moments m, v from `grad`, as torch.optim.AdamW does. `grad_scale`
+// multiplies the gradient first (clipping and loss-scale unscaling).
+// - fp32 (or f64) param: grad in its dtype or 16-bit for an fp32 param; m and v in the param's
+//   dtype, or bf16 beside an fp32 param (optimizer.state_dtype bf16: each moment is widened to
+//   fp32, updated, used for this step's update unrounded, and stored rounded to nearest even).
+// - bf16 param (bf16 master weights): grad bf16 or fp32, m and v fp32 or bf16, `rounding`
+//   required; the update is computed in fp32 (ops/optim_math.h, the same operations on every
+//   backend) and the new value stochastically rounded to bf16.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                const AdamWParams& p, double grad_scale = 1.0);
+                const AdamWParams& p, double grad_scale = 1.0,
+                const StochasticRounding* rounding = nullptr);
 // adamw_step over lists (one entry per tensor; every list as long as `params`, all on one
 // device), in one pass where the backend can: each entry gets exactly adamw_step's numbers. With
-// `compute_copies` non-empty (one defined bf16/f16 tensor per param, same shape, contiguous), each
-// copy also receives its updated param rounded once to nearest even, as copy_ would write it.
+// `compute_copies` non-empty (one defined bf16/f16 tensor per fp32 param, same shape,
+// contiguous), each copy also receives its updated param rounded once to nearest even, as copy_
+// would write it. `rounding`: empty, or one entry per param (used by the bf16 params).
 void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                       const AdamWParams& p, double grad_scale = 1.0,
-                      const std::vector<Tensor>& compute_copies = {});
+                      const std::vector<Tensor>& compute_copies = {},
+                      const std::vector<StochasticRounding>& rounding = {});
 // param -= lr * (momentum buffer), torch.optim.SGD semantics with dampening 0, no nesterov. The
-// buffer is in the param's dtype, or bf16 beside an fp32 param (as adamw_step's moments).
+// buffer is in the param's dtype, or bf16 beside an fp32 param (as adamw_step's moments); a bf16
+// param takes an fp32 or bf16 buffer and needs `rounding`, as in adamw_step.
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, double lr,
-              double momentum, double weight_decay, double grad_scale = 1.0);
+              double momentum, double weight_decay, double grad_scale = 1.0,
+              const StochasticRounding* rounding = nullptr);
 // Sum of squares of all elements of all tensors, accumulated in fp64, returned to the host (for
 // global-norm clipping; one synchronization for the whole list on a GPU).
 double sum_of_squares(const std::vector<Tensor>& xs);

@@ -14,29 +14,43 @@ void check_state(const char* op, const Tensor& param, const Tensor& grad, const 
   detail::check_same_device(op, param, grad);
   detail::check_same_device(op, param, state);
 }
+
+// bf16 params are the master weights themselves: their update is stochastically rounded, and
+// only theirs.
+void check_rounding(const char* op, const Tensor& param, const StochasticRounding* rounding) {
+  if (param.dtype() == DType::BF16 && !rounding)
+    detail::op_error(op, "bf16 param " + param.str() +
+                             " is a master weight: its update needs stochastic rounding (a seed)");
+  if (param.dtype() != DType::BF16 && rounding)
+    detail::op_error(op, "stochastic rounding is for bf16 params, not " + param.str());
+}
 }  // namespace
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                const AdamWParams& p, double grad_scale) {
+                const AdamWParams& p, double grad_scale, const StochasticRounding* rounding) {
   check_state("adamw_step", param, grad, m);
   check_state("adamw_step", param, grad, v);
-  backend_for(param.device()).adamw_step(param, grad, m, v, p, grad_scale);
+  check_rounding("adamw_step", param, rounding);
+  backend_for(param.device()).adamw_step(param, grad, m, v, p, grad_scale, rounding);
 }
 
 void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                       const AdamWParams& p, double grad_scale,
-                      const std::vector<Tensor>& compute_copies) {
+                      const std::vector<Tensor>& compute_copies,
+                      const std::vector<StochasticRounding>& rounding) {
   const char* op = "adamw_step_multi";
   const size_t n = params.size();
   if (grads.size() != n || ms.size() != n || vs.size() != n ||
-      (!compute_copies.empty() && compute_copies.size() != n))
+      (!compute_copies.empty() && compute_copies.size() != n) ||
+      (!rounding.empty() && rounding.size() != n))
     detail::op_error(op, std::to_string(n) + " params, " + std::to_string(grads.size()) +
                              " grads, " + std::to_string(ms.size()) + " exp_avg, " +
-                             std::to_string(vs.size()) + " exp_avg_sq and " +
-                             std::to_string(compute_copies.size()) +
-                             " compute copies: the lists must have one entry per param "
-                             "(compute copies may be empty)");
+                             std::to_string(vs.size()) + " exp_avg_sq, " +
+                             std::to_string(compute_copies.size()) + " compute copies and " +
+                             std::to_string(rounding.size()) +
+                             " roundings: the lists must have one entry per param "
+                             "(compute copies and roundings may be empty)");
   if (n == 0) return;
   for (size_t i = 0; i < n; ++i) {
     if (!params[i].defined() || !grads[i].defined() || !ms[i].defined() || !vs[i].defined())
@@ -44,6 +58,8 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
                                " has an undefined param, grad or moment (leave it out instead)");
     check_state(op, params[i], grads[i], ms[i]);
     check_state(op, params[i], grads[i], vs[i]);
+    check_rounding(op, params[i],
+                   !rounding.empty() && params[i].dtype() == DType::BF16 ? &rounding[i] : nullptr);
     detail::check_same_device(op, params[0], params[i]);
     if (compute_copies.empty()) continue;
     const Tensor& c = compute_copies[i];
@@ -58,13 +74,16 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
     detail::check_same_device(op, params[i], c);
   }
   backend_for(params[0].device())
-      .adamw_step_multi(params, grads, ms, vs, compute_copies, p, grad_scale);
+      .adamw_step_multi(params, grads, ms, vs, compute_copies, p, grad_scale, rounding);
 }
 
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
-              double momentum, double weight_decay, double grad_scale) {
+              double momentum, double weight_decay, double grad_scale,
+              const StochasticRounding* rounding) {
   check_state("sgd_step", param, grad, buf);
-  backend_for(param.device()).sgd_step(param, grad, buf, lr, momentum, weight_decay, grad_scale);
+  check_rounding("sgd_step", param, rounding);
+  backend_for(param.device())
+      .sgd_step(param, grad, buf, lr, momentum, weight_decay, grad_scale, rounding);
 }
 
 }  // namespace accel

@@ -1,4 +1,5 @@
-// Optimizers over fp32 master tensors, learning-rate schedules and gradient clipping.
+// Optimizers over master tensors (fp32, or bf16 with stochastic rounding), learning-rate
+// schedules and gradient clipping.
 //
 // An Optimizer updates a list of tensors (whole parameters on one process, or the shards a rank
 // owns under ZeRO/FSDP) from gradients of the same shapes; it never sees the model.
@@ -20,6 +21,22 @@ struct OptimizerOptions {
   // BF16 stores them in bf16 beside fp32 params (optimizer.state_dtype bf16; the update math
   // stays fp32, the stored moments are rounded to nearest even).
   DType state_dtype = DType::F32;
+  // The master weights' dtype (optimizer.master_weights): F32, or BF16, where the params the
+  // optimizer updates are the bf16 weights themselves: the update is computed in fp32 and
+  // stochastically rounded (ops.h StochasticRounding) with seeds drawn from rounding_seed, the
+  // step count and each parameter's name, so a resumed run rounds as the uninterrupted one.
+  DType master_dtype = DType::F32;
+  uint64_t rounding_seed = 0;  // training.seed
+};
+
+// Where elements of an optimizer tensor sit in the model: elements [begin, begin + size) of the
+// tensor are elements [first, first + size) of the (flattened) parameter `param`. A sharded
+// strategy describes its flat chunks with these, so that every element's stochastic rounding
+// depends only on (parameter, element), not on the layout.
+struct ParamSpan {
+  int64_t begin = 0, size = 0;
+  std::string param;
+  int64_t first = 0;
 };
 
 class Optimizer {
@@ -31,8 +48,12 @@ class Optimizer {
   // every step refreshes with its updated param rounded once (as copy_ would): AdamW writes them
   // in the same pass as the update. Copies of params whose grad is undefined are left as they
   // are (their params did not change). The owner refreshes them itself after load_state.
+  //
+  // `spans` (bf16 masters only): empty, when each tensor is the whole parameter of its name, or
+  // one list per tensor; elements outside every span (shard padding) are left as they are.
   Optimizer(const OptimizerOptions& opts, std::vector<Tensor> params,
-            std::vector<std::string> names, std::vector<Tensor> compute_copies = {});
+            std::vector<std::string> names, std::vector<Tensor> compute_copies = {},
+            std::vector<std::vector<ParamSpan>> spans = {});
 
   // One update with learning rate lr; each grad is multiplied by grad_scale first. Params whose
   // grad is undefined are skipped.
@@ -52,9 +73,11 @@ class Optimizer {
   OptimizerOptions opts_;
   std::vector<Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<Tensor> copies_;  // compute copies (empty: none)
-  std::vector<Tensor> m_, v_;   // adamw moments, or m_ = momentum buffers for sgd
+  std::vector<Tensor> copies_;                 // compute copies (empty: none)
+  std::vector<Tensor> m_, v_;                  // adamw moments, or m_ = momentum buffers for sgd
+  std::vector<std::vector<ParamSpan>> spans_;  // bf16 masters: one list per param
   int64_t step_ = 0;
+  void step_bf16_masters(const std::vector<Tensor>& grads, double lr, double grad_scale);
 };
 
 struct LRSchedule {

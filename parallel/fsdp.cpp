@@ -356,12 +356,12 @@ std::string FsdpStrategy::run_report_line() const {
 }
 
 std::vector<std::pair<std::string, Tensor>> FsdpStrategy::full_state_dict() {
-  if (fsdp_.state_dict_type == FsdpStateDictType::Full) return gather_fp32_weights();
+  if (fsdp_.state_dict_type == FsdpStateDictType::Full) return gather_master_weights();
   return {};
 }
 
 std::vector<StateDictEntry> FsdpStrategy::full_state_dict_layout() const {
-  if (fsdp_.state_dict_type == FsdpStateDictType::Full) return fp32_weights_layout();
+  if (fsdp_.state_dict_type == FsdpStateDictType::Full) return master_weights_layout();
   return {};
 }
 

@@ -4,7 +4,8 @@
 //
 // The model is built with fp32 parameters on the compute device. setup() turns them into what the
 // strategy needs: fp32 master weights (whole or sharded) plus compute copies in the compute dtype
-// that the model's Parameter slots then hold.
+// that the model's Parameter slots then hold, or with optimizer.master_weights bf16 the bf16
+// compute weights alone, which are then the masters.
 #pragma once
 
 #include <functional>
@@ -39,8 +40,8 @@ struct ParamStateSlice {
   int64_t begin = 0, end = 0;
   // By state kind ("master": the fp32 master weights, then the optimizer's moments under their
   // suffixes, e.g. "exp_avg", "exp_avg_sq" or "momentum_buffer"): [end - begin] views of the
-  // live state (copy them before training goes on), fp32 masters, moments in the optimizer's
-  // state dtype (fp32 or bf16).
+  // live state (copy them before training goes on), masters in the master dtype (fp32, or bf16
+  // with optimizer.master_weights bf16), moments in the optimizer's state dtype (fp32 or bf16).
   std::vector<std::pair<std::string, Tensor>> tensors;
 };
 
@@ -56,8 +57,8 @@ struct StateDictEntry {
 };
 
 // Fills `dst` (fp32, contiguous, on the CPU) with elements [begin, begin + dst.numel()) of state
-// `kind` of parameter `name` (bf16-stored moments widened exactly); throws when the checkpoint
-// cannot.
+// `kind` of parameter `name` (bf16-stored masters and moments widened exactly); throws when the
+// checkpoint cannot.
 using ParamStateReader = std::function<void(const std::string& name, const std::string& kind,
                                             int64_t begin, const Tensor& dst)>;
 

@@ -196,12 +196,19 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
 
   const Device host = Device::cpu();
   const Device master_dev = options_.offload_optimizer ? host : device_;
+  // fp32, or bf16 (optimizer.master_weights bf16, validated to compute in bf16): then the
+  // master weights are the compute weights where they live on the same device.
+  const DType mdt = opts.master_dtype;
+  if (mdt != DType::F32 && mdt != cdt)
+    throw std::logic_error(name() + ": " + dtype_name(mdt) + " master weights need " +
+                           dtype_name(mdt) + " compute, not " + dtype_name(cdt));
   std::vector<Tensor> masters, copies;
   std::vector<std::string> names;
-  // 16-bit compute with the master weights on the same device: the optimizer writes the compute
-  // copy in its update (one pass over the weights instead of an update and a copy).
+  std::vector<std::vector<ParamSpan>> spans;  // bf16 masters, stages 1-3
+  // Compute in another dtype than the masters, both on one device: the optimizer writes the
+  // compute copy in its update (one pass over the weights instead of an update and a copy).
   optimizer_writes_compute_ =
-      cdt != DType::F32 && !options_.offload_optimizer && !(stage == 3 && options_.offload_params);
+      cdt != mdt && !options_.offload_optimizer && !(stage == 3 && options_.offload_params);
   NoGradGuard no_grad;
   for (size_t gi = 0; gi < group_params.size(); ++gi) {
     Group g;
@@ -219,17 +226,18 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     }
 
     g.flat = FlatParamGroup::make(gname, group_params[gi], world, cdt, device_, options_.layout);
-    const bool fp32_here = cdt == DType::F32 && !options_.offload_optimizer;
+    const bool master_here = cdt == mdt && !options_.offload_optimizer;
     if (stage == 0) {
-      g.master_is_compute = fp32_here;
-      g.master = fp32_here ? g.flat->full() : flat32.to(master_dev);
+      // Stage 0 never offloads, so bf16 masters are always the compute buffer here.
+      g.master_is_compute = master_here;
+      g.master = master_here ? g.flat->full() : flat32.to(master_dev);
     } else if (stage < 3) {
-      g.master_is_compute = fp32_here;
-      if (fp32_here) {
+      g.master_is_compute = master_here;
+      if (master_here) {
         g.master = g.flat->full_chunk(rank);
       } else {
-        g.master = Tensor::empty({layout.shard_numel}, DType::F32, master_dev,
-                                 MemCategory::OptimizerState);
+        g.master =
+            Tensor::empty({layout.shard_numel}, mdt, master_dev, MemCategory::OptimizerState);
         layout.extract_shard(flat32, rank, g.master);
       }
     } else {
@@ -241,12 +249,12 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
         g.shard = Tensor::empty({layout.shard_numel}, cdt, shard_dev, MemCategory::Params);
         layout.extract_shard(g.flat->full(), rank, g.shard);
       }
-      g.master_is_compute = fp32_here && !options_.offload_params;
+      g.master_is_compute = master_here && !options_.offload_params;
       if (g.master_is_compute) {
         g.master = g.shard;
       } else {
-        g.master = Tensor::empty({layout.shard_numel}, DType::F32, master_dev,
-                                 MemCategory::OptimizerState);
+        g.master =
+            Tensor::empty({layout.shard_numel}, mdt, master_dev, MemCategory::OptimizerState);
         layout.extract_shard(flat32, rank, g.master);
       }
     }
@@ -255,6 +263,15 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
     if (stage >= 1) {
       masters.push_back(g.master);
       names.push_back(gname);
+      if (mdt == DType::BF16) {  // where each parameter's owned elements sit in the chunk
+        spans.emplace_back();
+        for (size_t s = 0; s < layout.slots.size(); ++s) {
+          const FlatLayout::Range owned = layout.owned(s, rank);
+          if (owned.size() > 0)
+            spans.back().push_back(
+                {layout.shard_offset(s, rank), owned.size(), layout.slots[s].name, owned.begin});
+        }
+      }
       if (optimizer_writes_compute_)  // where the 16-bit compute weights of the master chunk live
         copies.push_back(stage < 3 ? g.flat->full_chunk(rank) : g.shard);
     }
@@ -278,7 +295,8 @@ void FlatDataParallel::setup(Module& model, const OptimizerOptions& opts) {
       if (optimizer_writes_compute_) copies.push_back(flat_view(g.flat->full(), s.offset, s.shape));
     }
   }
-  optimizer_ = std::make_unique<Optimizer>(opts, masters, names, std::move(copies));
+  optimizer_ =
+      std::make_unique<Optimizer>(opts, masters, names, std::move(copies), std::move(spans));
   group_comm_.assign(groups_.size(), GroupComm{});
   if (!options_.flat_grads) return;  // no collectives: no grad-ready hooks
 
@@ -524,21 +542,22 @@ StepResult FlatDataParallel::step(double lr, double max_grad_norm, double grad_s
   return r;
 }
 
-Tensor FlatDataParallel::gather_group_fp32(int gi) {
+Tensor FlatDataParallel::gather_group_master(int gi) {
   Group& g = groups_[gi];
   if (options_.zero_stage == 0) return g.master;
   const FlatLayout& l = g.flat->layout();
-  Tensor wire = Tensor::empty({l.padded_numel}, DType::F32, device_, MemCategory::Other);
+  const DType mdt = g.master.dtype();
+  Tensor wire = Tensor::empty({l.padded_numel}, mdt, device_, MemCategory::Other);
   Tensor chunk = flat_view(wire, comm_.rank() * l.shard_numel, {l.shard_numel});
   chunk.copy_(g.master);
   comm_.all_gather(wire, chunk)->wait();
   if (l.wire_is_flat()) return wire;
-  Tensor full32 = Tensor::empty({l.flat_numel}, DType::F32, device_, MemCategory::Other);
-  l.unpack(wire, full32);  // copy-out
-  return full32;
+  Tensor full = Tensor::empty({l.flat_numel}, mdt, device_, MemCategory::Other);
+  l.unpack(wire, full);  // copy-out
+  return full;
 }
 
-std::vector<std::pair<std::string, Tensor>> FlatDataParallel::gather_fp32_weights() {
+std::vector<std::pair<std::string, Tensor>> FlatDataParallel::gather_master_weights() {
   NoGradGuard no_grad;
   std::vector<std::pair<std::string, Tensor>> out;
   if (options_.zero_stage == 0) {  // the masters are whole: views of them, in model order
@@ -549,31 +568,32 @@ std::vector<std::pair<std::string, Tensor>> FlatDataParallel::gather_fp32_weight
     return out;
   }
   for (int gi = 0; gi < num_groups(); ++gi) {
-    Tensor full32 = gather_group_fp32(gi);
+    Tensor full32 = gather_group_master(gi);
     for (const FlatSlot& s : groups_[gi].flat->layout().slots)
       out.push_back({s.name, flat_view(full32, s.offset, s.shape)});
   }
   return out;
 }
 
-std::vector<StateDictEntry> FlatDataParallel::fp32_weights_layout() const {
+std::vector<StateDictEntry> FlatDataParallel::master_weights_layout() const {
   std::vector<StateDictEntry> out;
   if (options_.zero_stage == 0) {  // views of the whole masters, in model order
     for (const SlotRef& r : model_slots_) {
       const FlatSlot& s = groups_[r.group].flat->layout().slots[r.slot];
-      out.push_back({s.name, s.shape, DType::F32, groups_[r.group].master.device()});
+      const Tensor& master = groups_[r.group].master;
+      out.push_back({s.name, s.shape, master.dtype(), master.device()});
     }
     return out;
   }
-  // gather_group_fp32: each group's flat fp32 buffer on the compute device, in group order.
+  // gather_group_master: each group's flat master buffer on the compute device, in group order.
   for (const Group& g : groups_)
     for (const FlatSlot& s : g.flat->layout().slots)
-      out.push_back({s.name, s.shape, DType::F32, device_});
+      out.push_back({s.name, s.shape, g.master.dtype(), device_});
   return out;
 }
 
 std::vector<StateDictEntry> FlatDataParallel::full_state_dict_layout() const {
-  if (options_.zero_stage < 3) return fp32_weights_layout();
+  if (options_.zero_stage < 3) return master_weights_layout();
   std::vector<StateDictEntry> out;
   if (!options_.save_16bit_model) return out;
   for (const Group& g : groups_)
@@ -583,13 +603,13 @@ std::vector<StateDictEntry> FlatDataParallel::full_state_dict_layout() const {
 }
 
 std::vector<std::pair<std::string, Tensor>> FlatDataParallel::full_state_dict() {
-  if (options_.zero_stage < 3) return gather_fp32_weights();
+  if (options_.zero_stage < 3) return gather_master_weights();
   std::vector<std::pair<std::string, Tensor>> out;
   if (!options_.save_16bit_model) return out;
   // One unit at a time, so the extra memory is one unit in fp32 plus the model in 16 bits.
   NoGradGuard no_grad;
   for (int gi = 0; gi < num_groups(); ++gi) {
-    Tensor full32 = gather_group_fp32(gi);
+    Tensor full32 = gather_group_master(gi);
     for (const FlatSlot& s : groups_[gi].flat->layout().slots) {
       Tensor w = Tensor::empty(s.shape, options_.compute_dtype, device_, MemCategory::Other);
       w.copy_(flat_view(full32, s.offset, s.shape));

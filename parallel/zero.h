@@ -16,7 +16,10 @@
 //                  for its backward, the next unit prefetched, and released after use
 //
 // With fp32 compute the master weights are the compute buffer (or its chunk) itself. With
-// optimizer.state_dtype bf16 the Adam moments are bf16 (master + Adam 8P, or 8P/N sharded).
+// optimizer.state_dtype bf16 the Adam moments are bf16 (master + Adam 8P, or 8P/N sharded). With
+// optimizer.master_weights bf16 (bf16 compute) there is no fp32 master: the bf16 compute buffer
+// (its chunk, its shard) is the master, updated with stochastic rounding (master + Adam: 2P + 8P
+// fp32 moments, or 2P + 4P bf16 ones, of which the 2P are the compute params).
 // docs/parallel.md has the details (buckets, layouts, checkpoints).
 #pragma once
 
@@ -79,7 +82,8 @@ class FlatDataParallel : public Strategy {
   void end_micro_batch() override;
   StepResult step(double lr, double max_grad_norm, double grad_scale) override;
 
-  // Stages 0-2: fp32 weights. Stage 3: compute-dtype weights with save_16bit_model, else none
+  // Stages 0-2: the master weights (fp32, or bf16 with optimizer.master_weights bf16). Stage 3:
+  // compute-dtype weights with save_16bit_model, else none
   // (the weights are only in the shards; accel-checkpoint consolidate rebuilds them).
   std::vector<std::pair<std::string, Tensor>> full_state_dict() override;
   std::vector<StateDictEntry> full_state_dict_layout() const override;
@@ -100,10 +104,10 @@ class FlatDataParallel : public Strategy {
   void import_param_state(const ParamStateReader& read, int64_t optimizer_steps) override;
   bool forward_is_collective() const override { return options_.zero_stage == 3; }
 
-  // The fp32 master weights, gathered (every rank calls this; for tests and tools).
-  std::vector<std::pair<std::string, Tensor>> gather_fp32_weights();
-  // What gather_fp32_weights() returns, described without gathering (full_state_dict_layout).
-  std::vector<StateDictEntry> fp32_weights_layout() const;
+  // The master weights (fp32 or bf16), gathered (every rank calls this; for tests and tools).
+  std::vector<std::pair<std::string, Tensor>> gather_master_weights();
+  // What gather_master_weights() returns, described without gathering (full_state_dict_layout).
+  std::vector<StateDictEntry> master_weights_layout() const;
 
   // step() in phases, for a strategy that composes engines (expert parallelism):
   //   finish_gradients()      waits for the step's reductions; this rank's gradients as the
@@ -166,10 +170,13 @@ class FlatDataParallel : public Strategy {
  private:
   struct Group {
     std::unique_ptr<FlatParamGroup> flat;
-    Tensor master;                   // fp32: [flat_numel] (stage 0) or this rank's [shard_numel]
-    bool master_is_compute = false;  // master aliases the compute buffer (fp32, not offloaded)
-    Tensor shard;                    // stage 3: the compute-dtype chunk this rank keeps
-    Tensor wire;                     // stage 3, dim-0 layout: a gather in flight (rank-major)
+    // fp32 or bf16 (OptimizerOptions::master_dtype): [flat_numel] (stage 0) or this rank's
+    // [shard_numel]
+    Tensor master;
+    bool master_is_compute =
+        false;     // master aliases the compute buffer (same dtype, not offloaded)
+    Tensor shard;  // stage 3: the compute-dtype chunk this rank keeps
+    Tensor wire;   // stage 3, dim-0 layout: a gather in flight (rank-major)
     // Stages 2-3: this step's reduced gradient of this rank's chunk; undefined between steps. The
     // first micro-batch's reduction output becomes it (no zeroing, no accumulate); later ones are
     // added to it.
@@ -184,7 +191,7 @@ class FlatDataParallel : public Strategy {
   void build_groups(Module& model, std::vector<std::vector<Parameter*>>* group_params,
                     std::vector<Module*>* units, bool* root_unit);
   void launch_reduction(int g);
-  Tensor gather_group_fp32(int g);
+  Tensor gather_group_master(int g);
   void wait_pending(size_t keep);
   // The compute weights from the master weights (all-gathered at stages 1-2); after_update: the
   // optimizer already wrote this rank's part where optimizer_writes_compute_.

@@ -1263,6 +1263,10 @@ std::vector<Field> build_schema() {
   add(f_enum("optimizer.state_dtype", ACCEL_REF(optimizer.state_dtype),
              "dtype of AdamW's exp_avg and exp_avg_sq (SGD's momentum buffer): bf16 halves their "
              "memory; the update is computed in fp32 and the moments rounded to nearest even."));
+  add(f_enum("optimizer.master_weights", ACCEL_REF(optimizer.master_weights),
+             "dtype of the master weights: fp32 keeps an fp32 copy beside the 16-bit compute "
+             "weights; bf16 (mixed_precision bf16 or fp8) makes the bf16 weights the master, "
+             "updated in fp32 and stochastically rounded (saves 4 bytes per parameter)."));
 
   // ---- data ----
   add(f_enum("data.source", ACCEL_REF(data.source),
@@ -2365,6 +2369,18 @@ void validate_config(const Config& c) {
                                   " is not supported with mixed_precision fp8: use TE "
                                   "(delayed scaling) or AO (dynamic scaling)");
 
+  // bf16 masters are the bf16 compute weights themselves (fp8 computes in bf16 too and casts its
+  // linear layers' weights from them, FSDP's fp8 all-gather from their shards).
+  if (c.optimizer.master_weights == StateDType::Bf16 && c.mixed_precision != MixedPrecision::Bf16 &&
+      c.mixed_precision != MixedPrecision::Fp8)
+    err("optimizer.master_weights",
+        std::string("optimizer.master_weights bf16 makes the bf16 compute weights the master "
+                    "copy, but mixed_precision is ") +
+            name_of(c.mixed_precision) + " (" + origin(c, "mixed_precision") + "): " +
+            (c.mixed_precision == MixedPrecision::No
+                 ? "fp32 training computes on its fp32 masters, there is no copy to drop"
+                 : "fp16 compute weights cannot be bf16 masters") +
+            ". Set mixed_precision: bf16 (or fp8), or optimizer.master_weights: fp32");
   if (c.distributed.backend == CommBackend::Nccl && c.training.device == DeviceChoice::Cpu)
     err("distributed.backend",
         "distributed.backend nccl needs GPU tensors but training.device "

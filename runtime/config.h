@@ -34,7 +34,7 @@ enum class DeviceChoice { Auto, Cpu, Cuda };  // training.device
 enum class NanPolicy { Stop, Skip };
 enum class ProgressMode { Auto, Bar, Plain, None };
 enum class OptimizerName { AdamW, Sgd };
-enum class StateDType { Fp32, Bf16 };  // optimizer.state_dtype
+enum class StateDType { Fp32, Bf16 };  // optimizer.state_dtype, optimizer.master_weights
 enum class LrScheduleKind { Constant, Linear, Cosine };
 enum class DataSource { Text, Shards, Synthetic, Jsonl };
 enum class DataFormat { Auto, Text, PromptCompletion, Messages };        // data.format
@@ -152,6 +152,10 @@ struct OptimizerConfig {
   // The dtype AdamW's exp_avg / exp_avg_sq (SGD's momentum buffer) are stored in; the update
   // math is fp32 either way (bf16: loaded, updated in fp32, rounded to nearest even).
   StateDType state_dtype = StateDType::Fp32;
+  // The master weights' dtype: fp32 (a copy beside the 16-bit compute weights), or bf16 under
+  // mixed_precision bf16/fp8, where the bf16 weights are the master and every update is computed
+  // in fp32 and stochastically rounded (ops/optimizer.h).
+  StateDType master_weights = StateDType::Fp32;
 };
 
 struct DataConfig {

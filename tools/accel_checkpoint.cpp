@@ -211,10 +211,13 @@ int inspect(const std::string& ckpt) {
               static_cast<long long>(st.value("step", int64_t{0})),
               static_cast<long long>(st.value("optimizer_steps", int64_t{0})),
               st.value("strategy", std::string("?")).c_str(), st.value("world_size", 0));
+  // Checkpoints written before optimizer.master_weights kept fp32 masters.
   std::printf(
-      "  mixed_precision %s, compute dtype %s, state dtype %s, activation_checkpointing %s\n",
+      "  mixed_precision %s, compute dtype %s, master dtype %s, state dtype %s, "
+      "activation_checkpointing %s\n",
       st.value("mixed_precision", std::string("?")).c_str(),
       st.value("compute_dtype", std::string("?")).c_str(),
+      st.value("master_dtype", std::string("F32")).c_str(),
       st.value("state_dtype", std::string("?")).c_str(), activation_checkpointing_of(st).c_str());
   if (st.contains("global_batch"))
     std::printf("  global batch %s\n", st["global_batch"].dump().c_str());
@@ -359,9 +362,9 @@ int reshard(const std::string& ckpt, const std::string& out_dir, int world,
     }
   }
   const nlohmann::json& src = ck.trainer_state;
-  for (const char* key :
-       {"mixed_precision", "compute_dtype", "state_dtype", "activation_checkpointing",
-        "bucket_cap_mb", "global_batch", "rng", "loss_scaler", "fp8_state_file"})
+  for (const char* key : {"mixed_precision", "compute_dtype", "master_dtype", "state_dtype",
+                          "activation_checkpointing", "bucket_cap_mb", "global_batch", "rng",
+                          "loss_scaler", "fp8_state_file"})
     if (src.contains(key)) first.info[key] = src[key];
   first.info["strategy"] = strategy;
   first.info["resharded_from"] = {{"strategy", src.value("strategy", std::string("?"))},

@@ -87,13 +87,16 @@ class CpuBackend final : public Backend {
 
   // optim.cpp
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const AdamWParams& p, double grad_scale) override;
+                  const AdamWParams& p, double grad_scale,
+                  const StochasticRounding* rounding) override;
   void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                         const std::vector<Tensor>& compute_copies, const AdamWParams& p,
-                        double grad_scale) override;
+                        double grad_scale,
+                        const std::vector<StochasticRounding>& rounding) override;
   void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
-                double momentum, double weight_decay, double grad_scale) override;
+                double momentum, double weight_decay, double grad_scale,
+                const StochasticRounding* rounding) override;
 
   // reduce.cpp
   double sum_of_squares(const std::vector<Tensor>& xs) override;

@@ -1,9 +1,12 @@
 // Optimizer kernels. AdamW and SGD follow torch.optim's single-tensor
 // code path operation by operation (each torch op rounds to the parameter dtype, and so do we).
+// bf16 master weights take the element math of ops/optim_math.h instead, shared with the CUDA
+// kernels (this file is compiled with -ffp-contract=off for it) and stochastically rounded.
 #include <cmath>
 
 #include "ops/cpu/cpu_backend.h"
 #include "ops/cpu/cpu_common.h"
+#include "ops/optim_math.h"
 
 namespace accel {
 namespace {
@@ -47,13 +50,76 @@ void dispatch_param_grad(const char* op, const Tensor& param, const Tensor& grad
 void check_state(const char* op, const Tensor& param, const Tensor& grad, const Tensor& state) {
   if (!state.defined()) return;
   const bool dtype_ok = state.dtype() == param.dtype() ||
-                        (state.dtype() == DType::BF16 && param.dtype() == DType::F32);
+                        (state.dtype() == DType::BF16 && param.dtype() == DType::F32) ||
+                        (state.dtype() == DType::F32 && param.dtype() == DType::BF16);
   if (!dtype_ok || state.shape() != param.shape() || !state.is_contiguous() ||
       !param.is_contiguous() || !grad.is_contiguous() || grad.shape() != param.shape())
     throw std::invalid_argument(std::string("[") + op + "] param " + param.str() + ", grad " +
                                 grad.str() + " and state " + state.str() +
                                 " must be contiguous with one shape (state in the param dtype, "
-                                "or bf16 beside an f32 param)");
+                                "bf16 beside an f32 param or f32 beside a bf16 param)");
+}
+
+// bf16 master weights: calls f(grad traits, state traits) for a bf16 or f32 grad and an f32 or
+// bf16 state (f32 when `state` is undefined: SGD without momentum).
+template <class F>
+void dispatch_bf16_master(const char* op, const Tensor& grad, const Tensor& state, F&& f) {
+  auto with_state = [&](auto tr_g) {
+    if (state.defined() && state.dtype() == DType::BF16) return f(tr_g, Traits<DType::BF16>{});
+    f(tr_g, Traits<DType::F32>{});
+  };
+  if (grad.dtype() == DType::BF16) return with_state(Traits<DType::BF16>{});
+  if (grad.dtype() == DType::F32) return with_state(Traits<DType::F32>{});
+  throw std::invalid_argument(std::string("[") + op + "] gradient " + grad.str() +
+                              " does not fit a bf16 master weight (bf16 or f32 gradients)");
+}
+
+void adamw_bf16_master(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                       const AdamWParams& p, double grad_scale, const StochasticRounding& r) {
+  const optim_math::AdamScalars s = optim_math::adam_scalars(p, grad_scale);
+  dispatch_bf16_master("adamw_step", grad, m, [&](auto tr_g, auto tr_s) {
+    using TrG = decltype(tr_g);
+    using TrS = decltype(tr_s);
+    using TrP = Traits<DType::BF16>;
+    auto* pp = ptr<TrP>(param);
+    const auto* gp = ptr<TrG>(grad);
+    auto* mp = ptr<TrS>(m);
+    auto* vp = ptr<TrS>(v);
+    parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float mi = TrS::load(mp[i]), vi = TrS::load(vp[i]);
+        const float pi = optim_math::adamw_element(TrG::load(gp[i]), TrP::load(pp[i]), mi, vi, s);
+        pp[i] = optim_math::stochastic_bf16(pi, r, i);
+        mp[i] = TrS::store(mi);
+        vp[i] = TrS::store(vi);
+      }
+    });
+  });
+}
+
+void sgd_bf16_master(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
+                     double momentum, double weight_decay, double grad_scale,
+                     const StochasticRounding& r) {
+  const bool use_mom = momentum != 0.0;
+  dispatch_bf16_master("sgd_step", grad, use_mom ? buf : Tensor(), [&](auto tr_g, auto tr_s) {
+    using TrG = decltype(tr_g);
+    using TrS = decltype(tr_s);
+    using TrP = Traits<DType::BF16>;
+    auto* pp = ptr<TrP>(param);
+    const auto* gp = ptr<TrG>(grad);
+    auto* bp = use_mom ? ptr<TrS>(buf) : nullptr;
+    const float lr_f = static_cast<float>(lr), mom = static_cast<float>(momentum),
+                wd = static_cast<float>(weight_decay), gs = static_cast<float>(grad_scale);
+    parallel_for(param.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float bi = use_mom ? TrS::load(bp[i]) : 0.f;
+        const float pi =
+            optim_math::sgd_element(TrG::load(gp[i]), TrP::load(pp[i]), bi, lr_f, mom, wd, gs);
+        pp[i] = optim_math::stochastic_bf16(pi, r, i);
+        if (use_mom) bp[i] = TrS::store(bi);
+      }
+    });
+  });
 }
 
 // Calls f(state traits): the param's own traits, or bf16's for bf16 state beside an f32 param.
@@ -67,7 +133,8 @@ void dispatch_state(const Tensor& state, F&& f) {
 }  // namespace
 
 void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m,
-                            const Tensor& v, const AdamWParams& p, double grad_scale) {
+                            const Tensor& v, const AdamWParams& p, double grad_scale,
+                            const StochasticRounding* rounding) {
   if (!m.defined() || !v.defined())
     throw std::invalid_argument("[adamw_step] moment tensors must be defined");
   check_state("adamw_step", param, grad, m);
@@ -77,6 +144,10 @@ void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tenso
   if (m.dtype() != v.dtype())
     throw std::invalid_argument("[adamw_step] exp_avg " + m.str() + " and exp_avg_sq " + v.str() +
                                 " must have one dtype");
+  if (param.dtype() == DType::BF16) {
+    if (!rounding) throw std::invalid_argument("[adamw_step] a bf16 param needs its rounding");
+    return adamw_bf16_master(param, grad, m, v, p, grad_scale, *rounding);
+  }
   dispatch_param_grad("adamw_step", param, grad, [&](auto tr_p, auto tr_g) {
     using TrP = decltype(tr_p);
     using TrG = decltype(tr_g);
@@ -126,20 +197,27 @@ void CpuBackend::adamw_step_multi(const std::vector<Tensor>& params,
                                   const std::vector<Tensor>& grads, const std::vector<Tensor>& ms,
                                   const std::vector<Tensor>& vs,
                                   const std::vector<Tensor>& compute_copies, const AdamWParams& p,
-                                  double grad_scale) {
+                                  double grad_scale,
+                                  const std::vector<StochasticRounding>& rounding) {
   // The per-tensor kernel, then copy_'s rounding: the same numbers as the two separate passes.
   for (size_t i = 0; i < params.size(); ++i) {
-    adamw_step(params[i], grads[i], ms[i], vs[i], p, grad_scale);
+    adamw_step(params[i], grads[i], ms[i], vs[i], p, grad_scale,
+               rounding.empty() ? nullptr : &rounding[i]);
     if (!compute_copies.empty()) compute_copies[i].copy_(params[i]);
   }
 }
 
 void CpuBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
-                          double momentum, double weight_decay, double grad_scale) {
+                          double momentum, double weight_decay, double grad_scale,
+                          const StochasticRounding* rounding) {
   check_state("sgd_step", param, grad, buf);
   if (momentum != 0.0 && !buf.defined())
     throw std::invalid_argument("[sgd_step] momentum " + std::to_string(momentum) +
                                 " needs a (zero-initialised) momentum buffer");
+  if (param.dtype() == DType::BF16) {
+    if (!rounding) throw std::invalid_argument("[sgd_step] a bf16 param needs its rounding");
+    return sgd_bf16_master(param, grad, buf, lr, momentum, weight_decay, grad_scale, *rounding);
+  }
   dispatch_param_grad("sgd_step", param, grad, [&](auto tr_p, auto tr_g) {
     using TrP = decltype(tr_p);
     using TrG = decltype(tr_g);

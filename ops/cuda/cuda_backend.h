@@ -56,13 +56,16 @@ class CudaBackend final : public Backend {
   void rand_normal(const Tensor& out, uint64_t seed, uint64_t offset, double mean,
                    double stddev) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const AdamWParams& p, double grad_scale) override;
+                  const AdamWParams& p, double grad_scale,
+                  const StochasticRounding* rounding) override;
   void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                         const std::vector<Tensor>& compute_copies, const AdamWParams& p,
-                        double grad_scale) override;
+                        double grad_scale,
+                        const std::vector<StochasticRounding>& rounding) override;
   void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, double lr,
-                double momentum, double weight_decay, double grad_scale) override;
+                double momentum, double weight_decay, double grad_scale,
+                const StochasticRounding* rounding) override;
   double sum_of_squares(const std::vector<Tensor>& xs) override;
   bool has_non_finite(const Tensor& x) override;
 
@@ -121,10 +124,12 @@ void set_attention_impl(const char* impl);
 // AdamW over many tensors in one launch per (param, grad, copy) dtype combination (a chunked
 // work list over all of them): the same math as adamw_step for each i. `compute_copies` empty, or
 // one bf16/f16 tensor per (fp32) param that receives the updated param rounded to nearest even.
+// `rounding`: empty, or one per param (bf16 params need theirs).
 void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                       const std::vector<Tensor>& ms, const std::vector<Tensor>& vs,
                       const AdamWParams& p, double grad_scale,
-                      const std::vector<Tensor>& compute_copies = {});
+                      const std::vector<Tensor>& compute_copies = {},
+                      const std::vector<StochasticRounding>& rounding = {});
 }  // namespace cuda
 
 }  // namespace accel

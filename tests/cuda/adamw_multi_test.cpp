@@ -324,3 +324,93 @@ TEST(CudaSgd, Bf16MomentumBufferMatchesCpu) {
 
 }  // namespace
 }  // namespace accel
+
+namespace accel {
+namespace {
+using namespace cuda_test;
+
+// optimizer.master_weights bf16: bf16 params updated by ops/optim_math.h's element math and
+// stochastically rounded. The GPU equals the CPU bit for bit (the same fp32 operations, each
+// rounded on its own, and the same Philox bits): params and moments, fp32 and bf16 gradients and
+// moments, aligned and misaligned tensors, several chunks.
+TEST(CudaAdamWMulti, Bf16MastersEqualCpuBitForBit) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  for (DType ts : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(std::string("state ") + dtype_name(ts));
+    std::vector<Tensor> p, g, m, v, pg, gg, mg, vg;
+    std::vector<StochasticRounding> r;
+    for (int i = 0; i < 40; ++i) {
+      const int64_t n = size_for(i, rng);
+      const DType gt = i % 2 ? DType::BF16 : DType::F32;
+      p.push_back(random_tensor({n}, DType::BF16, rng));
+      g.push_back(random_tensor({n}, gt, rng));
+      m.push_back(random_tensor({n}, ts, rng, -0.1, 0.1));
+      v.push_back(random_tensor({n}, ts, rng, 1e-4, 0.01));
+      const bool scalar_path = i % 7 == 3;
+      pg.push_back(scalar_path ? misaligned_gpu(p.back()) : p.back().to(gpu()));
+      gg.push_back(g.back().to(gpu()));
+      mg.push_back(m.back().to(gpu()));
+      vg.push_back(v.back().to(gpu()));
+      r.push_back({rng(), rng() % 1000000});
+    }
+    const AdamWParams h{1e-2, 0.9, 0.95, 1e-8, 0.1, 3};
+    adamw_step_multi(p, g, m, v, h, 0.8, {}, r);
+    adamw_step_multi(pg, gg, mg, vg, h, 0.8, {}, r);
+    for (size_t i = 0; i < p.size(); ++i) {
+      expect_same_bits(pg[i], p[i], "param " + std::to_string(i));
+      expect_same_bits(mg[i], m[i], "exp_avg " + std::to_string(i));
+      expect_same_bits(vg[i], v[i], "exp_avg_sq " + std::to_string(i));
+    }
+  }
+  // Ten steps through the Optimizer (whole parameters, its own seeds) on both devices.
+  OptimizerOptions opts;
+  opts.master_dtype = DType::BF16;
+  opts.rounding_seed = seed;
+  std::vector<Tensor> p, pg;
+  std::vector<std::string> names;
+  for (int i = 0; i < 8; ++i) {
+    p.push_back(random_tensor({size_for(i, rng)}, DType::BF16, rng));
+    pg.push_back(p.back().to(gpu()));
+    names.push_back("w" + std::to_string(i));
+  }
+  Optimizer cpu_opt(opts, p, names), gpu_opt(opts, pg, names);
+  for (int step = 0; step < 10; ++step) {
+    std::vector<Tensor> g, gg;
+    for (const Tensor& t : p) {
+      g.push_back(random_tensor(t.shape(), DType::BF16, rng));
+      gg.push_back(g.back().to(gpu()));
+    }
+    cpu_opt.step(g, 1e-3);
+    gpu_opt.step(gg, 1e-3);
+  }
+  for (size_t i = 0; i < p.size(); ++i) expect_same_bits(pg[i], p[i], names[i]);
+}
+
+TEST(CudaSgd, Bf16MastersEqualCpuBitForBit) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t n = 10007;
+  for (DType ts : {DType::F32, DType::BF16})
+    for (double momentum : {0.0, 0.9}) {
+      Tensor p = random_tensor({n}, DType::BF16, rng), buf = random_tensor({n}, ts, rng);
+      Tensor pg = p.to(gpu()), bufg = buf.to(gpu());
+      for (int step = 0; step < 3; ++step) {
+        const StochasticRounding r{rng(), 17};
+        Tensor g = random_tensor({n}, DType::BF16, rng);
+        sgd_step(p, g, buf, 0.05, momentum, 0.01, 0.5, &r);
+        sgd_step(pg, g.to(gpu()), bufg, 0.05, momentum, 0.01, 0.5, &r);
+      }
+      const std::string what =
+          std::string(dtype_name(ts)) + " momentum " + std::to_string(momentum);
+      expect_same_bits(pg, p, "param, " + what);
+      expect_same_bits(bufg, buf, "buffer, " + what);
+    }
+}
+
+}  // namespace
+}  // namespace accel

@@ -130,7 +130,8 @@ TEST(OpErrors, DtypeMismatches) {
       "[embedding]", {"f32"});
   Tensor i = Tensor::zeros({2}, DType::I32);
   expect_error<IA>([&] { div(i, i); }, "[div]", {"i32"});
-  // Optimizer kernels: 16-bit master weights and mismatched state are refused.
+  // Optimizer kernels: bf16 master weights without their stochastic rounding, and mismatched
+  // state, are refused.
   Tensor pb = Tensor::zeros({3}, DType::BF16);
   expect_error<IA>(
       [&] {

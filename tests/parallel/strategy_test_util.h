@@ -66,7 +66,7 @@ inline DecoderConfig tiny_family(const std::string& family) {
 // fp32 master and its autograd gradient; the norm, the non-finite check, clipping and the update
 // are done here directly on whole tensors. (It is what SingleProcessStrategy was before the engine
 // took the single process over, so it also writes that strategy's checkpoints: state by
-// parameter name, no manifest.)
+// parameter name, no manifest.) With bf16 master weights the bf16 compute copies are the masters.
 class ReferenceStrategy : public Strategy {
  public:
   explicit ReferenceStrategy(DType compute_dtype) : compute_dtype_(compute_dtype) {}
@@ -88,7 +88,10 @@ class ReferenceStrategy : public Strategy {
       copy.set_name(p->name);
       master_.back().set_requires_grad(false);
       p->value = copy;
-      copies.push_back(copy);
+      if (opts.master_dtype == compute_dtype_)
+        master_.back() = copy;
+      else
+        copies.push_back(copy);
     }
     optimizer_ = std::make_unique<Optimizer>(opts, master_, names, std::move(copies));
   }
@@ -130,7 +133,7 @@ class ReferenceStrategy : public Strategy {
       auto it = by_name.find(params_[i]->name);
       if (it == by_name.end()) throw std::runtime_error("no weight " + params_[i]->name);
       master_[i].copy_(it->second);
-      if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
+      if (master_[i].storage() != params_[i]->value.storage()) params_[i]->value.copy_(master_[i]);
     }
     optimizer_->load_state(optimizer_state, optimizer_steps);
   }
@@ -170,7 +173,7 @@ class ReferenceStrategy : public Strategy {
       Tensor buf = Tensor::empty({n}, DType::F32);
       read(params_[i]->name, "master", 0, buf);
       flat_view(master_[i], 0, {n}).copy_(buf);
-      if (compute_dtype_ != DType::F32) params_[i]->value.copy_(master_[i]);
+      if (master_[i].storage() != params_[i]->value.storage()) params_[i]->value.copy_(master_[i]);
       for (size_t k = 1; k < kinds.size(); ++k)
         read(params_[i]->name, kinds[k], 0,
              flat_view(by_key.at(params_[i]->name + "." + kinds[k]), 0, {n}));
@@ -181,7 +184,9 @@ class ReferenceStrategy : public Strategy {
  private:
   DType compute_dtype_;
   std::vector<Parameter*> params_;
-  std::vector<Tensor> master_;  // fp32; the model's own tensors when computing in fp32
+  // fp32, or with bf16 masters the bf16 compute tensors: the model's own tensors when computing
+  // in the master dtype
+  std::vector<Tensor> master_;
   std::unique_ptr<Optimizer> optimizer_;
 };
 
@@ -203,8 +208,12 @@ struct RunSpec {
   ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::None;
   bool tied_embeddings = false;
   OptimizerName optimizer = OptimizerName::AdamW;
-  DType state_dtype = DType::F32;  // OptimizerOptions::state_dtype (optimizer.state_dtype)
-  double lr = 1e-3, clip = 1.0;    // see test_optimizer() on the tolerance
+  DType state_dtype = DType::F32;   // OptimizerOptions::state_dtype (optimizer.state_dtype)
+  DType master_dtype = DType::F32;  // OptimizerOptions::master_dtype (optimizer.master_weights)
+  // Every rank trains on the whole global micro-batch (not its share), so that every rank's
+  // gradient is the single process's, bit for bit: what the exact bf16-master parity tests need.
+  bool every_rank_takes_the_whole_batch = false;
+  double lr = 1e-3, clip = 1.0;  // see test_optimizer() on the tolerance
   uint64_t seed = 7;
 };
 
@@ -270,10 +279,12 @@ inline std::vector<int64_t> sample_tokens(int step, int micro, int64_t row, int6
 // This rank's rows of the global micro-batch: [ids, labels], each [rows, seq].
 inline std::pair<Tensor, Tensor> rank_batch(const RunSpec& s, int step, int micro, int rank,
                                             int64_t vocab) {
-  const int64_t rows = s.global_batch / s.world;
+  const bool whole = s.every_rank_takes_the_whole_batch;
+  const int64_t rows = whole ? s.global_batch : s.global_batch / s.world;
   std::vector<int64_t> ids, labels;
   for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int64_t> t = sample_tokens(step, micro, rank * rows + r, s.seq, vocab);
+    std::vector<int64_t> t =
+        sample_tokens(step, micro, (whole ? 0 : rank * rows) + r, s.seq, vocab);
     ids.insert(ids.end(), t.begin(), t.end() - 1);
     labels.insert(labels.end(), t.begin() + 1, t.end());
   }
@@ -294,6 +305,8 @@ inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
   t.strategy = make_test_strategy(s, pg);
   OptimizerOptions o = test_optimizer(s.optimizer);
   o.state_dtype = s.state_dtype;
+  o.master_dtype = s.master_dtype;
+  o.rounding_seed = s.seed;  // the same on every rank (model_seed differs)
   t.strategy->setup(*t.model, o);
   return t;
 }
@@ -325,9 +338,9 @@ inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, Proce
 
 using Weights = std::vector<std::pair<std::string, Tensor>>;
 
-// Full fp32 weights whatever the strategy (ZeRO-3 gathers its master shards).
+// Full master weights whatever the strategy (ZeRO-3 gathers its master shards).
 inline Weights full_weights(Strategy& s) {
-  if (auto* f = dynamic_cast<FlatDataParallel*>(&s)) return f->gather_fp32_weights();
+  if (auto* f = dynamic_cast<FlatDataParallel*>(&s)) return f->gather_master_weights();
   return s.full_state_dict();
 }
 

@@ -390,6 +390,37 @@ TEST_F(ConfigTest, ActivationCheckpointingModes) {
   EXPECT_TRUE(selective.fsdp.fsdp_activation_checkpointing);
 }
 
+TEST_F(ConfigTest, OptimizerMasterWeights) {
+  // Default fp32; bf16 under bf16 or fp8 compute, written back by config_to_yaml.
+  Config d = load_config(write("mw0.yaml", "training:\n  max_steps: 3\n"), {}, {});
+  EXPECT_EQ(d.optimizer.master_weights, StateDType::Fp32);
+  EXPECT_NE(config_to_yaml(d).find("master_weights: fp32"), std::string::npos);
+  for (const char* precision : {"bf16", "fp8"}) {
+    SCOPED_TRACE(precision);
+    Config c = load_config(
+        "", {std::string("mixed_precision=") + precision, "optimizer.master_weights=bf16"}, {});
+    EXPECT_EQ(c.optimizer.master_weights, StateDType::Bf16);
+    const std::string yaml = config_to_yaml(c);
+    EXPECT_NE(yaml.find("master_weights: bf16"), std::string::npos) << yaml;
+    EXPECT_EQ(load_config(write("mw1.yaml", yaml), {}, {}).optimizer.master_weights,
+              StateDType::Bf16);
+  }
+  // fp32 compute has no master copy to drop; fp16 weights cannot be bf16 masters. Both keys named.
+  const std::string fp32 = write("mw2.yaml", "optimizer:\n  master_weights: bf16\n");
+  expect_error([&] { load_config(fp32, {}, {}); },
+               {"optimizer.master_weights", "mixed_precision is no",
+                "fp32 training computes on its fp32 masters",
+                "Set mixed_precision: bf16 (or fp8), or optimizer.master_weights: fp32"});
+  const std::string fp16 =
+      write("mw3.yaml", "mixed_precision: fp16\noptimizer:\n  master_weights: bf16\n");
+  expect_error([&] { load_config(fp16, {}, {}); },
+               {"optimizer.master_weights", "mixed_precision is fp16", "mw3.yaml:1",
+                "fp16 compute weights cannot be bf16 masters"});
+  expect_error(
+      [&] { load_config(write("mw4.yaml", "optimizer:\n  master_weights: fp16\n"), {}, {}); },
+      {"optimizer.master_weights: expected one of fp32, bf16"});
+}
+
 TEST_F(ConfigTest, ImpossibleCombinationsFail) {
   struct Case {
     std::string yaml;

@@ -93,6 +93,17 @@ TEST(BenchReport, ModelStateFormulasMatchTheZeroPaper) {
   EXPECT_EQ(accel::expected_model_state_bytes("zero2", "bf16", P, 4, 2), 2 * P + 10 * P / 4);
   EXPECT_EQ(accel::expected_model_state_bytes("zero3", "bf16", P, 4, 2), 12 * P / 4);
   EXPECT_EQ(accel::expected_model_state_bytes("fsdp", "bf16", P, 4, 2), 12 * P / 4);
+  // optimizer.master_weights bf16: no fp32 master (the 16-bit weights are the masters), with fp32
+  // moments (8P) and with bf16 ones (4P).
+  EXPECT_EQ(accel::expected_model_state_bytes("single", "bf16", P, 1, 4, 0), 12 * P);
+  EXPECT_EQ(accel::expected_model_state_bytes("ddp", "bf16", P, 4, 4, 0), 12 * P);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero1", "bf16", P, 4, 4, 0), 4 * P + 8 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero2", "bf16", P, 4, 4, 0), 2 * P + 10 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("fsdp", "fp8", P, 4, 4, 0), 12 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("single", "bf16", P, 1, 2, 0), 8 * P);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero1", "bf16", P, 4, 2, 0), 4 * P + 4 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero2", "bf16", P, 4, 2, 0), 2 * P + 6 * P / 4);
+  EXPECT_EQ(accel::expected_model_state_bytes("zero3", "bf16", P, 4, 2, 0), 8 * P / 4);
 }
 
 // Expert parallelism's all-to-all gets a column of its own, only where a row has some.

@@ -1,7 +1,9 @@
 #!/bin/bash
-# optimizer.state_dtype on one GPU (issue 25): llama-125m (configs/llama-125m.yaml, bf16 compute)
-# trained STEPS steps (default 1,000) twice from the same seed and data, once with fp32 AdamW
-# moments (the default) and once with bf16 moments (optimizer.state_dtype: bf16), from the
+# optimizer.state_dtype and optimizer.master_weights on one GPU (issue 25): llama-125m
+# (configs/llama-125m.yaml, bf16 compute) trained STEPS steps (default 1,000) three times from the
+# same seed and data: fp32 masters with fp32 AdamW moments (the default, "fp32"), fp32 masters with
+# bf16 moments ("bf16": optimizer.state_dtype bf16), and bf16 masters updated with stochastic
+# rounding plus bf16 moments ("bf16-sr": optimizer.master_weights bf16 as well), from the
 # repository root after a build:
 #   TEXT_DIR=/path/to/fortunes tools/reference/optimizer_state_bench.sh
 # The data are text files (byte tokenizer; the model keeps llama-125m's 32,000-entry vocabulary):
@@ -12,13 +14,14 @@
 # Printed per run: final loss, mean of the last 50 logged losses, final eval loss, median tok/s
 # (steps after the first 10), peak memory (GiB, from the summary) with its OptimizerState part,
 # and the host-side optimizer time per step (host_busy_ms_per_step.optimizer, a share of the step
-# time; the GPU time of the AdamW kernels themselves needs ncu or nsys), then the differences
-# bf16 - fp32. bf16 master weights with stochastic rounding (optimizer.master_weights) are not
-# built yet; the script has no run for them.
+# time; the GPU time of the AdamW kernels themselves needs ncu or nsys), then each run's
+# differences from fp32.
 # Environment: ACCEL_BIN (default build/bin), CONFIG (default configs/llama-125m.yaml), STEPS,
 # TEXT_DIR, BENCH_TMP (default /tmp), BENCH_EXTRA (more accel-train flags for every run, e.g.
-# "--set training.seq_len=64 --set training.micro_batch_size=2" with CONFIG=configs/llama-tiny.yaml
-# to check the flow on a CPU). Needs python3 (no packages). Not a test; not part of the build.
+# "--set training.seq_len=64 --set training.micro_batch_size=2 --set mixed_precision=bf16" with
+# CONFIG=configs/llama-tiny.yaml to check the flow on a CPU: bf16 masters need bf16 compute, which
+# llama-125m has and llama-tiny does not). Needs python3 (no packages). Not a test; not part of
+# the build.
 set -euo pipefail
 BIN=${ACCEL_BIN:-build/bin}
 CONFIG=${CONFIG:-configs/llama-125m.yaml}
@@ -64,17 +67,25 @@ COMMON=(--config "$WORK/bench.yaml" --set training.max_steps="$STEPS" --set trai
         --set optimizer.lr=6e-4 --set optimizer.lr_schedule=cosine
         --set optimizer.warmup_steps=100 --set optimizer.min_lr_ratio=0.1 "${EVAL[@]}"
         "${EXTRA[@]}")
+# The runs: name -> flags (RUNS in order).
+RUNS=(fp32 bf16 bf16-sr)
+declare -A FLAGS=(
+  [fp32]="--set optimizer.state_dtype=fp32 --set optimizer.master_weights=fp32"
+  [bf16]="--set optimizer.state_dtype=bf16 --set optimizer.master_weights=fp32"
+  [bf16-sr]="--set optimizer.state_dtype=bf16 --set optimizer.master_weights=bf16")
 # A typo in a key or value fails here (exit 2, no GPU needed), not after minutes of device time.
-for sd in fp32 bf16; do
-  "$TRAIN" "${COMMON[@]}" --set optimizer.state_dtype=$sd --print-config >/dev/null ||
-    die "accel-train refused the flags: ${COMMON[*]} --set optimizer.state_dtype=$sd"
+for run in "${RUNS[@]}"; do
+  read -r -a flags <<<"${FLAGS[$run]}"
+  "$TRAIN" "${COMMON[@]}" "${flags[@]}" --print-config >/dev/null ||
+    die "accel-train refused the flags: ${COMMON[*]} ${FLAGS[$run]}"
 done
 
-for sd in fp32 bf16; do
-  echo "== optimizer.state_dtype $sd: $STEPS steps" >&2
-  "$TRAIN" "${COMMON[@]}" --set optimizer.state_dtype=$sd --output-dir "$WORK/$sd" \
-    >"$WORK/$sd.log" 2>&1 || { tail -20 "$WORK/$sd.log"; die "the $sd run failed"; }
-  tail -3 "$WORK/$sd.log" >&2
+for run in "${RUNS[@]}"; do
+  read -r -a flags <<<"${FLAGS[$run]}"
+  echo "== $run (${FLAGS[$run]}): $STEPS steps" >&2
+  "$TRAIN" "${COMMON[@]}" "${flags[@]}" --output-dir "$WORK/$run" \
+    >"$WORK/$run.log" 2>&1 || { tail -20 "$WORK/$run.log"; die "the $run run failed"; }
+  tail -3 "$WORK/$run.log" >&2
 done
 
 python3 - "$WORK" <<'EOF'
@@ -115,19 +126,23 @@ def read(name):
         "step_ms": statistics.median(busy) if busy else float("nan"),
     }
 
-rows = {sd: read(sd) for sd in ("fp32", "bf16")}
-print("| state_dtype | final loss | mean of last 50 | final eval loss | tok/s | peak GiB | "
+# fp32: fp32 masters and moments; bf16: bf16 moments; bf16-sr: bf16 masters (stochastic rounding)
+# and bf16 moments.
+rows = {run: read(run) for run in ("fp32", "bf16", "bf16-sr")}
+print("| run | final loss | mean of last 50 | final eval loss | tok/s | peak GiB | "
       "optimizer state GiB | host optimizer ms/step (of step ms) |")
 print("|---|---|---|---|---|---|---|---|")
-for sd, r in rows.items():
-    print(f"| {sd} | {r['final_loss']:.4f} | {r['mean_last50']:.4f} | {r['final_eval']:.4f} | "
+for run, r in rows.items():
+    print(f"| {run} | {r['final_loss']:.4f} | {r['mean_last50']:.4f} | {r['final_eval']:.4f} | "
           f"{r['tok_s']:,.0f} | {r['peak_gib']:.2f} | {r['optstate_gib']:.2f} | "
           f"{r['opt_ms']:.2f} ({r['step_ms']:.2f}) |")
-a, b = rows["fp32"], rows["bf16"]
-print(f"bf16 - fp32: final loss {b['final_loss'] - a['final_loss']:+.4f} "
-      f"({(b['final_loss'] / a['final_loss'] - 1) * 100:+.2f}%), mean of last 50 "
-      f"{b['mean_last50'] - a['mean_last50']:+.4f} "
-      f"({(b['mean_last50'] / a['mean_last50'] - 1) * 100:+.2f}%), eval "
-      f"{b['final_eval'] - a['final_eval']:+.4f}; tok/s x{b['tok_s'] / a['tok_s']:.3f}; peak "
-      f"{b['peak_gib'] - a['peak_gib']:+.2f} GiB")
+a = rows["fp32"]
+for run in ("bf16", "bf16-sr"):
+    b = rows[run]
+    print(f"{run} - fp32: final loss {b['final_loss'] - a['final_loss']:+.4f} "
+          f"({(b['final_loss'] / a['final_loss'] - 1) * 100:+.2f}%), mean of last 50 "
+          f"{b['mean_last50'] - a['mean_last50']:+.4f} "
+          f"({(b['mean_last50'] / a['mean_last50'] - 1) * 100:+.2f}%), eval "
+          f"{b['final_eval'] - a['final_eval']:+.4f}; tok/s x{b['tok_s'] / a['tok_s']:.3f}; peak "
+          f"{b['peak_gib'] - a['peak_gib']:+.2f} GiB")
 EOF

@@ -63,18 +63,20 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
   row.state_dtype = summary.value("optimizer_state_dtype", std::string("fp32"));
   row.activation_checkpointing = summary.value("activation_checkpointing", std::string("none"));
   row.peak_activation_bytes = row.peak_by_category.value("activations", int64_t{0});
+  row.master_weights = summary.value("optimizer_master_weights", std::string("fp32"));
   row.expected_model_state_bytes = expected_model_state_bytes(
       row.strategy, row.precision, summary.at("num_parameters").get<int64_t>(), row.world_size,
-      row.state_dtype == "bf16" ? 2 : 4);
+      row.state_dtype == "bf16" ? 2 : 4, row.master_weights == "bf16" ? 0 : 4);
 }
 
 int64_t expected_model_state_bytes(const std::string& strategy, const std::string& precision,
-                                   int64_t params, int world, int moment_bytes) {
+                                   int64_t params, int world, int moment_bytes, int master_bytes) {
   const double P = static_cast<double>(params), N = world;
-  const bool low = precision != "no";       // 16-bit (or fp8) compute copies next to fp32 masters
-  const double w16 = low ? 2 : 0;           // 16-bit weights
-  const double g = low ? 2 : 4;             // gradients in the compute dtype
-  const double k = 4 + 2.0 * moment_bytes;  // fp32 master + Adam m + v (4 or 2 bytes each)
+  const bool low = precision != "no";  // 16-bit (or fp8) compute copies next to fp32 masters
+  const double w16 = low ? 2 : 0;      // 16-bit weights
+  const double g = low ? 2 : 4;        // gradients in the compute dtype
+  // The separate master copy (4, or 0 where the 16-bit weights are the masters) + Adam m + v.
+  const double k = master_bytes + 2.0 * moment_bytes;
   double bytes;
   if (strategy == "zero1")
     bytes = (w16 + g) * P + k * P / N;
@@ -196,6 +198,7 @@ nlohmann::json bench_json(const std::vector<BenchRow>& rows) {
                  {"optimizer_state_dtype", r.state_dtype},
                  {"activation_checkpointing", r.activation_checkpointing},
                  {"peak_activation_bytes_rank0", r.peak_activation_bytes},
+                 {"optimizer_master_weights", r.master_weights},
                  {"comm_wire_bytes_per_step", r.comm_bytes_per_step},
                  {"all_to_all_wire_bytes_per_step", r.all_to_all_bytes_per_step}});
   for (size_t i = 0; i < rows.size(); ++i)

@@ -24,6 +24,7 @@ struct BenchRow {
   nlohmann::json peak_by_rank;                    // every rank's peak bytes by category
   int64_t expected_model_state_bytes = 0;         // ZeRO paper formula for this strategy
   std::string state_dtype = "fp32";               // optimizer.state_dtype of the run
+  std::string master_weights = "fp32";            // optimizer.master_weights of the run
   std::string activation_checkpointing = "none";  // training.activation_checkpointing of the run
   int64_t peak_activation_bytes = 0;              // rank 0's peak of activation bytes
   nlohmann::json comm_bytes_per_step;             // wire bytes per step by collective (rank 0)
@@ -46,8 +47,14 @@ void read_bench_metrics(const std::string& metrics_path, int64_t warmup, double 
 // fp32 compute the 16-bit copies are absent. `moment_bytes` is the bytes of each Adam moment
 // element: 4 (fp32 state), or 2 with optimizer.state_dtype bf16, which makes the 12 (fp32
 // master + m + v) 8: single/ddp 12P, zero1 4P + 8P/N, zero2 2P + 10P/N, zero3/fsdp 12P/N.
+// `master_bytes` is the bytes of the separate master copy per element: 4 (fp32), or 0 with
+// optimizer.master_weights bf16, whose masters are the 16-bit weights themselves (sharded with
+// them: counted in their 2P): with fp32 moments 12 becomes 8 (single/ddp 12P, zero1 4P + 8P/N,
+// zero2 2P + 10P/N, zero3/fsdp 12P/N), with bf16 moments 4 (single/ddp 8P, zero1 4P + 4P/N,
+// zero2 2P + 6P/N, zero3/fsdp 8P/N).
 int64_t expected_model_state_bytes(const std::string& strategy, const std::string& precision,
-                                   int64_t params, int world, int moment_bytes = 4);
+                                   int64_t params, int world, int moment_bytes = 4,
+                                   int master_bytes = 4);
 
 std::string bench_table(const std::vector<BenchRow>& rows);     // aligned text for a terminal
 std::string bench_markdown(const std::vector<BenchRow>& rows);  // a markdown table for the docs

@@ -19,6 +19,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+const char* safetensors_spelling(StateDType d) { return d == StateDType::Bf16 ? "BF16" : "F32"; }
+
 // The global batch: what must stay the same for a resumed run to continue the same trajectory.
 nlohmann::json global_batch(const Run& run) {
   const Config& c = run.cfg;
@@ -45,8 +47,9 @@ nlohmann::json run_info(const Run& run) {
       {"strategy", run.strategy->name()},
       {"mixed_precision", run.precision->name()},
       {"compute_dtype", dtype_name(run.precision->compute_dtype())},
-      // The optimizer moments' dtype (safetensors spelling; the masters are always F32).
-      {"state_dtype", run.cfg.optimizer.state_dtype == StateDType::Bf16 ? "BF16" : "F32"},
+      // The optimizer moments' and the master weights' dtypes (safetensors spelling).
+      {"state_dtype", safetensors_spelling(run.cfg.optimizer.state_dtype)},
+      {"master_dtype", safetensors_spelling(run.cfg.optimizer.master_weights)},
       {"activation_checkpointing", name_of(run.cfg.training.activation_checkpointing)},
       {"bucket_cap_mb", run.cfg.distributed.ddp_bucket_cap_mb},
       {"global_batch", global_batch(run)},
@@ -310,19 +313,25 @@ int64_t resume_run(Run& run, const ResumeRequest& request) {
   for (const std::string& n : handle_newer_checkpoints(run.output_dir(), ck.state.step,
                                                        request.move_newer_aside, run.main_rank()))
     std::fprintf(stderr, "note: %s\n", n.c_str());
-  // A checkpoint whose moments are in another dtype than optimizer.state_dtype is converted as
-  // it is read (bf16 -> fp32 exactly, fp32 -> bf16 rounded to nearest even): say so.
-  const std::string want = run.cfg.optimizer.state_dtype == StateDType::Bf16 ? "BF16" : "F32";
-  std::string converted;
-  for (const std::string& kind : ck.kinds)
-    if (kind != "master" && ck.dtype_of(kind) != want)
-      converted += (converted.empty() ? "" : ", ") + kind + " " + ck.dtype_of(kind);
-  if (run.main_rank() && !converted.empty())
-    std::fprintf(stderr,
-                 "note: the checkpoint's optimizer state is stored as %s; optimizer.state_dtype is "
-                 "%s, so it is converted to %s on load (%s)\n",
-                 converted.c_str(), name_of(run.cfg.optimizer.state_dtype), want.c_str(),
-                 want == "F32" ? "exact" : "rounded to nearest even");
+  // A checkpoint whose moments (master weights) are in another dtype than optimizer.state_dtype
+  // (optimizer.master_weights) is converted as it is read (bf16 -> fp32 exactly, fp32 -> bf16
+  // rounded to nearest even): say so.
+  auto note_conversion = [&](bool masters, const char* key, StateDType to) {
+    const std::string want = safetensors_spelling(to);
+    std::string converted;
+    for (const std::string& kind : ck.kinds)
+      if ((kind == "master") == masters && ck.dtype_of(kind) != want)
+        converted += (converted.empty() ? "" : ", ") + kind + " " + ck.dtype_of(kind);
+    if (run.main_rank() && !converted.empty())
+      std::fprintf(stderr,
+                   "note: the checkpoint's %s stored as %s; optimizer.%s is %s, so %s converted "
+                   "to %s on load (%s)\n",
+                   masters ? "master weights are" : "optimizer state is", converted.c_str(), key,
+                   name_of(to), masters ? "they are" : "it is", want.c_str(),
+                   want == "F32" ? "exact" : "rounded to nearest even");
+  };
+  note_conversion(false, "state_dtype", run.cfg.optimizer.state_dtype);
+  note_conversion(true, "master_weights", run.cfg.optimizer.master_weights);
   restore_strategy_state(ck, *run.strategy);
   const std::string note = run.precision->restore_state(ck);
   if (run.main_rank() && !note.empty()) std::fprintf(stderr, "note: %s\n", note.c_str());

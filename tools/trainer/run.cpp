@@ -225,7 +225,8 @@ void steps_from_epochs(Run& run) {
   }
 }
 
-OptimizerOptions optimizer_options(const OptimizerConfig& c) {
+OptimizerOptions optimizer_options(const Config& cfg) {
+  const OptimizerConfig& c = cfg.optimizer;
   OptimizerOptions o;
   o.name = c.name;
   o.beta1 = c.beta1;
@@ -234,6 +235,9 @@ OptimizerOptions optimizer_options(const OptimizerConfig& c) {
   o.weight_decay = c.weight_decay;
   o.momentum = c.momentum;
   o.state_dtype = c.state_dtype == StateDType::Bf16 ? DType::BF16 : DType::F32;
+  o.master_dtype = c.master_weights == StateDType::Bf16 ? DType::BF16 : DType::F32;
+  // The stochastic rounding's seeds: training.seed and the optimizer step (restored on resume).
+  o.rounding_seed = cfg.training.seed;
   return o;
 }
 
@@ -312,7 +316,7 @@ Run assemble_run(Config cfg, const LaunchEnv& env, bool resuming, bool print_con
   run.strategy =
       make_strategy(c, run.dist.pg, run.precision->compute_dtype(), run.expert_parallel.get());
   run.precision->attach(*run.strategy);
-  run.strategy->setup(*run.model, optimizer_options(c.optimizer));
+  run.strategy->setup(*run.model, optimizer_options(c));
 
   // 6. Data.
   run.data =

@@ -329,6 +329,7 @@ void RunLog::finish(int64_t step, double final_eval,
       {"world_size", run_.dist.world()},
       {"strategy", strategy.name()},
       {"optimizer_state_dtype", name_of(run_.cfg.optimizer.state_dtype)},
+      {"optimizer_master_weights", name_of(run_.cfg.optimizer.master_weights)},
       {"activation_checkpointing", name_of(run_.cfg.training.activation_checkpointing)}};
   if (std::isfinite(final_eval)) summary["final_eval_loss"] = final_eval;
   if (moe_) {
