@@ -350,6 +350,12 @@ const Fp8LayerChoice* tied_fp8_head(const Fp8Training& fp8) {
   return nullptr;
 }
 
+bool has_fp8_experts(const Fp8Training& fp8) {
+  for (const Fp8LayerChoice& c : fp8.layers())
+    if (c.fp8 && c.expert >= 0) return true;
+  return false;
+}
+
 std::string some_names(const std::vector<std::string>& names) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < 4; ++i) out += (i ? ", " : "") + names[i];
@@ -384,7 +390,8 @@ Fp8CheckpointState fp8_checkpoint_state(Fp8Training& fp8) {
                  {"margin", std::to_string(r.margin)},
                  {"interval", std::to_string(r.interval)},
                  {"updates", std::to_string(d.updates())},
-                 {"tied_lm_head", tied_fp8_head(fp8) ? "fp8" : "none"}};
+                 {"tied_lm_head", tied_fp8_head(fp8) ? "fp8" : "none"},
+                 {"moe_experts", has_fp8_experts(fp8) ? "fp8" : "none"}};
   return st;
 }
 
@@ -462,14 +469,28 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
     for (const char* role : kRoles) any = any || saved.count(layer + "." + role + ".scale");
     if (!any) missing.push_back(layer);
   }
-  // A state written before tied LM heads ran in fp8 (no tied_lm_head key) has every layer but the
-  // tied head: each saved layer keeps its own slots, the head's start afresh.
+  // A state written before tied LM heads (no tied_lm_head key) or mixture-of-experts experts (no
+  // moe_experts key) ran in fp8 has every layer but those: each saved layer keeps its own slots,
+  // those start afresh. Anything else missing refuses the whole state.
   const Fp8LayerChoice* tied = tied_fp8_head(fp8);
+  std::set<std::string> experts, fresh;
+  for (const Fp8LayerChoice& c : fp8.layers())
+    if (c.fp8 && c.expert >= 0) experts.insert(c.name);
   std::string fresh_head;
-  if (tied && !state.metadata.count("tied_lm_head") && extra.empty() && missing.size() == 1 &&
-      missing[0] == tied->name) {
-    fresh_head = tied->display_name();
-    missing.clear();
+  int64_t fresh_experts = 0;
+  if (extra.empty() && !missing.empty()) {
+    const bool head_was_bf16 = tied && !state.metadata.count("tied_lm_head");
+    const bool experts_were_bf16 = !state.metadata.count("moe_experts");
+    for (const std::string& layer : missing)
+      if ((head_was_bf16 && layer == tied->name) || (experts_were_bf16 && experts.count(layer)))
+        fresh.insert(layer);
+    if (fresh.size() == missing.size()) {
+      missing.clear();
+      fresh_head = tied && fresh.count(tied->name) ? tied->display_name() : "";
+      fresh_experts = static_cast<int64_t>(fresh.size()) - (fresh_head.empty() ? 0 : 1);
+    } else {
+      fresh.clear();
+    }
   }
   if (!missing.empty() || !extra.empty()) {
     std::string what = "it does not match this run's fp8 layers:";
@@ -496,8 +517,7 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
     return host_floats(t);
   };
   for (const auto& [slot, name] : slots) {
-    if (!fresh_head.empty() && name.compare(0, tied->name.size() + 1, tied->name + ".") == 0)
-      continue;  // scale 1, an empty history
+    if (fresh.count(name.substr(0, name.rfind('.')))) continue;  // scale 1, an empty history
     std::vector<float> col = take(name + ".amax_history", L);
     for (int64_t i = 0; i < L; ++i) hist[i * n + slot] = col[i];
     sc[slot] = take(name + ".scale", 1)[0];
@@ -527,6 +547,13 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
             "(before tied heads ran in fp8 under TE), so from here on the head runs in fp8 and "
             "its scaling starts afresh (scale 1, empty amax history, as at a run's first step); "
             "every other layer continues with its saved state";
+  if (fresh_experts)
+    note += std::string(note.empty() ? source + ": fp8 state restored" : "") + "; " +
+            std::to_string(fresh_experts) +
+            " mixture-of-experts expert projections have no saved state: the checkpoint was "
+            "written when the experts ran in bf16 (before they ran in fp8), so from here on they "
+            "run in fp8 and their scaling starts afresh (scale 1, empty amax history, as at a "
+            "run's first step); every other layer continues with its saved state";
   return note;
 }
 

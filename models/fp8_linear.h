@@ -135,12 +135,15 @@ class Fp8EvalScope {
 //   <layer>.<role>.scale_inv     [1]
 // e.g. "model.layers.0.self_attn.q_proj.grad_output.scale"; a tied LM head's slots are
 // "lm_head.<role>.*" as an untied head's. Metadata: format (accel-fp8-delayed-scaling),
-// fp8_format, amax_history_len, amax_compute_algo, margin, interval, updates, and tied_lm_head
-// ("fp8" or "none": whether the state holds a tied head; written since tied heads run in fp8).
+// fp8_format, amax_history_len, amax_compute_algo, margin, interval, updates, tied_lm_head
+// ("fp8" or "none": whether the state holds a tied head; written since tied heads run in fp8) and
+// moe_experts ("fp8" or "none": whether it holds mixture-of-experts experts; written since they
+// run in fp8).
 //
-// A state written before tied heads ran in fp8 (no tied_lm_head key) lacks the tied head's slots;
-// it is restored for every saved layer, the tied head's scaling starting afresh (scale 1, empty
-// history, as at a run's first step), and the returned note says so.
+// A state written before tied heads ran in fp8 (no tied_lm_head key) lacks the tied head's slots,
+// one written before experts ran in fp8 (no moe_experts key) the experts'; it is restored for
+// every saved layer, those layers' scaling starting afresh (scale 1, empty history, as at a run's
+// first step), and the returned note says so.
 
 inline constexpr char kFp8StateFile[] = "fp8_state.safetensors";
 

@@ -276,6 +276,32 @@ TEST(MoeFp8, StateHoldsEveryExpertsSlots) {
   EXPECT_EQ(fp8b->delayed()->amax_history().to_vector(),
             fp8->delayed()->amax_history().to_vector());
   EXPECT_EQ(fp8b->delayed()->scales().to_vector(), fp8->delayed()->scales().to_vector());
+  EXPECT_EQ(st.metadata.at("moe_experts"), "fp8");
+
+  // A state written when the experts ran in bf16 (no expert slots, no moe_experts key) loads:
+  // every other layer takes its saved state, the experts start afresh, and the note says so.
+  Fp8CheckpointState before;
+  before.metadata = st.metadata;
+  before.metadata.erase("moe_experts");
+  for (const auto& [name, t] : st.tensors)
+    if (name.find(".experts.") == std::string::npos) before.tensors.push_back({name, t});
+  CausalLM third(tiny_fp8_moe("mixtral"), DType::F32, Device::cpu(), 3);
+  auto fp8c = apply_fp8(third, te_config(), Device::cpu());
+  const std::string note = fp8_load_checkpoint_state(*fp8c, before, "old");
+  EXPECT_NE(note.find("24 mixture-of-experts expert projections have no saved state"),
+            std::string::npos)
+      << note;
+  const Fp8LinearContext* q = fp8c->layer_context("model.layers.0.self_attn.q_proj");
+  const Fp8LinearContext* w1 = fp8c->layer_context("model.layers.0.block_sparse_moe.experts.0.w1");
+  const std::vector<double> sc = fp8c->delayed()->scales().to_vector();
+  EXPECT_EQ(sc[q->slot_input], fp8->delayed()->scales().to_vector()[q->slot_input]);
+  EXPECT_NE(sc[q->slot_input], 1.0);  // a saved scale, not the initial one
+  EXPECT_EQ(sc[w1->slot_input], 1.0);
+  // With the key (the experts were in fp8), missing experts are refused.
+  before.metadata["moe_experts"] = "fp8";
+  const std::string refused = message_of([&] { fp8_load_checkpoint_state(*fp8c, before, "new"); });
+  EXPECT_NE(refused.find("24 fp8 layer(s) of this run have no saved state"), std::string::npos)
+      << refused;
 }
 
 }  // namespace
