@@ -627,7 +627,8 @@ std::pair<Tensor, Tensor> RMSNorm::add_forward(const Tensor& x, const Tensor& r)
   return with_forward_hooks(*this, [&] { return add_rms_norm(x, r, weight.value, eps); });
 }
 
-SelfAttention::SelfAttention(const DecoderConfig& c, int64_t window, DType dtype, Device device)
+SelfAttention::SelfAttention(const DecoderConfig& c, int64_t window, DType dtype, Device device,
+                             DynamicRope* dynamic_rope)
     : q_proj(register_module(
           "q_proj", std::make_unique<Linear>(c.hidden_size, c.num_attention_heads * c.head_dim,
                                              dtype, device, c.qkv_bias()))),
@@ -643,10 +644,8 @@ SelfAttention::SelfAttention(const DecoderConfig& c, int64_t window, DType dtype
       window(window),
       config(c),
       rope_(rope_frequencies(c.rope_scaling, c.rope_theta, c.head_dim, c.max_position_embeddings,
-                             c.max_position_embeddings)) {
-  if (c.extends_past_max_positions())
-    dynamic_rope_ = std::make_unique<DynamicRope>(c.rope_scaling, c.rope_theta, c.head_dim,
-                                                  c.max_position_embeddings);
+                             c.max_position_embeddings)),
+      dynamic_rope_(dynamic_rope) {
   if (c.qk_norm()) {
     q_norm = &register_module("q_norm", std::make_unique<RMSNorm>(c.head_dim, c.rms_norm_eps, dtype,
                                                                   device, c.hf_class("RMSNorm")));
@@ -707,7 +706,9 @@ Tensor SelfAttention::forward(const Tensor& x, KVCache::Layer* cache, const Toke
       throw std::invalid_argument(where +
                                   "a KV cache takes one document, not segment_ids or position_ids");
     // Dynamic scaling: transformers' rule over this model's forwards (the frequencies of the
-    // longest sequence since the last reset; models/rope_scaling.h).
+    // longest sequence since the last reset; models/rope_scaling.h). The state is the model's: a
+    // forward's first layer updates it, the later ones find it updated (the same length again
+    // changes nothing, so a layer recomputed in backward gets its forward's frequencies).
     const RopeFrequencies& freqs =
         dynamic_rope_ ? dynamic_rope_->update(positions_needed(layout.position_ids, past, S))
                       : rope_;
@@ -881,9 +882,10 @@ Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
 }
 
 DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device,
-                           const ExpertParallelContext* ep)
-    : self_attn(register_module("self_attn", std::make_unique<SelfAttention>(
-                                                 c, c.layer_window(layer_index), dtype, device))),
+                           DynamicRope* dynamic_rope, const ExpertParallelContext* ep)
+    : self_attn(register_module(
+          "self_attn", std::make_unique<SelfAttention>(c, c.layer_window(layer_index), dtype,
+                                                       device, dynamic_rope))),
       mlp(c.layer_is_sparse(layer_index)
               ? nullptr
               : &register_module("mlp", std::make_unique<GatedMLP>(c, dtype, device))),
@@ -911,7 +913,7 @@ Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache, const Token
 }
 
 DecoderModel::DecoderModel(const DecoderConfig& c, DType dtype, Device device,
-                           const ExpertParallelContext* ep)
+                           DynamicRope* dynamic_rope, const ExpertParallelContext* ep)
     : embed_tokens(register_module(
           "embed_tokens", std::make_unique<Embedding>(c.vocab_size, c.hidden_size, dtype, device))),
       layers_list(register_module("layers", std::make_unique<ModuleList>())),
@@ -919,7 +921,8 @@ DecoderModel::DecoderModel(const DecoderConfig& c, DType dtype, Device device,
                                                              device, c.hf_class("RMSNorm")))),
       type_name_(c.hf_class("Model")) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    layers.push_back(&layers_list.append(std::make_unique<DecoderLayer>(c, i, dtype, device, ep)));
+    layers.push_back(
+        &layers_list.append(std::make_unique<DecoderLayer>(c, i, dtype, device, dynamic_rope, ep)));
 }
 
 namespace {
@@ -932,7 +935,12 @@ const DecoderConfig& validated(const DecoderConfig& c) {
 CausalLM::CausalLM(const DecoderConfig& c, DType dtype, Device device, uint64_t seed,
                    const ExpertParallelContext* ep)
     : config(validated(c)),
-      model(register_module("model", std::make_unique<DecoderModel>(c, dtype, device, ep))),
+      dynamic_rope_(c.extends_past_max_positions()
+                        ? std::make_unique<DynamicRope>(c.rope_scaling, c.rope_theta, c.head_dim,
+                                                        c.max_position_embeddings)
+                        : nullptr),
+      model(register_module(
+          "model", std::make_unique<DecoderModel>(c, dtype, device, dynamic_rope_.get(), ep))),
       ep_(ep && ep->ep_size > 1 ? std::make_shared<const ExpertParallelContext>(*ep) : nullptr) {
   if (!c.tie_word_embeddings)
     lm_head = &register_module(
@@ -1066,13 +1074,11 @@ Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const To
 }
 
 int64_t CausalLM::dynamic_rope_max_seq_len_cached() const {
-  if (model.layers.empty() || !model.layers[0]->self_attn.dynamic_rope()) return -1;
-  return model.layers[0]->self_attn.dynamic_rope()->max_seq_len_cached();
+  return dynamic_rope_ ? dynamic_rope_->max_seq_len_cached() : -1;
 }
 
 void CausalLM::restore_dynamic_rope(int64_t max_seq_len_cached) {
-  for (DecoderLayer* layer : model.layers)
-    if (DynamicRope* d = layer->self_attn.dynamic_rope()) d->restore(max_seq_len_cached);
+  if (dynamic_rope_) dynamic_rope_->restore(max_seq_len_cached);
 }
 
 Tensor CausalLM::router_aux_loss() const {

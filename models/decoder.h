@@ -176,7 +176,10 @@ struct TokenLayout {
 class SelfAttention : public Module {
  public:
   // `window`: this layer's sliding window (0 = none; DecoderConfig::layer_window).
-  SelfAttention(const DecoderConfig& c, int64_t window, DType dtype, Device device);
+  // `dynamic_rope`: rope_type dynamic's frequency state, shared by every layer of the model
+  // (CausalLM owns it; null for the other types).
+  SelfAttention(const DecoderConfig& c, int64_t window, DType dtype, Device device,
+                DynamicRope* dynamic_rope);
   std::string type_name() const override { return config.hf_class("Attention"); }
   // [B, S, hidden] -> [B, S, hidden]. With a cache, x holds the positions after the cached ones
   // (all of a prompt into an empty cache, then one token at a time), and k/v are appended to it.
@@ -189,14 +192,14 @@ class SelfAttention : public Module {
   // casts x once for all of them).
   std::function<void(const Tensor& x, const std::function<void()>& run)> shared_input;
   const DecoderConfig config;
-  // rope_type dynamic: the frequencies this layer carries from one forward to the next
+  // rope_type dynamic: the frequencies the model carries from one forward to the next
   // (transformers' max_seq_len_cached rule, models/rope_scaling.h); null for the other types.
-  DynamicRope* dynamic_rope() { return dynamic_rope_.get(); }
-  const DynamicRope* dynamic_rope() const { return dynamic_rope_.get(); }
+  DynamicRope* dynamic_rope() { return dynamic_rope_; }
+  const DynamicRope* dynamic_rope() const { return dynamic_rope_; }
 
  private:
-  RopeFrequencies rope_;  // from the config (every type but dynamic)
-  std::unique_ptr<DynamicRope> dynamic_rope_;
+  RopeFrequencies rope_;             // from the config (every type but dynamic)
+  DynamicRope* const dynamic_rope_;  // the model's (CausalLM), or null
 };
 
 class GatedMLP : public Module {
@@ -289,7 +292,7 @@ class SparseMoeBlock : public Module {
 class DecoderLayer : public Module {
  public:
   DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dtype, Device device,
-               const ExpertParallelContext* ep = nullptr);
+               DynamicRope* dynamic_rope, const ExpertParallelContext* ep = nullptr);
   std::string type_name() const override { return type_name_; }
   // `router_stats` receives a sparse layer's routing (ignored by dense layers).
   Tensor forward(const Tensor& x, KVCache::Layer* cache = nullptr, const TokenLayout& layout = {},
@@ -305,7 +308,7 @@ class DecoderLayer : public Module {
 
 class DecoderModel : public Module {
  public:
-  DecoderModel(const DecoderConfig& c, DType dtype, Device device,
+  DecoderModel(const DecoderConfig& c, DType dtype, Device device, DynamicRope* dynamic_rope,
                const ExpertParallelContext* ep = nullptr);
   std::string type_name() const override { return type_name_; }
   Embedding& embed_tokens;
@@ -351,9 +354,9 @@ class CausalLM : public Module {
   // Routed slots per expert of every layer in the latest forward ([layer][expert]; empty rows
   // for dense layers).
   std::vector<std::vector<int64_t>> expert_counts() const;
-  // rope_type dynamic: transformers' max_seq_len_cached after the latest forward (every layer
-  // holds the same state; max_position_embeddings before the first longer forward), -1 for the
-  // other rope types. restore_dynamic_rope puts every layer's state there (checkpoints).
+  // rope_type dynamic: transformers' max_seq_len_cached after the latest forward
+  // (max_position_embeddings before the first longer forward), -1 for the other rope types.
+  // restore_dynamic_rope puts the state there (checkpoints).
   int64_t dynamic_rope_max_seq_len_cached() const;
   void restore_dynamic_rope(int64_t max_seq_len_cached);
   // Recompute each decoder layer in backward instead of keeping its activations.
@@ -362,6 +365,14 @@ class CausalLM : public Module {
   const ExpertParallelContext* expert_parallel() const { return ep_.get(); }
 
   const DecoderConfig config;
+
+ private:
+  // rope_type dynamic: the one frequency state every attention layer reads and updates (null
+  // for the other types). Declared between config and model: built from the validated config
+  // before the layers that point to it.
+  std::unique_ptr<DynamicRope> dynamic_rope_;
+
+ public:
   DecoderModel& model;
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
   // A tied head's counterpart of Linear::linear_fn: when set, the logits are

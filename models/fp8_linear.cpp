@@ -19,11 +19,34 @@ Fp8Recipe fp8_recipe_from_config(const Fp8Config& cfg) {
       (cfg.backend == Fp8Backend::AO && cfg.use_mxfp8_block_scaling))
     throw std::logic_error("fp8_recipe_from_config: an fp8_config that validate_config refuses");
   Fp8Recipe r;
+  if (cfg.backend != Fp8Backend::AO && cfg.recipe_name != Fp8RecipeName::Tensorwise)
+    throw std::logic_error("fp8_recipe_from_config: recipe_name without backend AO");
   if (cfg.backend == Fp8Backend::AO) {
-    // torchao's tensorwise recipe: e4m3 inputs and weights, e5m2 output gradients.
-    r.scaling = Fp8Scaling::Dynamic;
+    // torchao's Float8LinearConfig.from_recipe_name, and DeepSeek-V3's blockwise recipe.
     r.forward_dtype = DType::E4M3;
-    r.backward_dtype = DType::E5M2;
+    switch (cfg.recipe_name) {
+      case Fp8RecipeName::Tensorwise:  // e4m3 inputs and weights, e5m2 output gradients
+        r.scaling = Fp8Scaling::Dynamic;
+        r.backward_dtype = DType::E5M2;
+        break;
+      case Fp8RecipeName::Rowwise:  // axiswise e4m3 everywhere, round_scales_to_power_of_2
+        r.scaling = Fp8Scaling::Rowwise;
+        r.backward_dtype = DType::E4M3;
+        r.pow2_scales = true;
+        break;
+      case Fp8RecipeName::RowwiseWithGwHp:
+        // output: x, w axiswise; grad_input: dy axiswise e4m3 x w tensorwise; grad_weight in
+        // high precision; torchao leaves round_scales_to_power_of_2 off here.
+        r.scaling = Fp8Scaling::Rowwise;
+        r.backward_dtype = DType::E4M3;
+        r.dgrad_weight_tensorwise = true;
+        r.hp_wgrad = true;
+        break;
+      case Fp8RecipeName::Blockwise:  // 1x128 activations/gradients, 128x128 weights, e4m3
+        r.scaling = Fp8Scaling::Blockwise;
+        r.backward_dtype = DType::E4M3;
+        break;
+    }
     return r;
   }
   r.scaling = cfg.use_mxfp8_block_scaling ? Fp8Scaling::MxBlock : Fp8Scaling::Delayed;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/fp8.h"
 #include "ops/ops.h"
 
 namespace accel {
@@ -138,6 +139,19 @@ class Backend {
                                   int margin, bool recompute) = 0;
   // out = MX fake quantization of x [R, C] (blocks of 32 along block_dim), same dtype as x.
   virtual void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) = 0;
+  // Per-row / per-block scaled fp8 (fp8_cast_scaled, fp8_gemm_scaled: the AO rowwise,
+  // rowwise_with_gw_hp and blockwise recipes). The operand is x [R, C] (f32/bf16/f16), or x^T when
+  // transpose; data [rows_p, K_p] (fp8, zero padding) gets sat(rne(v * scale)) with the scale of
+  // v's group in `mode` (fp8_group_scale of the group's amax); scale_inv (f32, fp8_scale_slots
+  // elements) gets 1 / every slot's scale (1 for slots without data). one_scale: one group, the
+  // whole tensor.
+  virtual void fp8_cast_scaled(const Tensor& x, bool transpose, Fp8ScaleMode mode, bool pow2,
+                               bool one_scale, const Tensor& data, const Tensor& scale_inv) = 0;
+  // out [Ma, Mb] = sum_k a[i, k] sa(i, k) b[j, k] sb(j, k) for a [Ma, K], b [Mb, K] (padded
+  // data), the scales in their modes' layouts (a mode pair ops/fp8.cpp accepted).
+  virtual void fp8_gemm_scaled(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
+                               Fp8ScaleMode a_mode, const Tensor& b, const Tensor& b_scale_inv,
+                               Fp8ScaleMode b_mode, bool fast_accum) = 0;
   // Fused elementwise op + cast (+ transpose, amax) in one pass, where a backend has the kernels
   // (CUDA): whether `inputs` with `cols` columns suit them (false: use the unfused ops).
   virtual bool fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include "ops/common.h"
 
@@ -92,6 +93,16 @@ std::string Fp8Recipe::str() const {
     case Fp8Scaling::MxBlock:
       o << "MXFP8 block scaling, EMULATED (1x32 blocks, e8m0 scales; quantize-dequantize + bf16 "
            "GEMMs: MX numerics, no fp8 speed-up)";
+      break;
+    case Fp8Scaling::Rowwise:
+      o << "dynamic rowwise scaling (one scale per row along each GEMM's contraction dimension"
+        << (pow2_scales ? ", power-of-2 scales" : "")
+        << (dgrad_weight_tensorwise ? "; the weight tensorwise in the dgrad GEMM" : "") << ")";
+      break;
+    case Fp8Scaling::Blockwise:
+      o << "dynamic blockwise scaling (DeepSeek-V3: activations and gradients per 1x128 tile along "
+           "each GEMM's contraction dimension, weights per 128x128 block"
+        << (pow2_scales ? ", power-of-2 scales" : ", fp32 scales") << ")";
       break;
   }
   o << ", " << dtype_name(forward_dtype) << " forward / " << dtype_name(backward_dtype)
@@ -221,6 +232,115 @@ Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim) {
   Tensor xc = contiguous_raw(x);
   Tensor out = Tensor::empty(xc.shape(), xc.dtype(), xc.device());
   backend_for(x.device()).fp8_mx_fake_quant(out, xc, fmt, block_dim);
+  return out;
+}
+
+// ---- per-row / per-block scaled fp8 ----------------------------------------------------------
+
+const char* fp8_scale_mode_name(Fp8ScaleMode m) {
+  switch (m) {
+    case Fp8ScaleMode::Row:
+      return "rowwise (OUTER_VEC_32F)";
+    case Fp8ScaleMode::Block1x128:
+      return "1x128 blocks (VEC128_32F)";
+    case Fp8ScaleMode::Block128x128:
+      return "128x128 blocks (BLK128x128_32F)";
+  }
+  return "?";
+}
+
+Fp8ScaledTensor fp8_cast_scaled(const Tensor& x, DType fmt, Fp8ScaleMode mode, bool transpose,
+                                bool pow2, bool one_scale, int64_t pad) {
+  const char* op = "fp8_cast_scaled";
+  check_cast_input(op, x, Fp8CastOptions{true, false, pad});
+  check_fp8_format(op, fmt);
+  Tensor xc = contiguous_raw(x);
+  Fp8ScaledTensor q;
+  q.mode = mode;
+  q.rows = transpose ? xc.size(1) : xc.size(0);
+  q.k = transpose ? xc.size(0) : xc.size(1);
+  const int64_t rows_p = round_up(q.rows, pad), k_p = round_up(q.k, pad);
+  q.data = Tensor::empty({rows_p, k_p}, fmt, x.device());
+  Shape s_shape;
+  switch (mode) {
+    case Fp8ScaleMode::Row:
+      s_shape = {rows_p};
+      break;
+    case Fp8ScaleMode::Block1x128:
+      s_shape = {(k_p + kFp8Block - 1) / kFp8Block, rows_p};
+      break;
+    case Fp8ScaleMode::Block128x128:
+      s_shape = {(rows_p + kFp8Block - 1) / kFp8Block, fp8_block_ld(k_p)};
+      break;
+  }
+  q.scale_inv = Tensor::empty(s_shape, DType::F32, x.device());
+  if (q.data.numel() == 0) return q;
+  backend_for(x.device())
+      .fp8_cast_scaled(xc, transpose, mode, pow2, one_scale, q.data, q.scale_inv);
+  return q;
+}
+
+Tensor fp8_scaled_dequantize(const Fp8ScaledTensor& q, DType dtype) {
+  const char* op = "fp8_scaled_dequantize";
+  if (!q.data.defined() || !q.scale_inv.defined()) op_error(op, "the fp8 tensor holds no data");
+  NoGradGuard no_grad;
+  Tensor codes = cast(q.data.device().is_cpu() ? q.data : q.data.to(Device::cpu()), DType::F32);
+  Tensor si = q.scale_inv.device().is_cpu() ? q.scale_inv : q.scale_inv.to(Device::cpu());
+  const int64_t rows_p = q.data.size(0), k_p = q.data.size(1);
+  std::vector<float> v(static_cast<size_t>(q.rows * q.k));
+  const float* c = static_cast<const float*>(codes.data_ptr());
+  const float* s = static_cast<const float*>(si.data_ptr());
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t k = 0; k < q.k; ++k)
+      v[r * q.k + k] = c[r * k_p + k] * s[fp8_scale_index(q.mode, r, k, rows_p, k_p)];
+  Tensor out = Tensor::from_vector(v, {q.rows, q.k}, DType::F32, Device::cpu());
+  if (dtype != DType::F32) out = cast(out, dtype);
+  return q.data.device().is_cpu() ? out : out.to(q.data.device());
+}
+
+Tensor fp8_gemm_scaled(const Fp8ScaledTensor& a, const Fp8ScaledTensor& b, DType out_dtype,
+                       bool fast_accum) {
+  const char* op = "fp8_gemm_scaled";
+  if (!a.data.defined() || !b.data.defined()) op_error(op, "an operand holds no data");
+  if (!is_fp8(a.dtype()) || !is_fp8(b.dtype()))
+    op_error(op, "a and b must be e4m3 or e5m2, got " + a.data.str() + " and " + b.data.str());
+  if (a.dtype() == DType::E5M2 && b.dtype() == DType::E5M2)
+    op_error(op, "e5m2 x e5m2 is not a supported fp8 GEMM (one operand must be e4m3)");
+  if (!is_compute_float(out_dtype))
+    op_error(op, std::string("out must be f32, bf16 or f16, got ") + dtype_name(out_dtype));
+  if (a.data.size(1) != b.data.size(1))
+    op_error(op, "contraction dims differ: a " + shape_str(a.data.shape()) + ", b " +
+                     shape_str(b.data.shape()));
+  detail::check_same_device(op, a.data, b.data);
+  using M = Fp8ScaleMode;
+  const bool row = a.mode == M::Row && b.mode == M::Row;
+  const bool blocks = (a.mode == M::Block1x128 && b.mode == M::Block128x128) ||
+                      (a.mode == M::Block128x128 && b.mode == M::Block1x128) ||
+                      (a.mode == M::Block1x128 && b.mode == M::Block1x128);
+  if (!row && !blocks)
+    op_error(op, std::string("no fp8 GEMM scales a by ") + fp8_scale_mode_name(a.mode) +
+                     " and b by " + fp8_scale_mode_name(b.mode) +
+                     ": cuBLASLt 13 on Hopper takes rowwise x rowwise, 1x128 x 128x128, 128x128 x "
+                     "1x128 and 1x128 x 1x128");
+  if (blocks && fast_accum)
+    op_error(op,
+             "block-scaled fp8 GEMMs (1x128 / 128x128) have no fast accumulation in cuBLASLt "
+             "(ask for precise accumulation)");
+  for (const Fp8ScaledTensor* t : {&a, &b}) {
+    const int64_t want = fp8_scale_slots(t->mode, t->data.size(0), t->data.size(1));
+    if (t->scale_inv.dtype() != DType::F32 || t->scale_inv.numel() != want ||
+        !t->scale_inv.is_contiguous())
+      op_error(op, std::string("scale_inv of an operand scaled by ") +
+                       fp8_scale_mode_name(t->mode) + " must be a contiguous f32 tensor of " +
+                       std::to_string(want) + " elements, got " + t->scale_inv.str());
+    detail::check_same_device(op, t->data, t->scale_inv);
+    if (reinterpret_cast<uintptr_t>(t->scale_inv.data_ptr()) % 16 != 0)
+      op_error(op, "scale_inv tensors must start on 16-byte boundaries");
+  }
+  Tensor out = Tensor::empty({a.data.size(0), b.data.size(0)}, out_dtype, a.data.device());
+  if (out.numel() == 0) return out;
+  backend_for(a.data.device())
+      .fp8_gemm_scaled(out, a.data, a.scale_inv, a.mode, b.data, b.scale_inv, b.mode, fast_accum);
   return out;
 }
 
@@ -390,6 +510,60 @@ Fp8RowsPass mx_linear_rows(const Tensor& x2, const Tensor& w, const LinearShapes
   return p;
 }
 
+// The rowwise and blockwise recipes: every GEMM operand is cast from the high-precision tensor with
+// scales along that GEMM's contraction dimension (a row- or tile-scaled tensor cannot be
+// transposed exactly), so x, w and dy are each cast twice: x per row/tile along K for fprop and
+// along M for wgrad; w along K for fprop and along N for dgrad; dy along N for dgrad and along M
+// for wgrad. The forward makes x's and w's second casts too and saves them (one byte per element)
+// for backward.
+//   rowwise:    Row x Row for all three GEMMs (fprop fast accumulation), e4m3 everywhere.
+//   rowwise_with_gw_hp: fprop as rowwise; dgrad dy per row x w tensorwise (one scale, stored in
+//               the Row layout); wgrad in high precision (x saved in high precision).
+//   blockwise:  fprop x 1x128 x w 128x128; dgrad dy 1x128 x w^T 128x128; wgrad dy^T 1x128 (along
+//               M) x x^T 1x128 (along M); precise accumulation (cuBLASLt has no fast mode here).
+Fp8RowsPass scaled_linear_rows(const Tensor& x2, const Tensor& w, const LinearShapes& s,
+                               const Fp8Recipe& r, bool want_dx, bool want_dw) {
+  using M = Fp8ScaleMode;
+  const bool block = r.scaling == Fp8Scaling::Blockwise;
+  const M act = block ? M::Block1x128 : M::Row, wmode = block ? M::Block128x128 : M::Row;
+  const bool fast_fprop = !block;
+  const DType fwd = r.forward_dtype, bwd = r.backward_dtype;
+  const bool pow2 = r.pow2_scales;
+  Fp8ScaledTensor qx = fp8_cast_scaled(x2, fwd, act, false, pow2);
+  Fp8ScaledTensor qw = fp8_cast_scaled(w, fwd, wmode, false, pow2);
+  Fp8RowsPass p;
+  p.y2 = unpad(fp8_gemm_scaled(qx, qw, s.x_dtype, fast_fprop), s.M, s.N);
+  if (!want_dx && !want_dw) return p;
+  Fp8ScaledTensor qw_t, qx_t;
+  Tensor x_hp;
+  if (want_dx)  // w^T [K, N]: rows along K, scaled along N
+    qw_t = fp8_cast_scaled(w, fwd, wmode, true, pow2, r.dgrad_weight_tensorwise);
+  if (want_dw) {
+    if (r.hp_wgrad)
+      x_hp = x2;
+    else  // x^T [K, M]: scaled along M
+      qx_t = fp8_cast_scaled(x2, fwd, act, true, pow2);
+  }
+  p.backward = [=](const Tensor& g2) {
+    Tensor dx, dw;
+    if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
+      Fp8ScaledTensor qg = fp8_cast_scaled(g2, bwd, act, false, pow2);
+      dx = unpad(fp8_gemm_scaled(qg, qw_t, s.x_dtype, false), s.M, s.K);
+    }
+    if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
+      if (r.hp_wgrad) {
+        dw = matmul(transpose(g2, 0, 1), x_hp);
+        if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
+      } else {
+        Fp8ScaledTensor qg_t = fp8_cast_scaled(g2, bwd, act, true, pow2);
+        dw = unpad(fp8_gemm_scaled(qg_t, qx_t, s.w_dtype, false), s.N, s.K);
+      }
+    }
+    return std::pair<Tensor, Tensor>{dx, dw};
+  };
+  return p;
+}
+
 }  // namespace
 
 // ---- one input cast for the layers that read the same tensor ----------------------------------
@@ -438,6 +612,14 @@ Fp8RowsPass fp8_linear_rows(const Tensor& x, const Tensor& x2, const Tensor& wei
   const char* op = "fp8_linear";
   const Fp8Recipe& r = ctx.recipe;
   if (r.scaling == Fp8Scaling::MxBlock) return mx_linear_rows(x2, weight, s, r, want_dx, want_dw);
+  if (r.scaling == Fp8Scaling::Rowwise || r.scaling == Fp8Scaling::Blockwise) {
+    if (ctx.weight_provider)
+      op_error(op, "a weight provider (FSDP's fp8 all-gather: one tensorwise scale) cannot feed " +
+                       r.str() + " (it casts the weight per row or block itself)");
+    if (r.hp_fprop || r.hp_dgrad || (r.hp_wgrad && r.scaling == Fp8Scaling::Blockwise))
+      op_error(op, "override_linear_precision does not combine with " + r.str());
+    return scaled_linear_rows(x2, weight, s, r, want_dx, want_dw);
+  }
   if (r.scaling == Fp8Scaling::Delayed &&
       (!ctx.delayed || ctx.slot_input < 0 || ctx.slot_weight < 0 || ctx.slot_grad_output < 0))
     throw std::logic_error("[fp8_linear] delayed scaling without a scaling state and slots");

@@ -59,6 +59,13 @@ enum class Fp8Scaling {
   Delayed,  // TE DelayedScaling: scale from an amax history of past steps
   Dynamic,  // torchao tensorwise / TE current scaling: scale from this tensor's own amax
   MxBlock,  // MXFP8 (1x32 blocks, e8m0 scales). Hopper has no MX GEMMs: emulated (see docs/fp8.md)
+  // torchao's rowwise recipes (Float8LinearRecipeName ROWWISE / ROWWISE_WITH_GW_HP): dynamic
+  // "axiswise" scaling, one scale per row of each GEMM operand along that GEMM's contraction
+  // dimension (so each of x, w, dy is cast twice, once per GEMM it enters).
+  Rowwise,
+  // DeepSeek-V3's fine-grained recipe: activations and output gradients scaled per 1x128 tile along
+  // each GEMM's contraction dimension, weights per 128x128 block; e4m3 everywhere, fp32 scales.
+  Blockwise,
 };
 enum class AmaxAlgo { Max, MostRecent };
 
@@ -73,6 +80,12 @@ struct Fp8Recipe {
   int64_t interval = 1;  // scales are recomputed after steps 1, 1 + interval, 1 + 2 interval, ...
   // override_linear_precision: true runs that GEMM in the inputs' precision instead of fp8.
   bool hp_fprop = false, hp_dgrad = false, hp_wgrad = false;
+  // Rowwise / Blockwise: scales rounded down to a power of two (torchao's
+  // round_scales_to_power_of_2, on in its ROWWISE recipe).
+  bool pow2_scales = false;
+  // Rowwise: the weight enters the dgrad GEMM with one tensorwise scale (torchao's
+  // ROWWISE_WITH_GW_HP: cast_config_weight_for_grad_input is TENSORWISE).
+  bool dgrad_weight_tensorwise = false;
 
   // "delayed scaling (history 1024, most_recent, margin 0, interval 1), e4m3 forward / e5m2
   // backward, GEMMs fprop fp8 dgrad fp8 wgrad fp8"
@@ -130,6 +143,88 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
 // dtype. Exact in bf16/f32, so a high-precision GEMM on the results computes what an MX GEMM would
 // (up to accumulation order).
 Tensor fp8_mx_fake_quant(const Tensor& x, DType fmt, int block_dim);
+
+// ---- per-row and per-block scaled fp8 (rowwise and blockwise recipes) ------------------------
+
+// How the scales of one GEMM operand [rows, K] (K = the GEMM's contraction dimension, contiguous)
+// are laid out; the layouts are the ones cuBLASLt 13 takes (CUBLASLT_MATMUL_MATRIX_SCALE_*):
+//   Row          OUTER_VEC_32F      one scale per row                   f32 [rows_p]
+//   Block1x128   VEC128_32F         one per 1x128 tile along K          f32 [ceil(K_p/128), rows_p]
+//                                   (rows contiguous: "outer-dim-major")
+//   Block128x128 BLK128x128_32F     one per 128x128 block               f32 [ceil(rows_p/128), ld]
+//                                   with ld = ceil(K_p/128) rounded up to 4 (16-byte rows)
+// rows_p, K_p are the padded data dims. Slots outside the data (padding) hold scale 1.
+enum class Fp8ScaleMode { Row, Block1x128, Block128x128 };
+const char* fp8_scale_mode_name(Fp8ScaleMode m);
+
+constexpr int64_t kFp8Block = 128;
+
+ACCEL_HD int64_t fp8_block_ld(int64_t k_p) {
+  return ((k_p + kFp8Block - 1) / kFp8Block + 3) / 4 * 4;
+}
+// The scale slot of operand element (r, k).
+ACCEL_HD int64_t fp8_scale_index(Fp8ScaleMode m, int64_t r, int64_t k, int64_t rows_p,
+                                 int64_t k_p) {
+  switch (m) {
+    case Fp8ScaleMode::Row:
+      return r;
+    case Fp8ScaleMode::Block1x128:
+      return (k / kFp8Block) * rows_p + r;
+    default:
+      return (r / kFp8Block) * fp8_block_ld(k_p) + k / kFp8Block;
+  }
+}
+// The number of scale slots (the scale tensor's shape multiplied out).
+ACCEL_HD int64_t fp8_scale_slots(Fp8ScaleMode m, int64_t rows_p, int64_t k_p) {
+  switch (m) {
+    case Fp8ScaleMode::Row:
+      return rows_p;
+    case Fp8ScaleMode::Block1x128:
+      return (k_p + kFp8Block - 1) / kFp8Block * rows_p;
+    default:
+      return (rows_p + kFp8Block - 1) / kFp8Block * fp8_block_ld(k_p);
+  }
+}
+
+// The scale of a group (row, tile, block) with this amax: fp8_scale_for_amax(amax, fp8_max, 0, 1),
+// rounded down to a power of two when pow2 (torchao: exp2(floor(log2(scale)))).
+ACCEL_HD float fp8_group_scale(float amax, float fp8_max, bool pow2) {
+  float s = fp8_scale_for_amax(amax, fp8_max, 0, 1.0f);
+  if (pow2) {
+    int e;
+    frexpf(s, &e);  // s = m 2^e, m in [0.5, 1): the largest power of two <= s is 2^(e-1)
+    s = ldexpf(1.0f, e - 1);
+  }
+  return s;
+}
+
+// One GEMM operand [rows, K] in fp8 with per-row or per-block scales. data is row-major
+// [rows_p, K_p] (zero-padded to multiples of `pad`, K contiguous); scale_inv as Fp8ScaleMode says.
+struct Fp8ScaledTensor {
+  Tensor data;       // E4M3 or E5M2
+  Tensor scale_inv;  // f32, 1 / the group scales
+  Fp8ScaleMode mode = Fp8ScaleMode::Row;
+  int64_t rows = 0, k = 0;  // the operand's logical shape
+  DType dtype() const { return data.dtype(); }
+};
+
+// Quantizes the operand x (transpose false: x [R, C] is the operand, rows R, contraction C) or x^T
+// (transpose true: rows C, contraction R), with dynamic scales per group of `mode` (the group's
+// own amax; pow2 as fp8_group_scale). one_scale: a single tensorwise scale (the amax of all of x),
+// stored in every slot of `mode`'s layout (a tensorwise operand for GEMMs whose other operand is
+// scaled per row). Both dims padded to multiples of `pad` (16; 128-blocks need no more padding).
+Fp8ScaledTensor fp8_cast_scaled(const Tensor& x, DType fmt, Fp8ScaleMode mode, bool transpose,
+                                bool pow2, bool one_scale = false, int64_t pad = 16);
+// The operand's [rows, K] values q * scale_inv (the logical part, without padding).
+Tensor fp8_scaled_dequantize(const Fp8ScaledTensor& q, DType dtype = DType::F32);
+
+// out [rows_p(a), rows_p(b)] = a . b^T with each product term scaled by its operands' scales,
+// accumulated in fp32. The scale-mode pairs cuBLASLt 13 runs on Hopper (sm_90): (Row, Row),
+// (Block1x128, Block128x128), (Block128x128, Block1x128), (Block1x128, Block1x128); any other pair
+// is refused by name, on every device (as are fast accumulation with block scales, which cuBLASLt
+// does not take, and e5m2 x e5m2). CPU: the exact emulation (dequantize, fp32 GEMM).
+Tensor fp8_gemm_scaled(const Fp8ScaledTensor& a, const Fp8ScaledTensor& b, DType out_dtype,
+                       bool fast_accum);
 
 // ---- delayed scaling state (TE DelayedScaling) -----------------------------------------------
 

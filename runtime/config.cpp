@@ -932,6 +932,14 @@ std::vector<Field> build_schema() {
     };
     add(f);
   }
+  add(f_enum("fp8_config.recipe_name", ACCEL_REF(fp8.recipe_name),
+             "AO: the scaling recipe, by torchao's Float8LinearRecipeName: tensorwise (one dynamic "
+             "scale per tensor, e4m3 forward, e5m2 gradients); rowwise (one scale per row along "
+             "each GEMM's contraction dimension, power-of-2 scales, e4m3 everywhere); "
+             "rowwise_with_gw_hp (rowwise output and input-gradient GEMMs with the weight "
+             "tensorwise in the latter, weight gradient in bf16); blockwise (DeepSeek-V3: 1x128 "
+             "tiles for activations and gradients, 128x128 blocks for weights, e4m3, fp32 "
+             "scales). Refused with backend TE."));
   add(acc_(f_enum("fp8_config.fp8_format", ACCEL_REF(fp8.fp8_format),
                   "HYBRID: e4m3 forward, e5m2 gradients; E4M3: e4m3 everywhere. E5M2 alone is "
                   "rejected (too little precision for weights and activations).")));
@@ -2012,8 +2020,9 @@ void collect_notices(Config& c) {
             "fp8_config.margin", "fp8_config.interval", "fp8_config.override_linear_precision"})
         if (given(k))
           c.notices.push_back(std::string("key ") + k +
-                              " has no effect with fp8 backend AO "
-                              "(dynamic per-tensor scaling, e4m3 forward and e5m2 gradients)");
+                              " has no effect with fp8 backend AO (its recipe is "
+                              "fp8_config.recipe_name: " +
+                              name_of(c.fp8.recipe_name) + ")");
     } else {
       for (const char* k : {"fp8_config.pad_inner_dim", "fp8_config.exclude_modules"})
         if (given(k))
@@ -2280,6 +2289,24 @@ void validate_config(const Config& c) {
     err("fp8_config.fp8_format",
         "fp8_config.fp8_format E5M2 is rejected for training: e5m2 has only 2 mantissa bits, too "
         "coarse for weights and activations; use HYBRID (e4m3 forward, e5m2 gradients) or E4M3");
+  if (c.mixed_precision == MixedPrecision::Fp8 && c.fp8.backend != Fp8Backend::AO &&
+      c.fp8.recipe_name != Fp8RecipeName::Tensorwise)
+    err("fp8_config.recipe_name",
+        std::string("fp8_config.recipe_name ") + name_of(c.fp8.recipe_name) +
+            " needs fp8_config.backend: AO (the recipes are torchao's and DeepSeek-V3's dynamic "
+            "scalings); backend " +
+            name_of(c.fp8.backend) +
+            " has its own recipe keys. Set fp8_config.backend: AO, or remove recipe_name (valid "
+            "values: tensorwise, rowwise, rowwise_with_gw_hp, blockwise)");
+  if (c.mixed_precision == MixedPrecision::Fp8 && dt == DistributedType::Fsdp &&
+      c.fp8.enable_fsdp_float8_all_gather && c.fp8.backend == Fp8Backend::AO &&
+      c.fp8.recipe_name != Fp8RecipeName::Tensorwise)
+    err("fp8_config.enable_fsdp_float8_all_gather",
+        std::string("fp8_config.enable_fsdp_float8_all_gather needs fp8_config.recipe_name: "
+                    "tensorwise: the fp8 all-gather carries one scale per weight, recipe ") +
+            name_of(c.fp8.recipe_name) +
+            " scales weights per row or block (torchao refuses the same combination). Set "
+            "recipe_name: tensorwise or enable_fsdp_float8_all_gather: false");
   if (c.mixed_precision == MixedPrecision::Fp8 && c.fp8.backend == Fp8Backend::AO &&
       c.fp8.use_mxfp8_block_scaling)
     err("fp8_config.use_mxfp8_block_scaling",

@@ -47,6 +47,9 @@ enum class OffloadDevice { None, Cpu, Nvme };
 enum class Fp8Backend { TE, AO, MSAMP };
 enum class Fp8Format { Hybrid, E4M3, E5M2 };
 enum class AmaxComputeAlgo { Max, MostRecent };
+// fp8_config.recipe_name (backend AO): torchao's Float8LinearRecipeName values, plus DeepSeek-V3's
+// blockwise recipe.
+enum class Fp8RecipeName { Tensorwise, Rowwise, RowwiseWithGwHp, Blockwise };
 
 template <class E>
 struct EnumNames;
@@ -74,6 +77,7 @@ ACCEL_ENUM_NAMES(OffloadDevice, "none", "cpu", "nvme");
 ACCEL_ENUM_NAMES(Fp8Backend, "TE", "AO", "MSAMP");
 ACCEL_ENUM_NAMES(Fp8Format, "HYBRID", "E4M3", "E5M2");
 ACCEL_ENUM_NAMES(AmaxComputeAlgo, "max", "most_recent");
+ACCEL_ENUM_NAMES(Fp8RecipeName, "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise");
 #undef ACCEL_ENUM_NAMES
 
 // The config spelling of `e` ("bf16", "FSDP", ...), for messages and config.yaml.
@@ -222,6 +226,7 @@ struct DeepSpeedConfig {
 struct Fp8Config {
   Fp8Backend backend = Fp8Backend::TE;
   Fp8Format fp8_format = Fp8Format::Hybrid;
+  Fp8RecipeName recipe_name = Fp8RecipeName::Tensorwise;  // AO only
   AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::MostRecent;
   int64_t amax_history_len = 1024, margin = 0, interval = 1;
   // YAML: override_linear_precision: [fprop, dgrad, wgrad]; true runs that GEMM in bf16.

@@ -3,6 +3,11 @@
 //
 //   accel-bench --config configs/llama-1b.yaml --strategies ddp,zero1,zero2,zero3,fsdp,fsdp-fp8
 //               --precisions bf16,fp8 --steps 20 --warmup 5 --json out.json --chart out.svg
+//
+// A precision "fp8:NAME" runs mixed_precision fp8 with fp8_config.backend AO and
+// fp8_config.recipe_name NAME (tensorwise, rowwise, rowwise_with_gw_hp, blockwise), or backend TE
+// for "fp8:te", so that the recipes land side by side in one table:
+//   --precisions bf16,fp8:te,fp8:tensorwise,fp8:rowwise,fp8:rowwise_with_gw_hp,fp8:blockwise
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,7 +56,7 @@ bool strategy_overrides(const std::string& strategy, const std::string& precisio
     sets.push_back("distributed_type=FSDP");
     sets.push_back("fsdp_config.fsdp_version=2");
     if (strategy == "fsdp-fp8") {
-      if (precision != "fp8") {
+      if (precision.rfind("fp8", 0) != 0) {
         why_not = "fsdp-fp8 (fp8 all-gather) needs precision fp8";
         return false;
       }
@@ -64,6 +69,20 @@ bool strategy_overrides(const std::string& strategy, const std::string& precisio
                                 "' (expected single, ddp, zero1, zero2, zero3, fsdp, fsdp-fp8)");
   }
   return true;
+}
+
+// "fp8:NAME" -> mixed_precision fp8 plus the fp8_config overrides of that recipe; any other
+// precision is a mixed_precision value as is.
+std::string precision_overrides(const std::string& precision, std::vector<std::string>& sets) {
+  if (precision.rfind("fp8:", 0) != 0) return precision;
+  const std::string recipe = precision.substr(4);
+  if (recipe == "te") {
+    sets.push_back("fp8_config.backend=TE");
+  } else {
+    sets.push_back("fp8_config.backend=AO");
+    sets.push_back("fp8_config.recipe_name=" + recipe);  // accel-train refuses unknown names
+  }
+  return "fp8";
 }
 
 std::string last_error_line(const fs::path& log) {
@@ -87,7 +106,9 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--strategies", strategies,
                  "comma list: single ddp zero1 zero2 zero3 fsdp fsdp-fp8");
-  app.add_option("--precisions", precisions, "comma list: no bf16 fp16 fp8");
+  app.add_option("--precisions", precisions,
+                 "comma list: no bf16 fp16 fp8, or fp8:te / fp8:RECIPE for an AO "
+                 "fp8_config.recipe_name (tensorwise rowwise rowwise_with_gw_hp blockwise)");
   app.add_option("--steps", steps, "timed steps per combination");
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_option("--num-processes", num_processes,
@@ -134,7 +155,7 @@ int main(int argc, char** argv) {
         fs::path out = fs::path(work_dir) / (strategy + "-" + precision);
         fs::remove_all(out);
         fs::create_directories(out);
-        sets.push_back("mixed_precision=" + precision);
+        sets.push_back("mixed_precision=" + precision_overrides(precision, sets));
         sets.push_back("num_processes=" + std::to_string(world));
         sets.push_back("training.max_steps=" + std::to_string(steps + warmup));
         sets.push_back("training.log_every=1");

@@ -109,6 +109,11 @@ class CpuBackend final : public Backend {
   void fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
                           const Tensor& fp8_max, bool use_max, int margin, bool recompute) override;
   void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) override;
+  void fp8_cast_scaled(const Tensor& x, bool transpose, Fp8ScaleMode mode, bool pow2,
+                       bool one_scale, const Tensor& data, const Tensor& scale_inv) override;
+  void fp8_gemm_scaled(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
+                       Fp8ScaleMode a_mode, const Tensor& b, const Tensor& b_scale_inv,
+                       Fp8ScaleMode b_mode, bool fast_accum) override;
 
   // fp8_gemm.cpp
   void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,

@@ -76,6 +76,11 @@ class CudaBackend final : public Backend {
   void fp8_delayed_update(const Tensor& history, const Tensor& scale, const Tensor& scale_inv,
                           const Tensor& fp8_max, bool use_max, int margin, bool recompute) override;
   void fp8_mx_fake_quant(const Tensor& out, const Tensor& x, DType fmt, int block_dim) override;
+  void fp8_cast_scaled(const Tensor& x, bool transpose, Fp8ScaleMode mode, bool pow2,
+                       bool one_scale, const Tensor& data, const Tensor& scale_inv) override;
+  void fp8_gemm_scaled(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
+                       Fp8ScaleMode a_mode, const Tensor& b, const Tensor& b_scale_inv,
+                       Fp8ScaleMode b_mode, bool fast_accum) override;
   bool fp8_fused_cast_layout(const std::vector<const Tensor*>& inputs, int64_t cols) override;
   void fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp8CastTarget& out) override;
   void fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gate, const Tensor& up,

@@ -15,6 +15,7 @@
 #include "runtime/data/tokenizer.h"
 #include "tests/data/packed_check.h"
 #include "tests/data/test_util.h"
+#include "tests/models/tiny_decoder.h"
 
 namespace accel {
 namespace {
@@ -244,6 +245,14 @@ TEST(Documents, ParquetIsRefusedWithTheConversion) {
   EXPECT_NE(e.find("to_json('train.jsonl')"), std::string::npos) << e;
 }
 
+// Byte tokens (vocabulary 256).
+DecoderConfig tiny_model() {
+  DecoderConfig c = testing::tiny_decoder(256);
+  c.max_position_embeddings = 64;
+  c.initializer_range = 0.2;
+  return c;
+}
+
 // The loss of a masked batch is the mean cross-entropy over the completion tokens alone,
 // computed here in double from the logits.
 TEST(Documents, MaskedLossEqualsTheLossOverTrainedTokensByHand) {
@@ -252,15 +261,8 @@ TEST(Documents, MaskedLossEqualsTheLossOverTrainedTokensByHand) {
   o.packing = false;  // one sample per row: no segment ids needed by the model
   DataSources src = make_data_sources(o);
   Batch b = src.train->next();
-  DecoderConfig c;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 256;
+  DecoderConfig c = tiny_model();
   c.max_position_embeddings = 32;
-  c.initializer_range = 0.2;
   CausalLM model(c, DType::F32, Device::cpu(), 5);
   const Tensor logits = model.forward(b.input_ids);
   const double loss = CausalLM::loss(logits, b.labels).item();
@@ -291,19 +293,6 @@ TEST(Documents, MaskedLossEqualsTheLossOverTrainedTokensByHand) {
   EXPECT_EQ(trained_text, "A: hello\nA: ciao\nA: y\n");
   EXPECT_EQ(n, b.trained_tokens);
   EXPECT_NEAR(loss, sum / static_cast<double>(n), 1e-5);
-}
-
-DecoderConfig tiny_model() {
-  DecoderConfig c;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 256;
-  c.max_position_embeddings = 64;
-  c.initializer_range = 0.2;
-  return c;
 }
 
 // Packed rows attend within each document: their logits are those of the documents run alone,

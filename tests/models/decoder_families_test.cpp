@@ -8,27 +8,20 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 
 #include "models/decoder.h"
 #include "models/rope_scaling.h"
+#include "tests/data/test_util.h"
 
 namespace accel {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // A tiny model of `family` with that family's options switched on.
 DecoderConfig tiny(const std::string& family) {

@@ -12,6 +12,7 @@
 
 #include "models/decoder.h"
 #include "models/rope_scaling.h"
+#include "tests/models/tiny_decoder.h"
 
 namespace accel {
 namespace {
@@ -70,14 +71,8 @@ TEST(DynamicRopeState, KeepsTheLongestLengthUntilAShortSequenceResets) {
 }
 
 DecoderConfig dynamic_model() {
-  DecoderConfig c;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
+  DecoderConfig c = testing::tiny_decoder(64);
   c.head_dim = kDim;
-  c.vocab_size = 64;
   c.max_position_embeddings = kMax;
   c.rope_theta = kTheta;
   c.rope_scaling = dynamic_scaling();
@@ -107,6 +102,9 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& wan
 TEST(DynamicRopeState, ForwardsOfVaryingLengthUseTheLongestSinceTheLastReset) {
   NoGradGuard no_grad;
   CausalLM m(dynamic_model(), DType::F32, Device::cpu(), 3);
+  // One state for the model, as transformers' one rotary embedding: every layer reads it.
+  for (DecoderLayer* layer : m.model.layers)
+    EXPECT_EQ(layer->self_attn.dynamic_rope(), m.model.layers[0]->self_attn.dynamic_rope());
   EXPECT_EQ(m.dynamic_rope_max_seq_len_cached(), kMax);
   const Tensor l12 = m.forward(prefix_ids(12));
   EXPECT_EQ(m.dynamic_rope_max_seq_len_cached(), 12);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "models/decoder.h"
+#include "tests/models/tiny_decoder.h"
 
 namespace accel {
 namespace {
@@ -20,14 +21,8 @@ std::map<std::string, std::vector<double>> gradients(CausalLM& m) {
 TEST(ForwardLoss, EqualsLossOfLogitsWithGradients) {
   for (bool tied : {false, true}) {
     SCOPED_TRACE(tied ? "tied head" : "untied head");
-    DecoderConfig c;
-    c.hidden_size = 32;
-    c.intermediate_size = 48;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
+    DecoderConfig c = testing::tiny_decoder(70);
     c.head_dim = 8;
-    c.vocab_size = 70;
     c.tie_word_embeddings = tied;
     CausalLM model(c, DType::F32, Device::cpu(), 11);
     std::vector<int64_t> idv(3 * 7);

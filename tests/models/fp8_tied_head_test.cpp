@@ -7,11 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <numeric>
 
 #include "models/fp8_linear.h"
 #include "parallel/fsdp.h"
 #include "runtime/config.h"
+#include "tests/ops/fp8_training_check.h"
 #include "tests/parallel/strategy_test_util.h"
 
 namespace accel {
@@ -188,77 +188,24 @@ TEST(Fp8TiedHead, EqualsAnUntiedFp8HeadHoldingTheEmbedding) {
   }
 }
 
-// Arithmetic sequences t_i = (a + d i) mod V, learnable from the previous two tokens.
-std::pair<Tensor, Tensor> sequences(uint64_t seed, int64_t B, int64_t S, int64_t V) {
-  std::vector<int64_t> ids(B * S), tg(B * S);
-  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  auto next = [&x] {
-    x ^= x >> 31;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 29;
-    return x;
-  };
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t a = static_cast<int64_t>(next() % V), d = 1 + static_cast<int64_t>(next() % 7);
-    for (int64_t t = 0; t < S; ++t) ids[b * S + t] = (a + d * t) % V;
-    for (int64_t t = 0; t < S; ++t) tg[b * S + t] = t + 1 < S ? ids[b * S + t + 1] : -100;
-  }
-  return {Tensor::from_vector(ids, {B, S}), Tensor::from_vector(tg, {B, S})};
-}
-
-// 30 steps of a tied tiny Llama through the trainer's loss (forward_loss), bf16 compute.
-// `keep_head_bf16` removes the tied head's fp8 function after apply_fp8.
-std::vector<double> train_tied(const Fp8Config* cfg, int steps, bool keep_head_bf16 = false) {
+// A tied tiny Llama with the vocabulary of the untied runs (tests/ops/fp8_training_test.cpp).
+DecoderConfig tied_train_config() {
   DecoderConfig c = tiny_llama(2, true);
   c.vocab_size = 32;
-  CausalLM model(c, DType::F32, Device::cpu(), 42);
-  std::unique_ptr<Fp8Training> fp8 = cfg ? apply_fp8(model, *cfg, Device::cpu()) : nullptr;
-  if (keep_head_bf16) model.tied_head_fn = nullptr;
-  SingleProcessStrategy strategy(DType::BF16);
-  OptimizerOptions oo;
-  oo.weight_decay = 0.0;
-  strategy.setup(model, oo);
-  std::vector<double> losses;
-  for (int s = 0; s < steps; ++s) {
-    auto [ids, targets] = sequences(static_cast<uint64_t>(s), 8, 24, 32);
-    Tensor loss = model.forward_loss(ids, targets);
-    losses.push_back(loss.item());
-    loss.backward();
-    strategy.step(3e-3, 1.0, 1.0);
-    if (fp8) fp8->step_end(static_cast<ProcessGroup*>(nullptr));
-  }
-  return losses;
-}
-
-double tail_mean(const std::vector<double>& v, size_t n) {
-  return std::accumulate(v.end() - n, v.end(), 0.0) / static_cast<double>(n);
+  return c;
 }
 
 TEST(Fp8TiedHead, TrainsAndTracksBf16) {
-  const int steps = 30;
-  const std::vector<double> bf16 = train_tied(nullptr, steps);
-  const double ref = tail_mean(bf16, 5);
-  ASSERT_LT(ref, 0.8 * bf16.front()) << "the bf16 baseline does not learn";
-  struct Run {
-    const char* name;
-    Fp8Config cfg;
-  };
-  for (const Run& r : {Run{"TE delayed", te_config()}, Run{"MXFP8 emulated", mx_config()},
-                       Run{"AO dynamic", ao_config()}}) {
-    const std::vector<double> l = train_tied(&r.cfg, steps);
-    for (double v : l) ASSERT_TRUE(std::isfinite(v)) << r.name;
-    EXPECT_NE(l, bf16) << r.name << ": identical to bf16, the fp8 layers did not run";
-    const double got = tail_mean(l, 5);
-    EXPECT_LT(got, 0.8 * l.front()) << r.name << ": loss does not fall";
-    EXPECT_LT(std::fabs(got - ref) / ref, 0.03)
-        << r.name << ": final loss " << got << " vs bf16 " << ref;
-    std::printf("tied %s: first %.4f final %.4f (bf16 %.4f -> %.4f)\n", r.name, l.front(), got,
-                bf16.front(), ref);
-  }
+  expect_fp8_tracks_bf16(tied_train_config(), {{"tied TE delayed", te_config()},
+                                               {"tied MXFP8 emulated", mx_config()},
+                                               {"tied AO dynamic", ao_config()}});
   // Under TE the tied head itself runs in fp8: the same run with the head in bf16 differs from
   // its first step on (the head's GEMM is the only difference).
   const Fp8Config te = te_config();
-  const std::vector<double> head_fp8 = train_tied(&te, 3), head_bf16 = train_tied(&te, 3, true);
+  const std::vector<double> head_fp8 = fp8_train_losses(tied_train_config(), &te, 3),
+                            head_bf16 =
+                                fp8_train_losses(tied_train_config(), &te, 3,
+                                                 [](CausalLM&m) { m.tied_head_fn = nullptr; });
   EXPECT_NE(head_fp8[0], head_bf16[0]);
 }
 
@@ -372,13 +319,7 @@ double fp8_step(const RunSpec& s, Fp8Run& r, int step, int rank, ProcessGroup* p
   }
   r.t.strategy->step(s.lr, s.clip, 1.0);
   r.fp8->step_end(pg);
-  double loss = loss_sum / s.accum;
-  if (pg && pg->size() > 1) {
-    Tensor v = Tensor::full({1}, loss, DType::F64);
-    pg->all_reduce(v, ReduceOp::Avg)->wait();
-    loss = v.item();
-  }
-  return loss;
+  return mean_over_ranks(loss_sum / s.accum, pg);
 }
 
 RunResult run_fp8(const std::string& how, const RunSpec& s, std::shared_ptr<ProcessGroup> pg,

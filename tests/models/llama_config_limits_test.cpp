@@ -5,24 +5,17 @@
 
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <string>
 
 #include "models/decoder.h"
+#include "tests/data/test_util.h"
 
 namespace accel {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 DecoderConfig small() {
   DecoderConfig c;

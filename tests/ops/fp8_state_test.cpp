@@ -194,6 +194,18 @@ TEST(Fp8State, DynamicAndMxScalingHaveNoState) {
   CausalLM m3(tiny(), DType::F32, Device::cpu(), 1);
   auto f3 = apply_fp8(m3, te(), Device::cpu());
   EXPECT_TRUE(fp8_has_checkpoint_state(f3.get()));
+  // The rowwise and blockwise recipes scale each tensor from its own amaxes: no state either.
+  for (Fp8RecipeName name :
+       {Fp8RecipeName::Rowwise, Fp8RecipeName::RowwiseWithGwHp, Fp8RecipeName::Blockwise}) {
+    CausalLM m4(tiny(), DType::F32, Device::cpu(), 1);
+    Fp8Config c = ao;
+    c.recipe_name = name;
+    auto f4 = apply_fp8(m4, c, Device::cpu());
+    EXPECT_FALSE(fp8_has_checkpoint_state(f4.get())) << name_of(name);
+    EXPECT_EQ(f4->delayed(), nullptr) << name_of(name);
+    EXPECT_TRUE(fp8_checkpoint_state(*f4).tensors.empty()) << name_of(name);
+    EXPECT_THROW(save_fp8_state(*f4, temp_file("rw")), std::logic_error) << name_of(name);
+  }
 }
 
 extern "C" void omp_set_num_threads(int) __attribute__((weak));

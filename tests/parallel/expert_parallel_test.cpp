@@ -421,12 +421,7 @@ double toy_step(const ToyRun& r, ToyTrainee& t, int step, ProcessGroup* pg, doub
   t.strategy->end_micro_batch();
   StepResult s = t.strategy->step(r.lr, r.clip, 1.0);
   if (norm) *norm = s.grad_norm;
-  if (pg && world > 1) {
-    Tensor v = Tensor::full({1}, l, DType::F64);
-    pg->all_reduce(v, ReduceOp::Avg)->wait();
-    l = v.item();
-  }
-  return l;
+  return testing::mean_over_ranks(l, pg);
 }
 
 ToyResult toy_reference(const ToyRun& r) {

@@ -507,13 +507,7 @@ double eval_loss(Fp8Trainee& f, const RunSpec& s, int rank, ProcessGroup* pg) {
   Fp8EvalScope scope(f.fp8.get());
   NoGradGuard no_grad;
   auto [ids, labels] = rank_batch(s, 99, 0, rank, f.t.model->config.vocab_size);
-  double l = CausalLM::loss(f.t.model->forward(ids), labels).item();
-  if (pg && pg->size() > 1) {
-    Tensor v = Tensor::full({1}, l, DType::F64);
-    pg->all_reduce(v, ReduceOp::Avg)->wait();
-    l = v.item();
-  }
-  return l;
+  return mean_over_ranks(CausalLM::loss(f.t.model->forward(ids), labels).item(), pg);
 }
 
 // Bytes of one all-gather of `layout` when the elements of the named weights travel as e4m3 and

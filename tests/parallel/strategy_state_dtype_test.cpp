@@ -5,8 +5,6 @@
 // its fp32-state run; and the model-state memory per rank follows the ZeRO formulas with 2 bytes
 // per moment element (DDP 12P, ZeRO-1 4P + 8P/N, ZeRO-2 2P + 10P/N, ZeRO-3 12P/N in bf16
 // compute).
-#include <map>
-
 #include "tests/parallel/strategy_test_util.h"
 
 namespace accel {
@@ -102,43 +100,7 @@ double bf16_state_formula(const std::string& kind, double P, int N) {
 }
 
 TEST(StrategyStateDtypeMemory, ModelStateBytesCountTwoBytesPerMoment) {
-  const int world = 2;
-  const int port = pick_free_port();
-  auto exits = run_ranks(
-      world,
-      [&](int rank) -> int {
-        World w = make_world(rank, world, port);
-        const Device cpu = Device::cpu();
-        const MemCategory cats[] = {MemCategory::Params, MemCategory::Grads,
-                                    MemCategory::OptimizerState};
-        for (const char* kind : {"ddp", "zero1", "zero2", "zero3"}) {
-          RunSpec s = bf16_state_spec();
-          s.strategy = kind;
-          s.world = world;
-          s.compute = DType::BF16;
-          s.layers = 40;
-          s.global_batch = 4;
-          s.bucket_cap_mb = 0.02;
-          MemoryStats base = memory_stats(cpu);
-          Trainee t = make_trainee(s, w.pg, s.seed);
-          const double P = static_cast<double>(t.model->config.num_parameters());
-          reset_peak_memory_stats(cpu);
-          for (int step = 0; step < 2; ++step) train_step(s, t, step, rank, nullptr);
-          MemoryStats m = memory_stats(cpu);
-          double total = 0;
-          for (MemCategory c : cats) {
-            const int i = static_cast<int>(c);
-            total += static_cast<double>(m.peak[i] - base.current[i]);
-          }
-          const double want = bf16_state_formula(kind, P, world);
-          RANK_CHECK(std::abs(total - want) <= 0.1 * want,
-                     "%s N=%d, bf16 state: model states %.3fP, formula %.3fP", kind, world,
-                     total / P, want / P);
-        }
-        return 0;
-      },
-      std::chrono::seconds(120));
-  expect_all_ok(exits);
+  expect_model_states_follow(bf16_state_spec(), 2, bf16_state_formula);
 }
 
 }  // namespace

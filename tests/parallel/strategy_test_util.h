@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -18,6 +19,7 @@
 #include "parallel/strategy.h"
 #include "parallel/zero.h"
 #include "runtime/config.h"
+#include "runtime/device.h"
 #include "tests/parallel/harness.h"
 
 namespace accel::testing {
@@ -273,6 +275,14 @@ inline Trainee make_trainee(const RunSpec& s, std::shared_ptr<ProcessGroup> pg,
   return t;
 }
 
+// The mean of each rank's `v` over pg (v itself without pg or with one rank).
+inline double mean_over_ranks(double v, ProcessGroup* pg) {
+  if (!pg || pg->size() <= 1) return v;
+  Tensor t = Tensor::full({1}, v, DType::F64);
+  pg->all_reduce(t, ReduceOp::Avg)->wait();
+  return t.item();
+}
+
 // One optimizer step as the trainer runs it; returns the global mean loss.
 inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, ProcessGroup* pg,
                          double* grad_norm = nullptr) {
@@ -287,13 +297,7 @@ inline double train_step(const RunSpec& s, Trainee& t, int step, int rank, Proce
   }
   StepResult r = t.strategy->step(s.lr, s.clip, 1.0);
   if (grad_norm) *grad_norm = r.grad_norm;
-  double loss = loss_sum / s.accum;
-  if (pg && pg->size() > 1) {
-    Tensor v = Tensor::full({1}, loss, DType::F64);
-    pg->all_reduce(v, ReduceOp::Avg)->wait();
-    loss = v.item();
-  }
-  return loss;
+  return mean_over_ranks(loss_sum / s.accum, pg);
 }
 
 using Weights = std::vector<std::pair<std::string, Tensor>>;
@@ -385,6 +389,58 @@ inline Fp8CheckpointState fp8_state_for_ranks(Fp8CheckpointState st, int world) 
     if (f != 1) t = mul(t, f);
   }
   return st;
+}
+
+// The model-state memory check against the ZeRO paper's formulas, on `world` CPU ranks: each rank
+// trains two steps of `spec` under ddp, zero1, zero2 and zero3 in bf16 compute, on a deep and
+// narrow model (so that the transient buffers, a gradient bucket or two in flight and ZeRO-3's
+// gathered layers, stay small next to the persistent states, as in a real model), and its peak
+// bytes of Params, Grads and OptimizerState must be within 10% of formula(kind, P, world).
+inline void expect_model_states_follow(
+    const RunSpec& spec, int world,
+    const std::function<double(const std::string& kind, double P, int N)>& formula) {
+  const int port = pick_free_port();
+  auto exits = run_ranks(
+      world,
+      [&](int rank) -> int {
+        World w = make_world(rank, world, port);
+        const Device cpu = Device::cpu();
+        for (const char* kind : {"ddp", "zero1", "zero2", "zero3"}) {
+          RunSpec s = spec;
+          s.strategy = kind;
+          s.world = world;
+          s.compute = DType::BF16;
+          s.layers = 40;
+          s.global_batch = 4;
+          s.bucket_cap_mb = 0.02;
+          MemoryStats base = memory_stats(cpu);
+          Trainee t = make_trainee(s, w.pg, s.seed);
+          const double P = static_cast<double>(t.model->config.num_parameters());
+          reset_peak_memory_stats(cpu);
+          for (int step = 0; step < 2; ++step) train_step(s, t, step, rank, nullptr);
+          MemoryStats m = memory_stats(cpu);
+          double total = 0;
+          std::string detail;
+          for (MemCategory c :
+               {MemCategory::Params, MemCategory::Grads, MemCategory::OptimizerState}) {
+            const int i = static_cast<int>(c);
+            const double b = static_cast<double>(m.peak[i] - base.current[i]);
+            total += b;
+            detail += std::string(" ") + mem_category_name(c) + " " + std::to_string(b / P) + "P";
+          }
+          const double want = formula(kind, P, world);
+          const char* state = dtype_name(s.state_dtype);
+          if (rank == 0)
+            std::fprintf(stderr, "%s N=%d, %s state: model states %.3fP (formula %.3fP):%s\n", kind,
+                         world, state, total / P, want / P, detail.c_str());
+          RANK_CHECK(std::abs(total - want) <= 0.1 * want,
+                     "%s N=%d, %s state: model states %.3fP, formula %.3fP (%s)", kind, world,
+                     state, total / P, want / P, detail.c_str());
+        }
+        return 0;
+      },
+      std::chrono::seconds(120));
+  expect_all_ok(exits);
 }
 
 }  // namespace accel::testing

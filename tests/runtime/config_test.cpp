@@ -691,6 +691,48 @@ TEST_F(ConfigTest, AccelerateFp8ExamplesLoad) {
   EXPECT_TRUE(has_notice(bf, "has no effect because mixed_precision is bf16")) << notices_text(bf);
 }
 
+// fp8_config.recipe_name: torchao's recipe names (and blockwise), valid only with backend AO.
+TEST_F(ConfigTest, Fp8RecipeNameChoosesTheAoRecipe) {
+  const std::vector<std::string> ao = {"mixed_precision=fp8", "fp8_config.backend=AO"};
+  EXPECT_EQ(load_config(kData + "accelerate_fp8.yaml", ao, {}).fp8.recipe_name,
+            Fp8RecipeName::Tensorwise);
+  for (const auto& [text, value] : std::vector<std::pair<std::string, Fp8RecipeName>>{
+           {"tensorwise", Fp8RecipeName::Tensorwise},
+           {"rowwise", Fp8RecipeName::Rowwise},
+           {"rowwise_with_gw_hp", Fp8RecipeName::RowwiseWithGwHp},
+           {"blockwise", Fp8RecipeName::Blockwise}}) {
+    std::vector<std::string> sets = ao;
+    sets.push_back("fp8_config.recipe_name=" + text);
+    Config c = load_config(kData + "accelerate_fp8.yaml", sets, {});
+    EXPECT_EQ(c.fp8.recipe_name, value) << text;
+    // --print-config and config.yaml show it, and it reads back.
+    std::string y = config_to_yaml(c);
+    EXPECT_NE(y.find("recipe_name: " + text), std::string::npos) << y;
+  }
+  expect_error(
+      [&] {
+        load_config(
+            kData + "accelerate_fp8.yaml",
+            {"mixed_precision=fp8", "fp8_config.backend=AO", "fp8_config.recipe_name=axiswise"},
+            {});
+      },
+      {"fp8_config.recipe_name", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"});
+  expect_error(
+      [&] {
+        load_config(
+            kData + "accelerate_fp8.yaml",
+            {"mixed_precision=fp8", "fp8_config.backend=TE", "fp8_config.recipe_name=rowwise"}, {});
+      },
+      {"fp8_config.recipe_name rowwise needs fp8_config.backend: AO"});
+  std::string p = write("rw_fsdp.yaml",
+                        "mixed_precision: fp8\ndistributed_type: FSDP\nnum_processes: 2\n"
+                        "fp8_config:\n  backend: AO\n  recipe_name: blockwise\n"
+                        "  enable_fsdp_float8_all_gather: true\n");
+  expect_error([&] { load_config(p, {}, {}); },
+               {"fp8_config.enable_fsdp_float8_all_gather needs fp8_config.recipe_name: "
+                "tensorwise"});
+}
+
 TEST_F(ConfigTest, InertKeysAreKeptAndExplained) {
   std::string p = write("inert.yaml",
                         "debug: true\nmain_training_function: train\nrdzv_backend: c10d\n"

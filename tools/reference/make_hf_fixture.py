@@ -418,7 +418,7 @@ def write_rope_sequence(out_dir, family, ids):
             if n > ids.shape[1]:
                 raise SystemExit(f"rope sequence length {n} is longer than the batch")
             out[f"logits.{k}"] = model(input_ids=ids[:, :n]).logits.contiguous()
-            out[f"inv_freq.{k}"] = rotary.inv_freq.detach().to(torch.float32).contiguous()
+            out[f"inv_freq.{k}"] = rotary.inv_freq.detach().to(torch.float32).clone()  # its own storage
             c = getattr(rotary, "max_seq_len_cached", None)
             cached.append(int(c) if c is not None else -1)
     out["max_seq_len_cached"] = torch.tensor(cached, dtype=torch.int64)

@@ -56,8 +56,8 @@ summary = [l for l in lines if l.get("summary")][0]
 # attention plans, so padded runs show slow outliers (p90) that a bounded set of lengths removes.
 all_steps = [l for l in lines if "step" in l and "elapsed_s" in l and not l.get("summary")]
 ms = sorted((b["elapsed_s"] - a["elapsed_s"]) * 1e3 for a, b in zip(all_steps[4:], all_steps[5:]))
-def med(key):
-    v = [l[key] for l in steps if key in l]
+def med(key):  # host_busy_ms_per_step is split by part (forward/backward, optimizer, ...): its sum
+    v = [sum(l[key].values()) if isinstance(l[key], dict) else l[key] for l in steps if key in l]
     return round(statistics.median(v), 1) if v else None
 print(json.dumps({"run": sys.argv[2],
                   "trained_tokens_per_s": round(statistics.median(l["tokens_per_s"] for l in steps)),

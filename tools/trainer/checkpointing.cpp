@@ -196,10 +196,9 @@ void RunCheckpoints::save(int64_t step, RunLog& log) {
   // rope_type dynamic: each rank's frequency state (transformers' max_seq_len_cached, which
   // depends on the lengths of the forwards so far when packed documents vary them).
   nlohmann::json dynamic_rope;
-  if (run_.model->dynamic_rope_max_seq_len_cached() >= 0) {
+  if (const int64_t cached = run_.model->dynamic_rope_max_seq_len_cached(); cached >= 0) {
     dynamic_rope = nlohmann::json::array();
-    for (double v : run_.dist.all_gather(
-             {static_cast<double>(run_.model->dynamic_rope_max_seq_len_cached())}, run_.device))
+    for (double v : run_.dist.all_gather({static_cast<double>(cached)}, run_.device))
       dynamic_rope.push_back(static_cast<int64_t>(v));
   }
   before_copies_s_ = since();
