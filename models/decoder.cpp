@@ -792,18 +792,19 @@ SparseMoeBlock::SparseMoeBlock(const DecoderConfig& c, DType dtype, Device devic
         std::to_string(ep_->expert_begin) + ".." + std::to_string(ep_->expert_end - 1) +
         "), but the model has " + std::to_string(c.num_experts) +
         ": make_expert_parallel needs the model's expert count (model.num_experts)");
-  // The checkpoints' per-expert names: Qwen3-MoE's experts are Qwen3MoeMLPs (gate_proj, up_proj,
-  // down_proj), Mixtral's MixtralBlockSparseTop2MLPs (w1 gate, w3 up, w2 down).
-  const bool mixtral = c.model_type == "mixtral";
-  const std::array<const char*, 3> names =
-      mixtral ? std::array<const char*, 3>{"w1", "w3", "w2"}
-              : std::array<const char*, 3>{"gate_proj", "up_proj", "down_proj"};
-  const std::string type = mixtral ? "MixtralBlockSparseTop2MLP" : c.hf_class("MLP");
+  const std::string type =
+      c.model_type == "mixtral" ? "MixtralBlockSparseTop2MLP" : c.hf_class("MLP");
   const int64_t begin = ep_ ? ep_->expert_begin : 0, end = ep_ ? ep_->expert_end : c.num_experts;
   for (int64_t e = begin; e < end; ++e)  // under the global index: experts.<e>
     experts.push_back(&experts_list.append_as(
-        e,
-        std::make_unique<GatedMLP>(c, c.expert_intermediate_size(), dtype, device, names, type)));
+        e, std::make_unique<GatedMLP>(c, c.expert_intermediate_size(), dtype, device,
+                                      projection_names(), type)));
+}
+
+std::array<const char*, 3> SparseMoeBlock::projection_names() const {
+  // The checkpoints' per-expert names.
+  if (config.model_type == "mixtral") return {"w1", "w3", "w2"};
+  return {"gate_proj", "up_proj", "down_proj"};
 }
 
 Tensor SparseMoeBlock::run_experts(const Tensor& xs, const std::vector<int64_t>& rows) {
@@ -813,22 +814,27 @@ Tensor SparseMoeBlock::run_experts(const Tensor& xs, const std::vector<int64_t>&
     up_w.push_back(e->up_proj.weight.value);
     down_w.push_back(e->down_proj.weight.value);
   }
-  Tensor h = swiglu(grouped_linear(xs, gate_w, rows), grouped_linear(xs, up_w, rows));
-  return grouped_linear(h, down_w, rows);
+  auto project = [&](const Tensor& x, const std::vector<Tensor>& w, int projection) {
+    return experts_linear_fn ? experts_linear_fn(x, w, rows, projection)
+                             : grouped_linear(x, w, rows);
+  };
+  Tensor h = swiglu(project(xs, gate_w, 0), project(xs, up_w, 1));
+  return project(h, down_w, 2);
 }
 
 Tensor SparseMoeBlock::forward(const Tensor& x, RouterStats* stats) {
   return with_forward_hooks(*this, [&] {
     // The experts' weights go to grouped GEMMs directly: anything that would act through their
-    // Linear modules (an fp8 conversion, a per-module hook) would be skipped, so it is refused.
+    // Linear modules (a linear_fn, a per-module hook) would be skipped, so it is refused.
     for (GatedMLP* e : experts)
       for (Linear* l : {&e->gate_proj, &e->up_proj, &e->down_proj})
         if (l->linear_fn || l->has_forward_hooks() || e->fused_fn || e->has_forward_hooks())
           throw std::logic_error(
               "[" + config.model_type +
               "] an expert's linear layer has a conversion or a forward hook, which the experts' "
-              "grouped GEMMs would skip (fp8 training leaves the experts alone by itself); "
-              "convert or hook whole decoder layers instead");
+              "grouped GEMMs would skip (a conversion of the experts goes through the block's "
+              "experts_linear_fn, as fp8 training's does); convert or hook whole decoder layers "
+              "instead");
     const Shape shape = x.shape();
     const int64_t H = x.size(-1);
     Tensor flat = reshape(x, {-1, H});

@@ -271,6 +271,17 @@ class SparseMoeBlock : public Module {
   const DecoderConfig config;
   int64_t expert_begin() const { return ep_ ? ep_->expert_begin : 0; }
   bool expert_parallel() const { return ep_ != nullptr; }
+  // The module names of an expert's projections, gate, up, down: Qwen3-MoE's experts are
+  // Qwen3MoeMLPs (gate_proj, up_proj, down_proj), Mixtral's MixtralBlockSparseTop2MLPs (w1, w3,
+  // w2).
+  std::array<const char*, 3> projection_names() const;
+  // When set, the experts' projections run as experts_linear_fn(x, weights, rows, projection)
+  // instead of grouped_linear(x, weights, rows): weights are the held experts' of that
+  // projection (0 gate, 1 up, 2 down), rows their row counts. A conversion of the experts
+  // installs one (fp8 training: fp8_grouped_linear, models/fp8_linear.h).
+  std::function<Tensor(const Tensor& x, const std::vector<Tensor>& weights,
+                       const std::vector<int64_t>& rows, int projection)>
+      experts_linear_fn;
 
  private:
   // The experts' SwiGLU over rows grouped by local expert (`rows[j]` rows for experts[j]).

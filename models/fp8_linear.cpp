@@ -1,5 +1,6 @@
 #include "models/fp8_linear.h"
 
+#include <array>
 #include <cmath>
 #include <map>
 #include <set>
@@ -68,9 +69,38 @@ std::string Fp8LayerChoice::display_name() const {
 
 std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cfg) {
   std::vector<Fp8LayerChoice> out;
+  // The experts of a sparse block are listed by the block, all of them (also those another
+  // expert-parallel rank holds), where its ModuleList "<block>.experts" comes in module order.
+  std::map<std::string, const SparseMoeBlock*> expert_lists;
+  for (auto& [name, m] : model.named_modules())
+    if (auto* b = dynamic_cast<SparseMoeBlock*>(m)) expert_lists[name + ".experts"] = b;
+  auto inside_experts = [&](const std::string& name) {
+    for (const auto& [list, b] : expert_lists)
+      if (name.compare(0, list.size() + 1, list + ".") == 0) return true;
+    return false;
+  };
+  // Per expert choice: "<block>.experts.*.<projection>", the group that runs as one op.
+  std::map<size_t, std::string> expert_group;
   for (auto& [name, m] : model.named_modules()) {
+    if (auto it = expert_lists.find(name); it != expert_lists.end()) {
+      const SparseMoeBlock& b = *it->second;
+      const int64_t H = b.config.hidden_size, I = b.config.expert_intermediate_size();
+      const auto projections = b.projection_names();
+      for (int64_t e = 0; e < b.config.num_experts; ++e)
+        for (int p = 0; p < 3; ++p) {
+          Fp8LayerChoice c;
+          c.name = name + "." + std::to_string(e) + "." + projections[p];
+          c.out_features = p == 2 ? H : I;
+          c.in_features = p == 2 ? I : H;
+          c.fp8 = true;
+          c.expert = e;
+          expert_group[out.size()] = name + ".*." + projections[p];
+          out.push_back(c);
+        }
+      continue;
+    }
     auto* lin = dynamic_cast<Linear*>(m);
-    if (!lin) continue;
+    if (!lin || inside_experts(name)) continue;
     Fp8LayerChoice c;
     c.name = name;
     c.out_features = lin->weight.value.size(0);
@@ -89,17 +119,6 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     c.fp8 = true;
     out.push_back(c);
   }
-  // A mixture-of-experts block's experts run as grouped GEMMs in the compute dtype, never through
-  // their Linear modules: they stay out of fp8 (fp8 experts are not implemented).
-  std::vector<std::string> expert_prefixes;
-  for (auto& [name, m] : model.named_modules())
-    if (dynamic_cast<SparseMoeBlock*>(m)) expert_prefixes.push_back(name + ".experts.");
-  for (Fp8LayerChoice& c : out)
-    for (const std::string& prefix : expert_prefixes)
-      if (c.name.compare(0, prefix.size(), prefix) == 0) {
-        c.fp8 = false;
-        c.reason = "a mixture-of-experts expert (grouped GEMMs; fp8 experts are not implemented)";
-      }
   const bool ao = cfg.backend == Fp8Backend::AO;
   for (Fp8LayerChoice& c : out) {
     if (!c.fp8) continue;
@@ -123,6 +142,19 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
           c.reason = "matches fp8_config.exclude_modules pattern '" + pat + "'";
         }
   }
+  // One projection of a block's experts is one grouped op: in fp8 for all experts or for none.
+  std::map<std::string, std::pair<int64_t, int64_t>> fp8_of_group;  // (in fp8, experts)
+  for (const auto& [i, group] : expert_group) {
+    fp8_of_group[group].first += out[i].fp8 ? 1 : 0;
+    ++fp8_of_group[group].second;
+  }
+  for (const auto& [i, group] : expert_group)  // the first such group in module order
+    if (const auto count = fp8_of_group[group]; count.first != 0 && count.first != count.second)
+      throw std::invalid_argument(
+          "fp8_config.exclude_modules keeps " + std::to_string(count.second - count.first) +
+          " of the " + std::to_string(count.second) + " experts' " + group +
+          " in high precision: a block's experts run each projection as one grouped GEMM, so "
+          "exclude all of them (e.g. 'experts') or none");
   return out;
 }
 
@@ -150,6 +182,8 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
       ctx->slot_weight = delayed_->add_slot(recipe_.forward_dtype);
       ctx->slot_grad_output = delayed_->add_slot(recipe_.backward_dtype);
     }
+    contexts_[c.name] = ctx;
+    if (c.expert >= 0) continue;  // run by its block (below)
     auto fn = [ctx](const Tensor& x, const Tensor& w) { return fp8_linear(x, w, Tensor(), *ctx); };
     if (!c.tied_to.empty()) {
       // The tied head: the same op on the embedding weight, whose gradient autograd adds to the
@@ -165,7 +199,34 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
         throw std::logic_error("[fp8] linear layer " + c.name + " already has a linear function");
       lin->linear_fn = fn;
     }
-    contexts_.push_back({c.name, ctx});
+  }
+  // A sparse block's held experts run each projection as one fp8_grouped_linear, one context per
+  // expert (choose_fp8_layers makes a projection fp8 for all experts or for none).
+  std::set<const GatedMLP*> experts;
+  for (auto& [name, m] : model.named_modules()) {
+    auto* block = dynamic_cast<SparseMoeBlock*>(m);
+    if (!block) continue;
+    experts.insert(block->experts.begin(), block->experts.end());
+    std::array<std::vector<std::shared_ptr<const Fp8LinearContext>>, 3> ctxs;
+    const auto projections = block->projection_names();
+    for (int p = 0; p < 3; ++p)
+      for (size_t j = 0; j < block->experts.size(); ++j) {
+        const std::string layer = name + ".experts." +
+                                  std::to_string(block->expert_begin() + static_cast<int64_t>(j)) +
+                                  "." + projections[p];
+        if (auto it = contexts_.find(layer); it != contexts_.end()) ctxs[p].push_back(it->second);
+      }
+    if (ctxs[0].empty() && ctxs[1].empty() && ctxs[2].empty()) continue;
+    if (block->experts_linear_fn)
+      throw std::logic_error("[fp8] sparse block " + name + " already has an experts function");
+    block->experts_linear_fn = [ctxs](const Tensor& x, const std::vector<Tensor>& weights,
+                                      const std::vector<int64_t>& rows, int projection) {
+      const auto& c = ctxs.at(static_cast<size_t>(projection));
+      if (c.empty()) return grouped_linear(x, weights, rows);
+      std::vector<const Fp8LinearContext*> raw;
+      for (const auto& ctx : c) raw.push_back(ctx.get());
+      return fp8_grouped_linear(x, weights, rows, raw);
+    };
   }
   // The projections that read one tensor (q/k/v, gate/up) cast it once (Fp8SharedInputCast).
   auto one_cast = [](const Tensor& x, const std::function<void()>& run) {
@@ -174,18 +235,18 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
   };
   for (auto& [name, m] : model.named_modules()) {
     if (auto* attn = dynamic_cast<SelfAttention*>(m)) attn->shared_input = one_cast;
-    if (auto* mlp = dynamic_cast<GatedMLP*>(m)) mlp->shared_input = one_cast;
+    if (auto* mlp = dynamic_cast<GatedMLP*>(m); mlp && !experts.count(mlp))
+      mlp->shared_input = one_cast;
   }
   // Llama MLPs whose three projections all run in fp8 take the fused form (fp8_swiglu_mlp), which
-  // declines by itself where it does not apply.
+  // declines by itself where it does not apply. (Experts are run by their blocks.)
   for (auto& [name, m] : model.named_modules()) {
     auto* mlp = dynamic_cast<GatedMLP*>(m);
-    if (!mlp) continue;
+    if (!mlp || experts.count(mlp)) continue;
     std::shared_ptr<Fp8LinearContext> ctx[3];
     const char* parts[3] = {".gate_proj", ".up_proj", ".down_proj"};
     for (int i = 0; i < 3; ++i)
-      for (auto& [n, c] : contexts_)
-        if (n == name + parts[i]) ctx[i] = c;
+      if (auto it = contexts_.find(name + parts[i]); it != contexts_.end()) ctx[i] = it->second;
     if (!ctx[0] || !ctx[1] || !ctx[2]) continue;
     mlp->fused_fn = [mlp, g = ctx[0], u = ctx[1], d = ctx[2]](const Tensor& x) {
       if (mlp->gate_proj.has_forward_hooks() || mlp->up_proj.has_forward_hooks() ||
@@ -223,6 +284,12 @@ std::string Fp8Training::describe() const {
       o << "\n  in fp8: " << c.display_name() << " [out " << c.out_features << ", in "
         << c.in_features << "]: the embedding weight cast for the head's GEMMs, its gradient "
         << "added to the embedding's";
+  int64_t expert_layers = 0;
+  for (const Fp8LayerChoice& c : layers_) expert_layers += c.fp8 && c.expert >= 0 ? 1 : 0;
+  if (expert_layers)
+    o << "\n  in fp8: " << expert_layers << " mixture-of-experts expert projections (among the "
+      << num_fp8_layers() << "), each with its own scales: one fp8 GEMM per expert that has "
+      << "tokens (cuBLASLt has no grouped fp8 GEMM)";
   if (hidden) o << "\n  ... and " << hidden << " more layers kept in bf16";
   if (recipe_.scaling == Fp8Scaling::MxBlock)
     o << "\nfp8: note: MXFP8 needs Blackwell (sm_100) GEMMs; on this hardware it is emulated "
@@ -250,9 +317,8 @@ void Fp8Training::step_end(const std::function<void(const Tensor& amaxes)>& all_
 }
 
 Fp8LinearContext* Fp8Training::layer_context(const std::string& name) {
-  for (auto& [n, ctx] : contexts_)
-    if (n == name) return ctx.get();
-  return nullptr;
+  auto it = contexts_.find(name);
+  return it == contexts_.end() ? nullptr : it->second.get();
 }
 
 std::unique_ptr<Fp8Training> apply_fp8(Module& model, const Fp8Config& cfg, Device device) {
@@ -307,6 +373,12 @@ const Fp8LayerChoice* tied_fp8_head(const Fp8Training& fp8) {
   return nullptr;
 }
 
+bool has_fp8_experts(const Fp8Training& fp8) {
+  for (const Fp8LayerChoice& c : fp8.layers())
+    if (c.fp8 && c.expert >= 0) return true;
+  return false;
+}
+
 std::string some_names(const std::vector<std::string>& names) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < 4; ++i) out += (i ? ", " : "") + names[i];
@@ -341,7 +413,8 @@ Fp8CheckpointState fp8_checkpoint_state(Fp8Training& fp8) {
                  {"margin", std::to_string(r.margin)},
                  {"interval", std::to_string(r.interval)},
                  {"updates", std::to_string(d.updates())},
-                 {"tied_lm_head", tied_fp8_head(fp8) ? "fp8" : "none"}};
+                 {"tied_lm_head", tied_fp8_head(fp8) ? "fp8" : "none"},
+                 {"moe_experts", has_fp8_experts(fp8) ? "fp8" : "none"}};
   return st;
 }
 
@@ -419,14 +492,28 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
     for (const char* role : kRoles) any = any || saved.count(layer + "." + role + ".scale");
     if (!any) missing.push_back(layer);
   }
-  // A state written before tied LM heads ran in fp8 (no tied_lm_head key) has every layer but the
-  // tied head: each saved layer keeps its own slots, the head's start afresh.
+  // A state written before tied LM heads (no tied_lm_head key) or mixture-of-experts experts (no
+  // moe_experts key) ran in fp8 has every layer but those: each saved layer keeps its own slots,
+  // those start afresh. Anything else missing refuses the whole state.
   const Fp8LayerChoice* tied = tied_fp8_head(fp8);
+  std::set<std::string> experts, fresh;
+  for (const Fp8LayerChoice& c : fp8.layers())
+    if (c.fp8 && c.expert >= 0) experts.insert(c.name);
   std::string fresh_head;
-  if (tied && !state.metadata.count("tied_lm_head") && extra.empty() && missing.size() == 1 &&
-      missing[0] == tied->name) {
-    fresh_head = tied->display_name();
-    missing.clear();
+  int64_t fresh_experts = 0;
+  if (extra.empty() && !missing.empty()) {
+    const bool head_was_bf16 = tied && !state.metadata.count("tied_lm_head");
+    const bool experts_were_bf16 = !state.metadata.count("moe_experts");
+    for (const std::string& layer : missing)
+      if ((head_was_bf16 && layer == tied->name) || (experts_were_bf16 && experts.count(layer)))
+        fresh.insert(layer);
+    if (fresh.size() == missing.size()) {
+      missing.clear();
+      fresh_head = tied && fresh.count(tied->name) ? tied->display_name() : "";
+      fresh_experts = static_cast<int64_t>(fresh.size()) - (fresh_head.empty() ? 0 : 1);
+    } else {
+      fresh.clear();
+    }
   }
   if (!missing.empty() || !extra.empty()) {
     std::string what = "it does not match this run's fp8 layers:";
@@ -453,8 +540,7 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
     return host_floats(t);
   };
   for (const auto& [slot, name] : slots) {
-    if (!fresh_head.empty() && name.compare(0, tied->name.size() + 1, tied->name + ".") == 0)
-      continue;  // scale 1, an empty history
+    if (fresh.count(name.substr(0, name.rfind('.')))) continue;  // scale 1, an empty history
     std::vector<float> col = take(name + ".amax_history", L);
     for (int64_t i = 0; i < L; ++i) hist[i * n + slot] = col[i];
     sc[slot] = take(name + ".scale", 1)[0];
@@ -484,6 +570,13 @@ std::string fp8_load_checkpoint_state(Fp8Training& fp8, const Fp8CheckpointState
             "(before tied heads ran in fp8 under TE), so from here on the head runs in fp8 and "
             "its scaling starts afresh (scale 1, empty amax history, as at a run's first step); "
             "every other layer continues with its saved state";
+  if (fresh_experts)
+    note += std::string(note.empty() ? source + ": fp8 state restored" : "") + "; " +
+            std::to_string(fresh_experts) +
+            " mixture-of-experts expert projections have no saved state: the checkpoint was "
+            "written when the experts ran in bf16 (before they ran in fp8), so from here on they "
+            "run in fp8 and their scaling starts afresh (scale 1, empty amax history, as at a "
+            "run's first step); every other layer continues with its saved state";
   return note;
 }
 

@@ -37,6 +37,10 @@ struct Fp8LayerChoice {
   // A tied LM head: the module whose weight it multiplies by ("model.embed_tokens"); empty for a
   // Linear module.
   std::string tied_to;
+  // A mixture-of-experts expert's projection ("model.layers.0.mlp.experts.3.gate_proj"): its
+  // global expert index, else -1. Its block runs it (fp8_grouped_linear over every held expert),
+  // never its Linear module; under expert parallelism another rank may hold it.
+  int64_t expert = -1;
   // "lm_head (tied to model.embed_tokens)" for a tied head, else the name.
   std::string display_name() const;
 };
@@ -49,14 +53,22 @@ struct Fp8LayerChoice {
 // admits any dimensions, and the first and the last Linear (Accelerate's default filter; Hugging
 // Face's model lists lm_head last, tied or not, so the LM head stays in high precision) and layers
 // whose name contains one of exclude_modules stay in high precision.
+// A mixture-of-experts block lists every expert's projections (gate, up, down per expert, in
+// expert order, where its experts' modules are), those of experts another expert-parallel rank
+// holds included: every rank then has the same layers, delayed-scaling slots and saved state.
+// A block's experts run one projection as one grouped op, so exclude_modules must keep all of
+// them or none of them in high precision (std::invalid_argument naming the key otherwise).
 std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cfg);
 
 class Fp8Training {
  public:
   // Installs fp8 linear functions in the chosen Linear layers of `model` (which must outlive the
-  // layers' use; the layers keep the shared state alive), and a tied LM head's in
+  // layers' use; the layers keep the shared state alive), a tied LM head's in
   // CausalLM::tied_head_fn: the same fp8_linear with its own context (delayed scaling: its own
-  // input, weight and grad_output slots), reading model.embed_tokens.weight.
+  // input, weight and grad_output slots), reading model.embed_tokens.weight, and the experts' in
+  // SparseMoeBlock::experts_linear_fn: fp8_grouped_linear with one context per expert
+  // projection (experts held by other expert-parallel ranks get slots but are never run here;
+  // their amaxes come from their owners through step_end's all-reduce).
   Fp8Training(Module& model, const Fp8Config& cfg, Device device);
 
   const Fp8Recipe& recipe() const { return recipe_; }
@@ -87,7 +99,7 @@ class Fp8Training {
   Fp8Config cfg_;
   Device device_;
   std::vector<Fp8LayerChoice> layers_;
-  std::vector<std::pair<std::string, std::shared_ptr<Fp8LinearContext>>> contexts_;
+  std::map<std::string, std::shared_ptr<Fp8LinearContext>> contexts_;  // by layer name
   std::shared_ptr<Fp8DelayedScaling> delayed_;
   std::shared_ptr<Fp8Autocast> autocast_;
   bool eval_in_fp8_ = false;
@@ -123,12 +135,15 @@ class Fp8EvalScope {
 //   <layer>.<role>.scale_inv     [1]
 // e.g. "model.layers.0.self_attn.q_proj.grad_output.scale"; a tied LM head's slots are
 // "lm_head.<role>.*" as an untied head's. Metadata: format (accel-fp8-delayed-scaling),
-// fp8_format, amax_history_len, amax_compute_algo, margin, interval, updates, and tied_lm_head
-// ("fp8" or "none": whether the state holds a tied head; written since tied heads run in fp8).
+// fp8_format, amax_history_len, amax_compute_algo, margin, interval, updates, tied_lm_head
+// ("fp8" or "none": whether the state holds a tied head; written since tied heads run in fp8) and
+// moe_experts ("fp8" or "none": whether it holds mixture-of-experts experts; written since they
+// run in fp8).
 //
-// A state written before tied heads ran in fp8 (no tied_lm_head key) lacks the tied head's slots;
-// it is restored for every saved layer, the tied head's scaling starting afresh (scale 1, empty
-// history, as at a run's first step), and the returned note says so.
+// A state written before tied heads ran in fp8 (no tied_lm_head key) lacks the tied head's slots,
+// one written before experts ran in fp8 (no moe_experts key) the experts'; it is restored for
+// every saved layer, those layers' scaling starting afresh (scale 1, empty history, as at a run's
+// first step), and the returned note says so.
 
 inline constexpr char kFp8StateFile[] = "fp8_state.safetensors";
 

@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ops/backend.h"
 
@@ -20,5 +21,12 @@ void check_same_device(const char* op, const Tensor& a, const Tensor& b);
 void check_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void check_defined(const char* op, const Tensor& x, const char* what);
 void check_floating(const char* op, const Tensor& x);
+
+// Rows [begin, begin + rows) of a contiguous 2-d tensor, as a 2-d contiguous view.
+Tensor row_block(const Tensor& t, int64_t begin, int64_t rows);
+// grouped_linear's arguments (ops/ops.h): x [N, in] floating, one weight [out, in] per group, of
+// x's dtype and device, and group sizes that are not negative and sum to N.
+void check_grouped_linear(const char* op, const Tensor& x, const std::vector<Tensor>& weights,
+                          const std::vector<int64_t>& group_sizes);
 
 }  // namespace accel::detail

@@ -10,6 +10,7 @@
 
 namespace accel {
 using detail::op_error;
+using detail::row_block;
 
 namespace {
 
@@ -468,35 +469,39 @@ void Fp8DelayedScaling::load_state(const std::vector<std::pair<std::string, Tens
 namespace {
 
 struct LinearShapes {
-  Shape x_shape;
   int64_t M, N, K;
   DType x_dtype, w_dtype;
+};
+
+// One fp8 linear over 2-d rows, outside autograd: fp8_linear's numbers for x2 [M, K] (detached)
+// and a weight [N, K] (detached), and the backward that fp8_linear and fp8_grouped_linear record.
+struct Fp8RowsPass {
+  Tensor y2;  // [M, N] in x's dtype
+  // g2 [M, N] (contiguous) -> {dx2 [M, K] in x's dtype, dw [N, K] in the weight's dtype}, each
+  // undefined where not wanted; null when no gradient is wanted.
+  std::function<std::pair<Tensor, Tensor>(const Tensor& g2)> backward;
 };
 
 // MXFP8, emulated: each GEMM operand is quantized in 1x32 blocks along that GEMM's contraction
 // dimension, from the high-precision tensor (an MX tensor cannot be transposed exactly), and the
 // GEMM runs in the operands' precision on the exactly representable dequantized values.
-Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const Fp8Recipe& r,
-                 bool want_dx, bool want_dw, const Tensor& x, const Tensor& weight) {
+Fp8RowsPass mx_linear_rows(const Tensor& x2, const Tensor& w, const LinearShapes& s,
+                           const Fp8Recipe& r, bool want_dx, bool want_dw) {
   Tensor wx = w.dtype() == s.x_dtype ? w : cast(w, s.x_dtype);
-  Tensor y2;
+  Fp8RowsPass p;
   {
     NoGradGuard no_grad;
     Tensor a = r.hp_fprop ? x2 : fp8_mx_fake_quant(x2, r.forward_dtype, 1);
     Tensor b = r.hp_fprop ? wx : fp8_mx_fake_quant(wx, r.forward_dtype, 1);
-    y2 = matmul(a, transpose(b, 0, 1));
+    p.y2 = matmul(a, transpose(b, 0, 1));
   }
-  Shape out_shape = s.x_shape;
-  out_shape.back() = s.N;
-  Tensor y = with_shape(y2, out_shape);
-  if (!want_dx && !want_dw) return y;
-  return record("fp8_linear", y, {x, weight}, [=](const Tensor& g) {
-    Tensor g2 = contiguous(reshape(g, {-1, s.N}));
+  if (!want_dx && !want_dw) return p;
+  p.backward = [=](const Tensor& g2) {
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K], contraction over N
       Tensor a = r.hp_dgrad ? g2 : fp8_mx_fake_quant(g2, r.backward_dtype, 1);
       Tensor b = r.hp_dgrad ? wx : fp8_mx_fake_quant(wx, r.forward_dtype, 0);
-      dx = reshape(matmul(a, b), s.x_shape);
+      dx = matmul(a, b);
     }
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K], contraction over M
       Tensor a = r.hp_wgrad ? g2 : fp8_mx_fake_quant(g2, r.backward_dtype, 0);
@@ -504,8 +509,9 @@ Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const
       dw = matmul(transpose(a, 0, 1), b);
       if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
     }
-    return std::vector<Tensor>{dx, dw};
-  });
+    return std::pair<Tensor, Tensor>{dx, dw};
+  };
+  return p;
 }
 
 // The rowwise and blockwise recipes: every GEMM operand is cast from the high-precision tensor with
@@ -519,8 +525,8 @@ Tensor mx_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const
 //               the Row layout); wgrad in high precision (x saved in high precision).
 //   blockwise:  fprop x 1x128 x w 128x128; dgrad dy 1x128 x w^T 128x128; wgrad dy^T 1x128 (along
 //               M) x x^T 1x128 (along M); precise accumulation (cuBLASLt has no fast mode here).
-Tensor scaled_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, const Fp8Recipe& r,
-                     bool want_dx, bool want_dw, const Tensor& x, const Tensor& weight) {
+Fp8RowsPass scaled_linear_rows(const Tensor& x2, const Tensor& w, const LinearShapes& s,
+                               const Fp8Recipe& r, bool want_dx, bool want_dw) {
   using M = Fp8ScaleMode;
   const bool block = r.scaling == Fp8Scaling::Blockwise;
   const M act = block ? M::Block1x128 : M::Row, wmode = block ? M::Block128x128 : M::Row;
@@ -529,11 +535,9 @@ Tensor scaled_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, c
   const bool pow2 = r.pow2_scales;
   Fp8ScaledTensor qx = fp8_cast_scaled(x2, fwd, act, false, pow2);
   Fp8ScaledTensor qw = fp8_cast_scaled(w, fwd, wmode, false, pow2);
-  Tensor y2 = unpad(fp8_gemm_scaled(qx, qw, s.x_dtype, fast_fprop), s.M, s.N);
-  Shape out_shape = s.x_shape;
-  out_shape.back() = s.N;
-  Tensor y = with_shape(y2, out_shape);
-  if (!want_dx && !want_dw) return y;
+  Fp8RowsPass p;
+  p.y2 = unpad(fp8_gemm_scaled(qx, qw, s.x_dtype, fast_fprop), s.M, s.N);
+  if (!want_dx && !want_dw) return p;
   Fp8ScaledTensor qw_t, qx_t;
   Tensor x_hp;
   if (want_dx)  // w^T [K, N]: rows along K, scaled along N
@@ -544,12 +548,11 @@ Tensor scaled_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, c
     else  // x^T [K, M]: scaled along M
       qx_t = fp8_cast_scaled(x2, fwd, act, true, pow2);
   }
-  return record("fp8_linear", y, {x, weight}, [=](const Tensor& g) {
-    Tensor g2 = contiguous(reshape(g, {-1, s.N}));
+  p.backward = [=](const Tensor& g2) {
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
       Fp8ScaledTensor qg = fp8_cast_scaled(g2, bwd, act, false, pow2);
-      dx = with_shape(unpad(fp8_gemm_scaled(qg, qw_t, s.x_dtype, false), s.M, s.K), s.x_shape);
+      dx = unpad(fp8_gemm_scaled(qg, qw_t, s.x_dtype, false), s.M, s.K);
     }
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
       if (r.hp_wgrad) {
@@ -560,8 +563,9 @@ Tensor scaled_linear(const Tensor& x2, const Tensor& w, const LinearShapes& s, c
         dw = unpad(fp8_gemm_scaled(qg_t, qx_t, s.w_dtype, false), s.N, s.K);
       }
     }
-    return std::vector<Tensor>{dx, dw};
-  });
+    return std::pair<Tensor, Tensor>{dx, dw};
+  };
+  return p;
 }
 
 }  // namespace
@@ -603,6 +607,123 @@ void Fp8SharedInputCast::remember(const Tensor& x, DType fmt, int scaling, const
   cast_ = cast;
 }
 
+namespace {
+
+// The non-MX recipes' pass. `x` keys the shared input cast (Fp8SharedInputCast; undefined: none).
+Fp8RowsPass fp8_linear_rows(const Tensor& x, const Tensor& x2, const Tensor& weight,
+                            const LinearShapes& s, const Fp8LinearContext& ctx, bool want_dx,
+                            bool want_dw) {
+  const char* op = "fp8_linear";
+  const Fp8Recipe& r = ctx.recipe;
+  if (r.scaling == Fp8Scaling::MxBlock) return mx_linear_rows(x2, weight, s, r, want_dx, want_dw);
+  if (r.scaling == Fp8Scaling::Rowwise || r.scaling == Fp8Scaling::Blockwise) {
+    if (ctx.weight_provider)
+      op_error(op, "a weight provider (FSDP's fp8 all-gather: one tensorwise scale) cannot feed " +
+                       r.str() + " (it casts the weight per row or block itself)");
+    if (r.hp_fprop || r.hp_dgrad || (r.hp_wgrad && r.scaling == Fp8Scaling::Blockwise))
+      op_error(op, "override_linear_precision does not combine with " + r.str());
+    return scaled_linear_rows(x2, weight, s, r, want_dx, want_dw);
+  }
+  if (r.scaling == Fp8Scaling::Delayed &&
+      (!ctx.delayed || ctx.slot_input < 0 || ctx.slot_weight < 0 || ctx.slot_grad_output < 0))
+    throw std::logic_error("[fp8_linear] delayed scaling without a scaling state and slots");
+  const bool record_amax = (ctx.autocast ? *ctx.autocast : Fp8Autocast{}).record_amax;
+  auto delayed = ctx.delayed;
+  auto quantize = [r, delayed, record_amax](const Tensor& t, DType fmt, int slot, bool row,
+                                            bool col) -> Fp8Tensor {
+    if (!row && !col) return Fp8Tensor{};
+    Fp8CastOptions o{row, col, 16};
+    if (r.scaling == Fp8Scaling::Delayed)
+      return fp8_cast(t, fmt, delayed->scale(slot), record_amax ? delayed->amax(slot) : Tensor(),
+                      o);
+    return fp8_cast_dynamic(t, fmt, o, r.margin);
+  };
+  const bool x_row = !r.hp_fprop, x_col = want_dw && !r.hp_wgrad;
+  Fp8SharedInputCast* shared = x.defined() ? Fp8SharedInputCast::current() : nullptr;
+  const Fp8Tensor* reuse =
+      shared ? shared->find(x, r.forward_dtype, x_row, x_col, static_cast<int>(r.scaling))
+             : nullptr;
+  Fp8Tensor qx;
+  if (reuse) {
+    qx = *reuse;
+    // This layer's slot takes the amax the shared cast recorded (max over the same tensors).
+    if (r.scaling == Fp8Scaling::Delayed && record_amax && shared->cast_slot() != ctx.slot_input)
+      delayed->amax(ctx.slot_input).copy_(delayed->amax(shared->cast_slot()));
+  } else {
+    qx = quantize(x2, r.forward_dtype, ctx.slot_input, x_row, x_col);
+    if (shared)
+      shared->remember(x, r.forward_dtype, static_cast<int>(r.scaling), qx, ctx.slot_input);
+  }
+  Fp8Tensor qw;
+  if (ctx.weight_provider) {
+    qw = ctx.weight_provider(weight);
+    if (qw.rows != s.N || qw.cols != s.K)
+      op_error(op, "the weight provider returned an fp8 tensor of [" + std::to_string(qw.rows) +
+                       ", " + std::to_string(qw.cols) + "] for weight " + weight.str());
+    if (!r.hp_fprop && !qw.data.defined())
+      op_error(op, "the weight provider's fp8 tensor has no row-major data");
+    if (qw.data.defined() &&
+        (qw.data.size(0) != round_up(s.N, 16) || qw.data.size(1) != round_up(s.K, 16)))
+      op_error(op, "the weight provider's fp8 data " + qw.data.str() +
+                       " is not padded to multiples of 16");
+    if (want_dx && !r.hp_dgrad) qw = fp8_with_transpose(qw);
+  } else {
+    qw = quantize(weight, r.forward_dtype, ctx.slot_weight, !r.hp_fprop, want_dx && !r.hp_dgrad);
+  }
+  Fp8RowsPass p;
+  if (r.hp_fprop) {
+    NoGradGuard no_grad;
+    Tensor w = weight.dtype() == s.x_dtype ? weight : cast(weight, s.x_dtype);
+    p.y2 = matmul(x2, transpose(w, 0, 1));
+  } else {
+    p.y2 = unpad(fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, s.x_dtype, true), s.M, s.N);
+  }
+  if (!want_dx && !want_dw) return p;
+  // Saved for backward: the fp8 transposes (1 byte per element), or the high-precision tensors
+  // for the GEMMs that run in high precision.
+  Tensor x_t = qx.data_t, x_si = qx.scale_inv, w_t = qw.data_t, w_si = qw.scale_inv;
+  Tensor x_hp = r.hp_wgrad ? x2 : Tensor();
+  Tensor w_hp = r.hp_dgrad ? weight : Tensor();
+  const int slot_g = ctx.slot_grad_output;
+  p.backward = [=](const Tensor& g2) {
+    const bool dx_fp8 = want_dx && !r.hp_dgrad, dw_fp8 = want_dw && !r.hp_wgrad;
+    Fp8Tensor qg = quantize(g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
+    Tensor dx, dw;
+    if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
+      if (r.hp_dgrad) {
+        Tensor w = w_hp.dtype() == g2.dtype() ? w_hp : cast(w_hp, g2.dtype());
+        dx = matmul(g2, w);
+      } else {
+        dx = unpad(fp8_gemm(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, false), s.M, s.K);
+      }
+    }
+    if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
+      if (r.hp_wgrad) {
+        dw = matmul(transpose(g2, 0, 1), x_hp);
+        if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
+      } else {
+        // The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight
+        // receives the fp32 product itself, a 16-bit weight that product rounded once by the
+        // GEMM's epilogue (as TE writes wgrad in the activation dtype when it does not fuse the
+        // accumulation into fp32 main_grad). Autograd and every strategy keep a parameter's
+        // gradient in the parameter's dtype, so an fp32 output for a bf16 weight would only be
+        // rounded by a separate pass over an fp32 [N, K] buffer.
+        dw = unpad(fp8_gemm(qg.data_t, qg.scale_inv, x_t, x_si, s.w_dtype, false), s.N, s.K);
+      }
+    }
+    return std::pair<Tensor, Tensor>{dx, dw};
+  };
+  return p;
+}
+
+void check_fp8_linear_operands(const char* op, const Tensor& x, const Tensor& weight) {
+  if (!is_compute_float(x.dtype()) || !is_compute_float(weight.dtype()))
+    op_error(op,
+             "input and weight must be f32, bf16 or f16, got " + x.str() + " and " + weight.str());
+}
+
+}  // namespace
+
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Fp8LinearContext& ctx) {
   const char* op = "fp8_linear";
@@ -612,133 +733,93 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   if (x.dim() < 1 || x.size(-1) != weight.size(1))
     op_error(op, "input " + shape_str(x.shape()) + " does not end in in_features=" +
                      std::to_string(weight.size(1)) + " of weight " + shape_str(weight.shape()));
-  if (!is_compute_float(x.dtype()) || !is_compute_float(weight.dtype()))
-    op_error(op,
-             "input and weight must be f32, bf16 or f16, got " + x.str() + " and " + weight.str());
+  check_fp8_linear_operands(op, x, weight);
   detail::check_same_device(op, x, weight);
   const Fp8Autocast mode = ctx.autocast ? *ctx.autocast : Fp8Autocast{};
   if (!mode.enabled) return linear(x, weight, bias);
 
-  const Fp8Recipe& r = ctx.recipe;
-  LinearShapes s{x.shape(), 0, weight.size(0), weight.size(1), x.dtype(), weight.dtype()};
+  LinearShapes s{0, weight.size(0), weight.size(1), x.dtype(), weight.dtype()};
   if (x.numel() == 0 || s.K == 0) return linear(x, weight, bias);  // nothing to quantize
   Tensor x2 = as_rows(x, s.K);
   s.M = x2.size(0);
   const bool want_dx = grad_enabled() && x.requires_grad();
   const bool want_dw = grad_enabled() && weight.requires_grad();
-  const bool need_grad = want_dx || want_dw;
-
-  Tensor y;
-  if (r.scaling == Fp8Scaling::MxBlock) {
-    y = mx_linear(x2, weight.detach(), s, r, want_dx, want_dw, x, weight);
-  } else if (r.scaling == Fp8Scaling::Rowwise || r.scaling == Fp8Scaling::Blockwise) {
-    if (ctx.weight_provider)
-      op_error(op, "a weight provider (FSDP's fp8 all-gather: one tensorwise scale) cannot feed " +
-                       r.str() + " (it casts the weight per row or block itself)");
-    if (r.hp_fprop || r.hp_dgrad || (r.hp_wgrad && r.scaling == Fp8Scaling::Blockwise))
-      op_error(op, "override_linear_precision does not combine with " + r.str());
-    y = scaled_linear(x2, weight.detach(), s, r, want_dx, want_dw, x, weight);
-  } else {
-    if (r.scaling == Fp8Scaling::Delayed &&
-        (!ctx.delayed || ctx.slot_input < 0 || ctx.slot_weight < 0 || ctx.slot_grad_output < 0))
-      throw std::logic_error("[fp8_linear] delayed scaling without a scaling state and slots");
-    const bool record_amax = mode.record_amax;
-    auto delayed = ctx.delayed;
-    auto quantize = [r, delayed, record_amax](const Tensor& t, DType fmt, int slot, bool row,
-                                              bool col) -> Fp8Tensor {
-      if (!row && !col) return Fp8Tensor{};
-      Fp8CastOptions o{row, col, 16};
-      if (r.scaling == Fp8Scaling::Delayed)
-        return fp8_cast(t, fmt, delayed->scale(slot), record_amax ? delayed->amax(slot) : Tensor(),
-                        o);
-      return fp8_cast_dynamic(t, fmt, o, r.margin);
-    };
-    const bool x_row = !r.hp_fprop, x_col = want_dw && !r.hp_wgrad;
-    Fp8SharedInputCast* shared = Fp8SharedInputCast::current();
-    const Fp8Tensor* reuse =
-        shared ? shared->find(x, r.forward_dtype, x_row, x_col, static_cast<int>(r.scaling))
-               : nullptr;
-    Fp8Tensor qx;
-    if (reuse) {
-      qx = *reuse;
-      // This layer's slot takes the amax the shared cast recorded (max over the same tensors).
-      if (r.scaling == Fp8Scaling::Delayed && record_amax && shared->cast_slot() != ctx.slot_input)
-        delayed->amax(ctx.slot_input).copy_(delayed->amax(shared->cast_slot()));
-    } else {
-      qx = quantize(x2, r.forward_dtype, ctx.slot_input, x_row, x_col);
-      if (shared)
-        shared->remember(x, r.forward_dtype, static_cast<int>(r.scaling), qx, ctx.slot_input);
-    }
-    Fp8Tensor qw;
-    if (ctx.weight_provider) {
-      qw = ctx.weight_provider(weight);
-      if (qw.rows != s.N || qw.cols != s.K)
-        op_error(op, "the weight provider returned an fp8 tensor of [" + std::to_string(qw.rows) +
-                         ", " + std::to_string(qw.cols) + "] for weight " + weight.str());
-      if (!r.hp_fprop && !qw.data.defined())
-        op_error(op, "the weight provider's fp8 tensor has no row-major data");
-      if (qw.data.defined() &&
-          (qw.data.size(0) != round_up(s.N, 16) || qw.data.size(1) != round_up(s.K, 16)))
-        op_error(op, "the weight provider's fp8 data " + qw.data.str() +
-                         " is not padded to multiples of 16");
-      if (want_dx && !r.hp_dgrad) qw = fp8_with_transpose(qw);
-    } else {
-      qw = quantize(weight.detach(), r.forward_dtype, ctx.slot_weight, !r.hp_fprop,
-                    want_dx && !r.hp_dgrad);
-    }
-    Tensor y2;
-    if (r.hp_fprop) {
-      NoGradGuard no_grad;
-      Tensor w = weight.dtype() == s.x_dtype ? weight.detach() : cast(weight.detach(), s.x_dtype);
-      y2 = matmul(x2, transpose(w, 0, 1));
-    } else {
-      y2 = unpad(fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, s.x_dtype, true), s.M, s.N);
-    }
-    Shape out_shape = s.x_shape;
-    out_shape.back() = s.N;
-    y = with_shape(y2, out_shape);
-    if (need_grad) {
-      // Saved for backward: the fp8 transposes (1 byte per element), or the high-precision
-      // tensors for the GEMMs that run in high precision.
-      Tensor x_t = qx.data_t, x_si = qx.scale_inv, w_t = qw.data_t, w_si = qw.scale_inv;
-      Tensor x_hp = r.hp_wgrad ? x2 : Tensor();
-      Tensor w_hp = r.hp_dgrad ? weight.detach() : Tensor();
-      const int slot_g = ctx.slot_grad_output;
-      y = record("fp8_linear", y, {x, weight}, [=](const Tensor& g) {
-        Tensor g2 = contiguous(reshape(g, {-1, s.N}));
-        const bool dx_fp8 = want_dx && !r.hp_dgrad, dw_fp8 = want_dw && !r.hp_wgrad;
-        Fp8Tensor qg = quantize(g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
-        Tensor dx, dw;
-        if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
-          Tensor dx2;
-          if (r.hp_dgrad) {
-            Tensor w = w_hp.dtype() == g2.dtype() ? w_hp : cast(w_hp, g2.dtype());
-            dx2 = matmul(g2, w);
-          } else {
-            dx2 = unpad(fp8_gemm(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, false), s.M, s.K);
-          }
-          dx = with_shape(dx2, s.x_shape);
-        }
-        if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
-          if (r.hp_wgrad) {
-            dw = matmul(transpose(g2, 0, 1), x_hp);
-            if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
-          } else {
-            // The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight
-            // receives the fp32 product itself, a 16-bit weight that product rounded once by the
-            // GEMM's epilogue (as TE writes wgrad in the activation dtype when it does not fuse
-            // the accumulation into fp32 main_grad). Autograd and every strategy keep a
-            // parameter's gradient in the parameter's dtype, so an fp32 output for a bf16 weight
-            // would only be rounded by a separate pass over an fp32 [N, K] buffer.
-            dw = unpad(fp8_gemm(qg.data_t, qg.scale_inv, x_t, x_si, s.w_dtype, false), s.N, s.K);
-          }
-        }
-        return std::vector<Tensor>{dx, dw};
-      });
-    }
-  }
+  Fp8RowsPass p = fp8_linear_rows(x, x2, weight.detach(), s, ctx, want_dx, want_dw);
+  const Shape x_shape = x.shape();
+  Shape out_shape = x_shape;
+  out_shape.back() = s.N;
+  Tensor y = with_shape(p.y2, out_shape);
+  if (p.backward)
+    y = record(op, y, {x, weight}, [backward = p.backward, x_shape, N = s.N](const Tensor& g) {
+      auto [dx2, dw] = backward(contiguous(reshape(g, {-1, N})));
+      return std::vector<Tensor>{dx2.defined() ? with_shape(dx2, x_shape) : Tensor(), dw};
+    });
   if (bias.defined()) y = add(y, bias.dtype() == y.dtype() ? bias : cast(bias, y.dtype()));
   return y;
+}
+
+Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
+                          const std::vector<int64_t>& group_sizes,
+                          const std::vector<const Fp8LinearContext*>& contexts) {
+  const char* op = "fp8_grouped_linear";
+  detail::check_grouped_linear(op, x, weights, group_sizes);
+  check_fp8_linear_operands(op, x, weights[0]);
+  if (contexts.size() != weights.size())
+    op_error(op, std::to_string(contexts.size()) + " fp8 contexts for " +
+                     std::to_string(weights.size()) + " weights");
+  for (size_t g = 0; g < contexts.size(); ++g)
+    if (!contexts[g] || contexts[g]->autocast != contexts[0]->autocast)
+      op_error(op, "contexts[" + std::to_string(g) +
+                       "] is null or switched by another autocast than contexts[0]'s");
+  const Fp8Autocast mode = contexts[0]->autocast ? *contexts[0]->autocast : Fp8Autocast{};
+  const int64_t K = x.size(1), N = weights[0].size(0);
+  if (!mode.enabled || K == 0) return grouped_linear(x, weights, group_sizes);
+
+  // Each group is fp8_linear over its rows with its own context (its own input, weight and
+  // grad_output scaling): one fp8 GEMM per non-empty group, as there is no grouped fp8 GEMM
+  // (cuBLASLt 13 batches only equal shapes; cublasGemmGroupedBatchedEx takes no fp8 operands).
+  // An empty group casts nothing and gets a zero weight gradient.
+  Tensor xc = contiguous(x).detach();
+  Tensor y = Tensor::empty({x.size(0), N}, x.dtype(), x.device());
+  const bool want_dx = grad_enabled() && x.requires_grad();
+  std::vector<bool> want_dw;
+  std::vector<Fp8RowsPass> passes(weights.size());
+  bool need_grad = want_dx;
+  int64_t begin = 0;
+  for (size_t g = 0; g < weights.size(); ++g) {
+    want_dw.push_back(grad_enabled() && weights[g].requires_grad());
+    need_grad = need_grad || want_dw.back();
+    const int64_t rows = group_sizes[g];
+    if (rows > 0) {
+      const LinearShapes s{rows, N, K, x.dtype(), weights[g].dtype()};
+      passes[g] = fp8_linear_rows(Tensor(), row_block(xc, begin, rows), weights[g].detach(), s,
+                                  *contexts[g], want_dx, want_dw[g]);
+      row_block(y, begin, rows).copy_(passes[g].y2);
+    }
+    begin += rows;
+  }
+  if (!need_grad) return y;
+  std::vector<Tensor> inputs{x};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  const Shape x_shape = xc.shape();
+  return record(op, y, inputs, [=](const Tensor& g) {
+    Tensor gc = contiguous(g);
+    std::vector<Tensor> grads(1 + weights.size());
+    if (want_dx) grads[0] = Tensor::empty(x_shape, gc.dtype(), gc.device());
+    int64_t first = 0;
+    for (size_t e = 0; e < passes.size(); ++e) {
+      const int64_t rows = group_sizes[e];
+      if (rows > 0) {
+        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows));
+        if (want_dx) row_block(grads[0], first, rows).copy_(dx2);
+        grads[1 + e] = dw;
+      } else if (want_dw[e]) {
+        grads[1 + e] = Tensor::zeros(weights[e].shape(), weights[e].dtype(), weights[e].device());
+      }
+      first += rows;
+    }
+    return grads;
+  });
 }
 
 // ---- the fp8 swiglu MLP -----------------------------------------------------------------------

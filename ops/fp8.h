@@ -328,6 +328,16 @@ class Fp8SharedInputCast {
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Fp8LinearContext& ctx);
 
+// grouped_linear (ops/ops.h) in fp8: x [N, in] in groups of group_sizes[g] rows (the tokens of a
+// mixture-of-experts layer sorted by expert), group g's rows times weights[g]^T as fp8_linear
+// computes them under contexts[g] (one context per expert weight: its own input, weight and
+// grad_output scaling, i.e. per expert weight and per activation group; all switched by one
+// autocast). One fp8 GEMM per non-empty group in forward, dgrad and wgrad; an empty group casts
+// nothing and its weight gets a zero gradient. With the autocast disabled, grouped_linear.
+Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
+                          const std::vector<int64_t>& group_sizes,
+                          const std::vector<const Fp8LinearContext*>& contexts);
+
 // y = down(swiglu(gate(x), up(x))) (a Llama MLP) with all three projections in fp8 under one
 // delayed-scaling state, as fp8_linear would run them one by one (the same GEMMs, scales, amaxes
 // and rounding: tested bit for bit), but with swiglu fused into the casts around it: the forward

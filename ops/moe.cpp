@@ -34,13 +34,47 @@ void check_routing(const char* op, const MoeRouting& r, int64_t tokens, const ch
                      " on " + device.str() + " (build it from expert ids on the same device)");
 }
 
-// Rows [begin, begin + rows) of a contiguous 2-d tensor, as a 2-d contiguous view.
+}  // namespace
+
+namespace detail {
+
 Tensor row_block(const Tensor& t, int64_t begin, int64_t rows) {
   const int64_t cols = t.size(1);
   return t.as_strided({rows, cols}, {cols, 1}, t.offset() + begin * cols);
 }
 
-}  // namespace
+void check_grouped_linear(const char* op, const Tensor& x, const std::vector<Tensor>& weights,
+                          const std::vector<int64_t>& group_sizes) {
+  check_defined(op, x, "x");
+  check_floating(op, x);
+  if (x.dim() != 2) op_error(op, "x must be [rows, in], got " + x.str());
+  if (weights.empty()) op_error(op, "needs at least one weight");
+  if (group_sizes.size() != weights.size())
+    op_error(op, std::to_string(group_sizes.size()) + " group sizes for " +
+                     std::to_string(weights.size()) + " weights");
+  const int64_t in = x.size(1);
+  for (size_t g = 0; g < weights.size(); ++g) {
+    const std::string what = "weights[" + std::to_string(g) + "]";
+    check_defined(op, weights[g], what.c_str());
+    check_same_device(op, x, weights[g]);
+    check_same_dtype(op, x, weights[g]);
+    if (weights[g].dim() != 2 || weights[g].size(1) != in ||
+        weights[g].shape() != weights[0].shape())
+      op_error(op, what + " " + weights[g].str() + " must be [out, in] like weights[0] " +
+                       weights[0].str() + ", with in = " + std::to_string(in) + " (x's columns)");
+    if (group_sizes[g] < 0)
+      op_error(op, "group_sizes[" + std::to_string(g) + "] = " + std::to_string(group_sizes[g]) +
+                       " is negative");
+  }
+  const int64_t total = std::accumulate(group_sizes.begin(), group_sizes.end(), int64_t{0});
+  if (total != x.size(0))
+    op_error(op, "group sizes sum to " + std::to_string(total) + ", but x has " +
+                     std::to_string(x.size(0)) + " rows");
+}
+
+}  // namespace detail
+
+using detail::row_block;
 
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   detail::check_defined("topk", x, "x");
@@ -161,32 +195,7 @@ Tensor moe_unpermute(const Tensor& y, const Tensor& weights, const MoeRouting& r
 
 Tensor grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
                       const std::vector<int64_t>& group_sizes) {
-  detail::check_defined("grouped_linear", x, "x");
-  detail::check_floating("grouped_linear", x);
-  if (x.dim() != 2) op_error("grouped_linear", "x must be [rows, in], got " + x.str());
-  if (weights.empty()) op_error("grouped_linear", "needs at least one weight");
-  if (group_sizes.size() != weights.size())
-    op_error("grouped_linear", std::to_string(group_sizes.size()) + " group sizes for " +
-                                   std::to_string(weights.size()) + " weights");
-  const int64_t in = x.size(1);
-  for (size_t g = 0; g < weights.size(); ++g) {
-    const std::string what = "weights[" + std::to_string(g) + "]";
-    detail::check_defined("grouped_linear", weights[g], what.c_str());
-    detail::check_same_device("grouped_linear", x, weights[g]);
-    detail::check_same_dtype("grouped_linear", x, weights[g]);
-    if (weights[g].dim() != 2 || weights[g].size(1) != in ||
-        weights[g].shape() != weights[0].shape())
-      op_error("grouped_linear", what + " " + weights[g].str() +
-                                     " must be [out, in] like weights[0] " + weights[0].str() +
-                                     ", with in = " + std::to_string(in) + " (x's columns)");
-    if (group_sizes[g] < 0)
-      op_error("grouped_linear", "group_sizes[" + std::to_string(g) +
-                                     "] = " + std::to_string(group_sizes[g]) + " is negative");
-  }
-  const int64_t total = std::accumulate(group_sizes.begin(), group_sizes.end(), int64_t{0});
-  if (total != x.size(0))
-    op_error("grouped_linear", "group sizes sum to " + std::to_string(total) + ", but x has " +
-                                   std::to_string(x.size(0)) + " rows");
+  detail::check_grouped_linear("grouped_linear", x, weights, group_sizes);
   const int64_t out_features = weights[0].size(0);
   Tensor xc = contiguous(x).detach();
   std::vector<Tensor> wc;

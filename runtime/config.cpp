@@ -1035,7 +1035,8 @@ std::vector<Field> build_schema() {
                   "step; about half of bf16's bytes). Refused with backend TE.")));
   add(f_list("fp8_config.exclude_modules", ACCEL_REF(fp8.exclude_modules),
              "AO: parameter-name patterns (substring match, e.g. lm_head) whose linear layers "
-             "stay in bf16, in addition to the first and last layers."));
+             "stay in bf16, in addition to the first and last layers. A mixture-of-experts "
+             "block's experts of one projection stay all or none (e.g. experts)."));
   add(inert("fp8_config.opt_level", "MS-AMP is not supported"));
   add(inert("fp8_config.optimization_level", "MS-AMP is not supported"));
 

@@ -269,12 +269,8 @@ struct Fp8Run {
 };
 
 // The delayed-scaling state every run below starts from: the single process's after one forward
-// and backward of a batch no step trains on (so that step 1 does not cast with scale 1). A rank of
-// `world` holds half the tokens, so its output gradients are exactly `world` times the single
-// process's: it starts from the same state with the grad_output amaxes times `world` and their
-// scales divided by it, which makes every fp8 code of every later step the single process's (a
-// warm-up of its own would not: that one casts with scale 1, where the doubled gradients fall
-// into e5m2's subnormals differently, and the deviation would persist through the histories).
+// and backward of a batch no step trains on (so that step 1 does not cast with scale 1), as a
+// rank of `world` takes it (fp8_state_for_ranks).
 Fp8CheckpointState warm_up_state(const RunSpec& s, int world) {
   RunSpec one = s;
   one.world = 1;
@@ -283,19 +279,7 @@ Fp8CheckpointState warm_up_state(const RunSpec& s, int world) {
   auto [ids, labels] = rank_batch(one, 1000, 0, 0, 64);
   m.forward_loss(ids, labels).backward();
   fp8->step_end(static_cast<ProcessGroup*>(nullptr));
-  Fp8CheckpointState st = fp8_checkpoint_state(*fp8);
-  auto ends_with = [](const std::string& a, const std::string& b) {
-    return a.size() >= b.size() && a.compare(a.size() - b.size(), b.size(), b) == 0;
-  };
-  for (auto& [name, t] : st.tensors) {
-    double f = 1;
-    if (ends_with(name, ".grad_output.amax_history") || ends_with(name, ".grad_output.scale_inv"))
-      f = world;
-    else if (ends_with(name, ".grad_output.scale"))
-      f = 1.0 / world;
-    if (f != 1) t = mul(t, f);
-  }
-  return st;
+  return fp8_state_for_ranks(fp8_checkpoint_state(*fp8), world);
 }
 
 // The trainer's order: model, apply_fp8, strategy, setup. `how`: reference (one process,

@@ -13,7 +13,6 @@
 #include <numeric>
 
 #include "models/decoder.h"
-#include "models/fp8_linear.h"
 #include "runtime/autograd.h"
 #include "runtime/safetensors.h"
 
@@ -568,37 +567,6 @@ TEST(MoeModelSection, YamlKeysReachTheDecoderAndBadOnesAreRefused) {
   ModelConfig no_width = m;
   no_width.moe_intermediate_size = 0;
   refused(no_width, "moe_intermediate_size");
-}
-
-// fp8 training leaves the experts (grouped GEMMs) in the compute dtype and converts the rest.
-TEST(MoeFp8, ExpertsStayInTheComputeDtype) {
-  DecoderConfig c = tiny_moe("qwen3_moe");
-  c.hidden_size = 32;
-  c.intermediate_size = 32;
-  c.moe_intermediate_size = 16;
-  c.head_dim = 16;
-  c.num_experts = 16;  // the router [16, 32] is aligned for fp8
-  CausalLM model(c, DType::F32, Device::cpu(), 3);
-  Fp8Config te;
-  te.backend = Fp8Backend::TE;
-  int experts = 0, converted = 0;
-  for (const Fp8LayerChoice& ch : choose_fp8_layers(model, te)) {
-    if (ch.name.find(".experts.") != std::string::npos) {
-      ++experts;
-      EXPECT_FALSE(ch.fp8) << ch.name;
-      EXPECT_NE(ch.reason.find("mixture-of-experts expert"), std::string::npos) << ch.reason;
-    } else if (ch.fp8) {
-      ++converted;
-    }
-  }
-  EXPECT_EQ(experts, 2 * 16 * 3);  // layers 0 and 2 sparse, 16 experts of 3 projections
-  EXPECT_GT(converted, 0);
-  auto fp8 = apply_fp8(model, te, Device::cpu());
-  ASSERT_GT(fp8->num_fp8_layers(), 0);
-  Tensor ids = some_ids(2, 5, c.vocab_size, 1);
-  Tensor loss = model.forward_loss(ids, shift_labels(ids));
-  loss.backward();
-  EXPECT_TRUE(std::isfinite(loss.item()));
 }
 
 // The real checkpoints' counts (total and active parameters), from their config.json shapes.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "models/decoder.h"
+#include "models/fp8_linear.h"
 #include "parallel/ddp.h"
 #include "parallel/strategy.h"
 #include "parallel/zero.h"
@@ -403,6 +404,28 @@ inline std::string compare_losses(const std::vector<double>& got, const std::vec
 
 inline bool close_rel(double a, double b, double rel) {
   return std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
+}
+
+// A single process's delayed-scaling state as a rank of `world` data-parallel ranks starts from
+// it: a rank's loss is a mean over 1/world of the tokens, so its output gradients are exactly
+// `world` times the single process's; with the grad_output amaxes times `world` and their scales
+// divided by it (world a power of two: exact), every fp8 code of every later step is the single
+// process's. (Runs compared this way start from a warm-up's state rather than scale 1: at scale
+// 1 the multiplied gradients fall into e5m2's subnormals differently, and the deviation would
+// persist through the histories.)
+inline Fp8CheckpointState fp8_state_for_ranks(Fp8CheckpointState st, int world) {
+  auto ends_with = [](const std::string& a, const std::string& b) {
+    return a.size() >= b.size() && a.compare(a.size() - b.size(), b.size(), b) == 0;
+  };
+  for (auto& [name, t] : st.tensors) {
+    double f = 1;
+    if (ends_with(name, ".grad_output.amax_history") || ends_with(name, ".grad_output.scale_inv"))
+      f = world;
+    else if (ends_with(name, ".grad_output.scale"))
+      f = 1.0 / world;
+    if (f != 1) t = mul(t, f);
+  }
+  return st;
 }
 
 // The model-state memory check against the ZeRO paper's formulas, on `world` CPU ranks: each rank

@@ -88,6 +88,36 @@ TEST_F(Fp8Resume, DynamicScalingWritesAndNeedsNoState) {
   EXPECT_FALSE(j.contains("fp8_state_file"));
 }
 
+// A mixture-of-experts model's experts run in fp8 under TE with a scaling state per expert
+// projection, which the checkpoint carries; on two ranks with expert parallelism (each rank runs
+// two experts, every rank holds every expert's state) too.
+const std::string kMoe =
+    "--set model.name=qwen3_moe --set model.moe_intermediate_size=16 --set model.num_experts=4 "
+    "--set model.num_experts_per_tok=2 --set model.norm_topk_prob=true";
+
+TEST_F(Fp8Resume, MoeExpertsResumeBitForBit) {
+  expect_resume_reproduces("moe", kMoe);
+  // 2 x (4 attention projections + 12 expert projections) + lm_head; the routers (out 4) in bf16.
+  EXPECT_NE(full_output_.find("fp8: 33 of 35 linear layers in fp8"), std::string::npos)
+      << full_output_;
+  EXPECT_NE(full_output_.find("in fp8: 24 mixture-of-experts expert projections"),
+            std::string::npos)
+      << full_output_;
+  accel::SafetensorsReader f((step3("moe") / "fp8_state.safetensors").string());
+  EXPECT_TRUE(f.contains("model.layers.1.mlp.experts.3.down_proj.grad_output.amax_history"));
+  EXPECT_TRUE(f.contains("model.layers.0.mlp.experts.0.gate_proj.input.scale"));
+}
+
+TEST_F(Fp8Resume, MoeExpertsResumeBitForBitUnderExpertParallelism) {
+  expect_resume_reproduces("moe_ep", kMoe +
+                                         " --set distributed_type=MULTI_CPU --set num_processes=2"
+                                         " --set distributed.expert_parallel_size=2");
+  accel::SafetensorsReader f((step3("moe_ep") / "fp8_state.safetensors").string());
+  for (const char* layer :
+       {"model.layers.0.mlp.experts.0.up_proj", "model.layers.0.mlp.experts.3.up_proj"})
+    EXPECT_TRUE(f.contains(std::string(layer) + ".weight.amax_history")) << layer;
+}
+
 // A tied LM head runs in fp8 under TE with its own slots (lm_head.*), which the checkpoint carries.
 TEST_F(Fp8Resume, TiedHeadResumesBitForBit) {
   expect_resume_reproduces("tied", "--set model.tie_word_embeddings=true");

@@ -55,10 +55,13 @@ void Precision::attach(Strategy& strategy) {
   if (!gathering) return;
   // A tied LM head has no weight of its own to gather in fp8 (it reads the embedding's, gathered
   // in the compute dtype with the root unit); under AO, the only recipe with the fp8 all-gather,
-  // it stays in high precision anyway.
+  // it stays in high precision anyway. The experts' weights are gathered in the compute dtype:
+  // fp8_grouped_linear casts them itself (and under expert parallelism they belong to the
+  // expert engine, or to another rank).
   Fp8WeightGathering::Fp8Layers layers;
   for (const Fp8LayerChoice& c : fp8_->layers())
-    if (c.fp8 && c.tied_to.empty()) layers.push_back({c.name, fp8_->layer_context(c.name)});
+    if (c.fp8 && c.tied_to.empty() && c.expert < 0)
+      layers.push_back({c.name, fp8_->layer_context(c.name)});
   gathering->gather_fp8_weights(layers);
 }
 
