@@ -233,7 +233,12 @@ std::vector<Tensor> keep_outputs(const char* op,
       KeepScopeGuard inner(nullptr);  // what compute calls itself is part of this op
       out = compute();
     }
-    calls.push_back({op, out});
+    // Kept as detached views (the same storage): the checkpoint's output can be one of these
+    // tensors, and its node holds `kept`, so keeping the tensor itself would make a reference
+    // cycle wherever that node's backward does not run to its end (a retained graph, a throw).
+    std::vector<Tensor> views;
+    for (const Tensor& t : out) views.push_back(t.defined() ? t.detach() : t);
+    calls.push_back({op, std::move(views)});
     return out;
   }
   if (scope->next >= calls.size() || std::strcmp(calls[scope->next].first, op) != 0)
