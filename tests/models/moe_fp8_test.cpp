@@ -12,6 +12,7 @@
 #include "models/decoder.h"
 #include "models/fp8_linear.h"
 #include "parallel/ddp.h"
+#include "tests/data/test_util.h"
 
 namespace accel {
 namespace {
@@ -54,15 +55,6 @@ Fp8Config ao_config() {
   return c;
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(MoeFp8, ExpertsFollowTheDenseLayersFilter) {
   CausalLM model(tiny_fp8_moe("qwen3_moe"), DType::F32, Device::cpu(), 3);
   int64_t experts = 0;
@@ -98,7 +90,7 @@ TEST(MoeFp8, ExpertsFollowTheDenseLayersFilter) {
       EXPECT_FALSE(ch.fp8) << ch.name;
     }
   ao.exclude_modules = {"experts.3."};
-  const std::string m = message_of([&] { choose_fp8_layers(model, ao); });
+  const std::string m = testing::error_of([&] { choose_fp8_layers(model, ao); });
   EXPECT_NE(m.find("fp8_config.exclude_modules keeps 1 of the 4 experts' "
                    "model.layers.0.mlp.experts.*.gate_proj in high precision"),
             std::string::npos)
@@ -304,7 +296,8 @@ TEST(MoeFp8, StateHoldsEveryExpertsSlots) {
   EXPECT_EQ(sc[w1->slot_input], 1.0);
   // With the key (the experts were in fp8), missing experts are refused.
   before.metadata["moe_experts"] = "fp8";
-  const std::string refused = message_of([&] { fp8_load_checkpoint_state(*fp8c, before, "new"); });
+  const std::string refused =
+      testing::error_of([&] { fp8_load_checkpoint_state(*fp8c, before, "new"); });
   EXPECT_NE(refused.find("24 fp8 layer(s) of this run have no saved state"), std::string::npos)
       << refused;
 }
