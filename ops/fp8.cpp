@@ -172,6 +172,95 @@ Tensor fp8_amax(const Tensor& x) {
   return out;
 }
 
+// ---- grouped casts ----------------------------------------------------------------------------
+
+Fp8Tensor Fp8GroupedTensor::group(int64_t g) const {
+  Fp8Tensor q;
+  const auto i = static_cast<size_t>(g);
+  q.rows = rows.at(i);
+  q.cols = cols;
+  const int64_t rp = rows_p[i], off = offsets[i];
+  if (data.defined())
+    q.data = data.as_strided({rp, cols_p}, {cols_p, 1}, data.offset() + off * cols_p);
+  if (data_t.defined())
+    q.data_t = data_t.as_strided({cols_p, rp}, {rp, 1}, data_t.offset() + cols_p * off);
+  q.scale = scales.at(i);
+  q.scale_inv = scale_inv.as_strided({1}, {1}, scale_inv.offset() + 4 * g);
+  return q;
+}
+
+Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
+                                  const Fp8GroupScales& scaling, const Fp8CastOptions& opts) {
+  const char* op = "fp8_cast_grouped";
+  check_fp8_format(op, fmt);
+  if (xs.empty()) op_error(op, "no groups");
+  const size_t G = xs.size();
+  const bool dynamic = scaling.scales.empty();
+  if (!dynamic && scaling.scales.size() != G)
+    op_error(
+        op, std::to_string(scaling.scales.size()) + " scales for " + std::to_string(G) + " groups");
+  if (!scaling.amaxes.empty() && (dynamic || scaling.amaxes.size() != G))
+    op_error(op, std::to_string(scaling.amaxes.size()) + " amaxes for " + std::to_string(G) +
+                     " groups" + (dynamic ? " under dynamic scaling (which records none)" : ""));
+  for (size_t g = 0; g < G; ++g) {
+    check_cast_input(op, xs[g], opts);
+    if (xs[g].size(1) != xs[0].size(1) || xs[g].dtype() != xs[0].dtype())
+      op_error(op, "group " + std::to_string(g) + " is " + xs[g].str() + ", group 0 " +
+                       xs[0].str() + " (one dtype and column count for all)");
+    detail::check_same_device(op, xs[0], xs[g]);
+    if (!dynamic) {
+      check_scalar_f32(op, scaling.scales[g], "scale", xs[0].device());
+      if (!scaling.amaxes.empty() && scaling.amaxes[g].defined())
+        check_scalar_f32(op, scaling.amaxes[g], "amax", xs[0].device());
+    }
+  }
+  const Device dev = xs[0].device();
+  Fp8GroupedTensor q;
+  q.cols = xs[0].size(1);
+  q.cols_p = round_up(q.cols, opts.pad);
+  int64_t total = 0;
+  for (const Tensor& x : xs) {
+    q.rows.push_back(x.size(0));
+    q.rows_p.push_back(round_up(x.size(0), opts.pad));
+    q.offsets.push_back(total);
+    total += q.rows_p.back();
+  }
+  if (opts.rowwise) q.data = Tensor::empty({total, q.cols_p}, fmt, dev);
+  if (opts.columnwise) q.data_t = Tensor::empty({q.cols_p * total}, fmt, dev);
+  const auto n = static_cast<int64_t>(G);
+  q.scale_inv = Tensor::empty({4 * n}, DType::F32, dev);
+  Tensor dyn_scales, dyn_amaxes;
+  if (dynamic) {
+    dyn_scales = Tensor::empty({n}, DType::F32, dev);
+    dyn_amaxes = Tensor::zeros({n}, DType::F32, dev);
+  }
+  auto slot = [](const Tensor& t, int64_t i) { return t.as_strided({1}, {1}, t.offset() + i); };
+  std::vector<Tensor> rows;  // the groups with rows, and where they go
+  std::vector<Fp8CastGroup> groups;
+  for (size_t g = 0; g < G; ++g) {
+    const auto gi = static_cast<int64_t>(g);
+    q.scales.push_back(dynamic ? slot(dyn_scales, gi) : scaling.scales[g]);
+    if (q.rows[g] == 0) continue;
+    const Fp8Tensor part = q.group(gi);
+    Fp8CastTarget t{q.scales[g], part.data, part.data_t, Tensor(), part.scale_inv};
+    if (dynamic)
+      t.amax = slot(dyn_amaxes, gi);
+    else if (!scaling.amaxes.empty())
+      t.amax = scaling.amaxes[g];
+    rows.push_back(contiguous_raw(xs[g]));
+    groups.push_back({rows.back(), t});
+  }
+  if (groups.empty()) return q;
+  Backend& b = backend_for(dev);
+  if (dynamic) {
+    std::vector<Tensor> amaxes;
+    for (const Fp8CastGroup& g : groups) amaxes.push_back(g.out.amax);
+    b.fp8_amax_grouped(rows, amaxes);
+  }
+  b.fp8_cast_grouped(groups, Fp8GroupScaling{dynamic, fp8_max_value(fmt), scaling.margin});
+  return q;
+}
+
 // ---- GEMM -------------------------------------------------------------------------------------
 
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
