@@ -1,8 +1,8 @@
 // The experts' fp8 casts and GEMMs on the GPU against the CPU twin: the grouped cast kernels bit
-// for bit; fp8_grouped_linear (the dense path's cast kernels and one cuBLASLt fp8 GEMM per
-// non-empty expert) under delayed (TE) and dynamic (AO) scaling over two steps with a scale update
-// between, empty and unaligned groups included; and a tiny Qwen3-MoE trained 3 steps in fp8 on
-// the GPU against the same on the CPU.
+// for bit; fp8_grouped_linear (one grouped cast per operand, one cuBLASLt fp8 GEMM per non-empty
+// expert) under delayed (TE) and dynamic (AO) scaling over two steps with a scale update between,
+// empty and unaligned groups included; and a tiny Qwen3-MoE trained 3 steps in fp8 on the GPU
+// against the same on the CPU.
 #include <gtest/gtest.h>
 
 #include "models/decoder.h"
