@@ -982,7 +982,8 @@ Tensor grouped_tensorwise(const Tensor& x, const std::vector<Tensor>& weights,
   return record(op, y, inputs, [=](const Tensor& gy) {
     Tensor gc = contiguous(gy);
     std::vector<Tensor> g_rows;
-    for (size_t g = 0; g < G; ++g) g_rows.push_back(row_block(gc, begin[g], sizes[g]));
+    for (size_t g = 0; g < G; ++g)  // (a group whose GEMMs want no gradient casts nothing)
+      g_rows.push_back(row_block(gc, begin[g], want_dx || want_dw[g] ? sizes[g] : 0));
     std::vector<Tensor> grads(1 + G);
     Fp8GroupedTensor qg;
     if (any_rows && (want_dx || any_dw))

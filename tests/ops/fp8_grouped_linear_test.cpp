@@ -325,6 +325,34 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<1>(i.param) ? "_aligned" : "_padded");
     });
 
+// Only the groups whose GEMMs want a gradient cast their output gradient: with x frozen and one
+// expert's weight frozen, that expert's grad_output slot records nothing, as its fp8_linear would.
+TEST(Fp8GroupedLinearDelayed, FrozenExpertCastsNoOutputGradient) {
+  const Inputs in = make_inputs(DType::BF16);
+  Experts a = make_experts(Fp8Scaling::Delayed), b = make_experts(Fp8Scaling::Delayed);
+  std::vector<Tensor> w[2];
+  for (int i = 0; i < 2; ++i)
+    for (size_t g = 0; g < kGroups.size(); ++g)
+      w[i].push_back(in.weights[g].clone().set_requires_grad(g != 1));
+  fp8_grouped_linear(in.x, w[0], kGroups, a.pointers()).backward(in.g);
+  std::vector<Tensor> parts;
+  int64_t begin = 0;
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    if (kGroups[g] > 0)
+      parts.push_back(
+          fp8_linear(narrow(in.x, 0, begin, kGroups[g]), w[1][g], Tensor(), b.contexts[g]));
+    begin += kGroups[g];
+  }
+  cat(parts, 0).backward(in.g);
+  EXPECT_EQ(a.delayed->amax(a.contexts[1].slot_grad_output).item(), 0.0);
+  EXPECT_GT(a.delayed->amax(a.contexts[0].slot_grad_output).item(), 0.0);
+  EXPECT_EQ(a.delayed->amax_history().to_vector(), b.delayed->amax_history().to_vector());
+  for (size_t g = 0; g < kGroups.size(); ++g)
+    if (g != 1 && kGroups[g] > 0) {
+      EXPECT_EQ(w[0][g].grad().to_vector(), w[1][g].grad().to_vector()) << g;
+    }
+}
+
 // What the op keeps for backward: the fp8 transposes of the rows and of the weights of the groups
 // with rows (one byte per element, padded to 16) and 16 bytes of scale_inv per group and operand,
 // nothing in high precision (the output is the caller's). Measured as the activation bytes alive
