@@ -159,10 +159,11 @@ struct Fp8GroupScales {
 
 // Casts every xs[g] (2-d [rows_g, C], one dtype, C and device for all) exactly as the
 // single-tensor cast of `scaling` casts it alone (the same bytes, amaxes and scales; tested bit
-// for bit), into one grouped tensor: on CUDA one cast launch for all groups (dynamic scaling: one
-// amax launch first), not one or more per group. Groups without rows cast nothing and record
-// nothing. The xs may be row blocks of one tensor (the experts' rows) or separate tensors (their
-// weights).
+// for bit), into one grouped tensor: on CUDA one cast launch for up to 128 groups (dynamic
+// scaling: one amax launch first), not one or more per group; a layout the tile kernel does not
+// take (columns not a multiple of 8, misaligned rows) goes group by group. Groups without rows
+// cast nothing and record nothing. The xs may be row blocks of one tensor (the experts' rows) or
+// separate tensors (their weights).
 Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
                                   const Fp8GroupScales& scaling, const Fp8CastOptions& opts = {});
 
@@ -371,6 +372,10 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
 // grad_output scaling, i.e. per expert weight and per activation group; all switched by one
 // autocast). One fp8 GEMM per non-empty group in forward, dgrad and wgrad; an empty group casts
 // nothing and its weight gets a zero gradient. With the autocast disabled, grouped_linear.
+// Under TE (delayed) and AO tensorwise (dynamic) scaling each operand (the rows, the weights, the
+// output gradient) is cast once for all groups (fp8_cast_grouped), the fprop and dgrad GEMMs write
+// the output and input gradient rows in place, and the forward keeps only the fp8 transposes;
+// the other recipes run each group through fp8_linear's path.
 Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
                           const std::vector<int64_t>& group_sizes,
                           const std::vector<const Fp8LinearContext*>& contexts);
