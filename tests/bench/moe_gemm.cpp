@@ -62,19 +62,35 @@ std::vector<Tensor> slices(const Tensor& x, const std::vector<int64_t>& sizes) {
   return out;
 }
 
+// One layer's expert operands in bf16: rows x [rows, k_in] with their output gradient g
+// [rows, n_out], a weight [n_out, k_in] per expert, and the rows per expert.
+struct Experts {
+  std::vector<int64_t> sizes;
+  Tensor x, g;
+  std::vector<Tensor> w;
+};
+Experts experts_of(int64_t experts, int64_t rows, int64_t n_out, int64_t k_in, bool skewed) {
+  const DType t = DType::BF16;
+  Experts e{group_sizes(experts, rows, skewed),
+            randn({rows, k_in}, t),
+            randn({rows, n_out}, t, 1e-2),
+            {}};
+  for (int64_t i = 0; i < experts; ++i) e.w.push_back(randn({n_out, k_in}, t, 0.02));
+  return e;
+}
+
 // One layer's GEMMs for weights [n_out, k_in] per expert over `rows` routed rows.
 void moe_rows(const char* what, int64_t experts, int64_t rows, int64_t n_out, int64_t k_in,
               bool skewed) {
   const DType t = DType::BF16;
   const Device gpu = Device::cuda(0);
-  const std::vector<int64_t> sizes = group_sizes(experts, rows, skewed);
-  Tensor x = randn({rows, k_in}, t), g = randn({rows, n_out}, t, 1e-2);
+  const Experts ex = experts_of(experts, rows, n_out, k_in, skewed);
+  const std::vector<int64_t>& sizes = ex.sizes;
+  const Tensor &x = ex.x, &g = ex.g;
+  const std::vector<Tensor>& w = ex.w;
   Tensor y = Tensor::empty({rows, n_out}, t, gpu), dx = Tensor::empty({rows, k_in}, t, gpu);
-  std::vector<Tensor> w, dw;
-  for (int64_t e = 0; e < experts; ++e) {
-    w.push_back(randn({n_out, k_in}, t, 0.02));
-    dw.push_back(Tensor::empty({n_out, k_in}, t, gpu));
-  }
+  std::vector<Tensor> dw;
+  for (int64_t e = 0; e < experts; ++e) dw.push_back(Tensor::empty({n_out, k_in}, t, gpu));
   const std::vector<Tensor> xs = slices(x, sizes), gs = slices(g, sizes), ys = slices(y, sizes),
                             dxs = slices(dx, sizes);
   Backend& be = cuda_backend();
@@ -113,12 +129,11 @@ void moe_rows(const char* what, int64_t experts, int64_t rows, int64_t n_out, in
 // GEMMs' FLOPs; the fp8 times include the casts (one grouped cast per operand).
 void fp8_experts_row(const char* what, int64_t experts, int64_t rows, int64_t n_out, int64_t k_in,
                      bool skewed) {
-  const DType t = DType::BF16;
   const Device gpu = Device::cuda(0);
-  const std::vector<int64_t> sizes = group_sizes(experts, rows, skewed);
-  Tensor x = randn({rows, k_in}, t), g = randn({rows, n_out}, t, 1e-2);
-  std::vector<Tensor> w;
-  for (int64_t e = 0; e < experts; ++e) w.push_back(randn({n_out, k_in}, t, 0.02));
+  const Experts ex = experts_of(experts, rows, n_out, k_in, skewed);
+  const std::vector<int64_t>& sizes = ex.sizes;
+  const Tensor &x = ex.x, &g = ex.g;
+  const std::vector<Tensor>& w = ex.w;
   std::vector<Fp8LinearContext> te(experts), ao(experts);
   Fp8Recipe te_recipe, ao_recipe;
   ao_recipe.scaling = Fp8Scaling::Dynamic;
