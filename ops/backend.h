@@ -25,6 +25,24 @@ struct Fp8CastTarget {
   Tensor scale, data, data_t, amax, scale_inv;
 };
 
+// One group of a grouped fp8 cast (fp8_cast_grouped, ops/fp8.h): rows x [R, C] (contiguous, R > 0)
+// and where they go, as fp8_cast's arguments.
+struct Fp8CastGroup {
+  Tensor x;
+  Fp8CastTarget out;
+};
+
+// How a grouped cast finds each group's scale. Delayed (from_amax false): out.scale is read and
+// out.amax (optional) max-accumulates max |x|, as fp8_cast. Dynamic (from_amax true): out.amax
+// holds the group's max |x| (fp8_amax_grouped; read, not changed), and out.scale and out.scale_inv
+// get fp8_scale_for_amax(amax, fp8_max, margin, 1) and its inverse before the cast uses it, as
+// fp8_scale_from_amax then fp8_cast do.
+struct Fp8GroupScaling {
+  bool from_amax = false;
+  float fp8_max = 0.0f;
+  int margin = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -130,6 +148,14 @@ class Backend {
                         const Tensor& data_t, const Tensor& amax, const Tensor& scale_inv) = 0;
   // out f32 [1] = max |x| over all elements (NaN ignored).
   virtual void fp8_amax(const Tensor& x, const Tensor& out) = 0;
+  // Grouped forms (fp8_grouped_linear's operands: the experts' rows, weights and output
+  // gradients): every group exactly as the single-tensor calls make it (fp8_casts_one_by_one is
+  // the reference), all groups of one input dtype, column count, fp8 format and padded width, in
+  // one launch where the backend can. fp8_amax_grouped: outs[g] (f32 [1], zeroed by the caller)
+  // = max |xs[g]|.
+  virtual void fp8_cast_grouped(const std::vector<Fp8CastGroup>& groups,
+                                const Fp8GroupScaling& scaling) = 0;
+  virtual void fp8_amax_grouped(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs) = 0;
   // scale = fp8_scale_for_amax(amax, fp8_max, margin, 1), scale_inv = 1 / scale (all f32 [1]).
   virtual void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
                                    float fp8_max, int margin) = 0;
@@ -203,6 +229,14 @@ class Backend {
   virtual void set_allow_tf32(bool allow) { (void)allow; }
   virtual bool has_non_finite(const Tensor& x) = 0;
 };
+
+// The grouped fp8 casts one group at a time through `b`'s single-tensor calls (fp8_cast, and
+// fp8_scale_from_amax first under dynamic scaling; fp8_amax): the definition of the grouped ones
+// (the CPU backend's implementation, and the CUDA backend's for layouts its kernels do not take).
+void fp8_casts_one_by_one(Backend& b, const std::vector<Fp8CastGroup>& groups,
+                          const Fp8GroupScaling& scaling);
+void fp8_amaxes_one_by_one(Backend& b, const std::vector<Tensor>& xs,
+                           const std::vector<Tensor>& outs);
 
 // The backend for a device: the CPU one always; the CUDA one when built with CUDA (else throws).
 Backend& backend_for(Device d);

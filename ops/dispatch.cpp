@@ -18,6 +18,24 @@ void Backend::fp8_swiglu_backward_cast(const Tensor&, const Tensor&, const Tenso
                          " backend has no fused fp8 kernels (check fp8_fused_cast_layout first)");
 }
 
+void fp8_casts_one_by_one(Backend& b, const std::vector<Fp8CastGroup>& groups,
+                          const Fp8GroupScaling& scaling) {
+  for (const Fp8CastGroup& g : groups) {
+    const Fp8CastTarget& o = g.out;
+    if (scaling.from_amax) {
+      b.fp8_scale_from_amax(o.amax, o.scale, o.scale_inv, scaling.fp8_max, scaling.margin);
+      b.fp8_cast(g.x, o.scale, o.data, o.data_t, Tensor(), o.scale_inv);
+    } else {
+      b.fp8_cast(g.x, o.scale, o.data, o.data_t, o.amax, o.scale_inv);
+    }
+  }
+}
+
+void fp8_amaxes_one_by_one(Backend& b, const std::vector<Tensor>& xs,
+                           const std::vector<Tensor>& outs) {
+  for (size_t g = 0; g < xs.size(); ++g) b.fp8_amax(xs[g], outs[g]);
+}
+
 namespace {
 [[noreturn]] void no_moe_kernel(const Backend& b, const char* op) {
   throw std::logic_error(std::string("[") + op + "] the " + b.name() +

@@ -1,6 +1,7 @@
 // ops/fp8.h: argument checks, device dispatch, delayed-scaling bookkeeping and the fp8 linear op.
 #include "ops/fp8.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -170,6 +171,95 @@ Tensor fp8_amax(const Tensor& x) {
   Tensor out = Tensor::zeros({1}, DType::F32, x.device());
   backend_for(x.device()).fp8_amax(contiguous_raw(x), out);
   return out;
+}
+
+// ---- grouped casts ----------------------------------------------------------------------------
+
+Fp8Tensor Fp8GroupedTensor::group(int64_t g) const {
+  Fp8Tensor q;
+  const auto i = static_cast<size_t>(g);
+  q.rows = rows.at(i);
+  q.cols = cols;
+  const int64_t rp = rows_p[i], off = offsets[i];
+  if (data.defined())
+    q.data = data.as_strided({rp, cols_p}, {cols_p, 1}, data.offset() + off * cols_p);
+  if (data_t.defined())
+    q.data_t = data_t.as_strided({cols_p, rp}, {rp, 1}, data_t.offset() + cols_p * off);
+  q.scale = scales.at(i);
+  q.scale_inv = scale_inv.as_strided({1}, {1}, scale_inv.offset() + 4 * g);
+  return q;
+}
+
+Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
+                                  const Fp8GroupScales& scaling, const Fp8CastOptions& opts) {
+  const char* op = "fp8_cast_grouped";
+  check_fp8_format(op, fmt);
+  if (xs.empty()) op_error(op, "no groups");
+  const size_t G = xs.size();
+  const bool dynamic = scaling.scales.empty();
+  if (!dynamic && scaling.scales.size() != G)
+    op_error(
+        op, std::to_string(scaling.scales.size()) + " scales for " + std::to_string(G) + " groups");
+  if (!scaling.amaxes.empty() && (dynamic || scaling.amaxes.size() != G))
+    op_error(op, std::to_string(scaling.amaxes.size()) + " amaxes for " + std::to_string(G) +
+                     " groups" + (dynamic ? " under dynamic scaling (which records none)" : ""));
+  for (size_t g = 0; g < G; ++g) {
+    check_cast_input(op, xs[g], opts);
+    if (xs[g].size(1) != xs[0].size(1) || xs[g].dtype() != xs[0].dtype())
+      op_error(op, "group " + std::to_string(g) + " is " + xs[g].str() + ", group 0 " +
+                       xs[0].str() + " (one dtype and column count for all)");
+    detail::check_same_device(op, xs[0], xs[g]);
+    if (!dynamic) {
+      check_scalar_f32(op, scaling.scales[g], "scale", xs[0].device());
+      if (!scaling.amaxes.empty() && scaling.amaxes[g].defined())
+        check_scalar_f32(op, scaling.amaxes[g], "amax", xs[0].device());
+    }
+  }
+  const Device dev = xs[0].device();
+  Fp8GroupedTensor q;
+  q.cols = xs[0].size(1);
+  q.cols_p = round_up(q.cols, opts.pad);
+  int64_t total = 0;
+  for (const Tensor& x : xs) {
+    q.rows.push_back(x.size(0));
+    q.rows_p.push_back(round_up(x.size(0), opts.pad));
+    q.offsets.push_back(total);
+    total += q.rows_p.back();
+  }
+  if (opts.rowwise) q.data = Tensor::empty({total, q.cols_p}, fmt, dev);
+  if (opts.columnwise) q.data_t = Tensor::empty({q.cols_p * total}, fmt, dev);
+  const auto n = static_cast<int64_t>(G);
+  q.scale_inv = Tensor::empty({4 * n}, DType::F32, dev);
+  Tensor dyn_scales, dyn_amaxes;
+  if (dynamic) {
+    dyn_scales = Tensor::empty({n}, DType::F32, dev);
+    dyn_amaxes = Tensor::zeros({n}, DType::F32, dev);
+  }
+  auto slot = [](const Tensor& t, int64_t i) { return t.as_strided({1}, {1}, t.offset() + i); };
+  std::vector<Tensor> rows;  // the groups with rows, and where they go
+  std::vector<Fp8CastGroup> groups;
+  for (size_t g = 0; g < G; ++g) {
+    const auto gi = static_cast<int64_t>(g);
+    q.scales.push_back(dynamic ? slot(dyn_scales, gi) : scaling.scales[g]);
+    if (q.rows[g] == 0) continue;
+    const Fp8Tensor part = q.group(gi);
+    Fp8CastTarget t{q.scales[g], part.data, part.data_t, Tensor(), part.scale_inv};
+    if (dynamic)
+      t.amax = slot(dyn_amaxes, gi);
+    else if (!scaling.amaxes.empty())
+      t.amax = scaling.amaxes[g];
+    rows.push_back(contiguous_raw(xs[g]));
+    groups.push_back({rows.back(), t});
+  }
+  if (groups.empty()) return q;
+  Backend& b = backend_for(dev);
+  if (dynamic) {
+    std::vector<Tensor> amaxes;
+    for (const Fp8CastGroup& g : groups) amaxes.push_back(g.out.amax);
+    b.fp8_amax_grouped(rows, amaxes);
+  }
+  b.fp8_cast_grouped(groups, Fp8GroupScaling{dynamic, fp8_max_value(fmt), scaling.margin});
+  return q;
 }
 
 // ---- GEMM -------------------------------------------------------------------------------------
@@ -758,6 +848,172 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   return y;
 }
 
+namespace {
+
+// Whether the experts run the grouped path below: tensorwise scaling (TE delayed, AO dynamic) with
+// every GEMM in fp8 and the weights cast here, under one recipe. The others (MXFP8, the rowwise
+// and blockwise recipes, override_linear_precision, a weight provider) run each expert through
+// fp8_linear_rows.
+bool grouped_cast_path(const std::vector<const Fp8LinearContext*>& contexts) {
+  const Fp8Recipe& r = contexts[0]->recipe;
+  if ((r.scaling != Fp8Scaling::Delayed && r.scaling != Fp8Scaling::Dynamic) || r.hp_fprop ||
+      r.hp_dgrad || r.hp_wgrad)
+    return false;
+  for (const Fp8LinearContext* c : contexts) {
+    const Fp8Recipe& o = c->recipe;
+    if (c->weight_provider || o.scaling != r.scaling || o.forward_dtype != r.forward_dtype ||
+        o.backward_dtype != r.backward_dtype || o.margin != r.margin || o.hp_fprop || o.hp_dgrad ||
+        o.hp_wgrad)
+      return false;
+    if (r.scaling == Fp8Scaling::Delayed &&
+        (!c->delayed || c->slot_input < 0 || c->slot_weight < 0 || c->slot_grad_output < 0))
+      throw std::logic_error(
+          "[fp8_grouped_linear] delayed scaling without a scaling state and slots");
+  }
+  return true;
+}
+
+// Each group's scaling for the casts of one operand role (whose slot `slot_of` picks): delayed,
+// the slot's scale and (when recording) amax in each context's state; dynamic, the margin.
+Fp8GroupScales group_scales(const std::vector<const Fp8LinearContext*>& contexts,
+                            int Fp8LinearContext::*slot_of, bool record_amax) {
+  Fp8GroupScales s;
+  s.margin = contexts[0]->recipe.margin;
+  if (contexts[0]->recipe.scaling != Fp8Scaling::Delayed) return s;
+  for (const Fp8LinearContext* c : contexts) {
+    s.scales.push_back(c->delayed->scale(c->*slot_of));
+    s.amaxes.push_back(record_amax ? c->delayed->amax(c->*slot_of) : Tensor());
+  }
+  return s;
+}
+
+// Group g's rows of a grouped GEMM's [rows, cols] result, written by fp8_gemm straight into rows
+// [begin, begin + rows_p) of `dst` when the GEMM's padded width is dst's (the rows past `rows`,
+// zero-padding products, land in the next group's rows before its GEMM writes them, or in the
+// slack rows after the last group; so the groups' GEMMs must run in order). Otherwise (a width
+// not a multiple of 16) through a padded buffer and a copy.
+void gemm_rows_into(const Tensor& dst, int64_t begin, int64_t rows, const Tensor& a,
+                    const Tensor& a_si, const Tensor& b, const Tensor& b_si, bool fast) {
+  const int64_t rows_p = a.size(0), cols = dst.size(1);
+  if (b.size(0) == cols) {
+    fp8_gemm(row_block(dst, begin, rows_p), a, a_si, b, b_si, fast);
+  } else {
+    Tensor full = Tensor::empty({rows_p, b.size(0)}, dst.dtype(), dst.device());
+    fp8_gemm(full, a, a_si, b, b_si, fast);
+    row_block(dst, begin, rows).copy_(narrow(narrow(full, 0, 0, rows), 1, 0, cols));
+  }
+}
+
+// [rows, cols] of x's dtype, in a buffer with room for the padded rows of the last group's GEMM
+// (gemm_rows_into).
+Tensor rows_with_slack(int64_t rows, int64_t cols, int64_t slack, DType dtype, Device device) {
+  return narrow(Tensor::empty({rows + slack, cols}, dtype, device), 0, 0, rows);
+}
+
+// fp8_grouped_linear under tensorwise scaling: each operand cast once for all groups
+// (fp8_cast_grouped: the experts' rows, their weights, the output gradient's rows; each group
+// with its own context's scale and amax), then one fp8 GEMM per non-empty group on slices of those
+// buffers, writing into the output (and dx) rows directly. The forward keeps only what the
+// backward's GEMMs read: the transposed fp8 copies of the rows and of the weights (one byte per
+// element) and their scale_invs.
+Tensor grouped_tensorwise(const Tensor& x, const std::vector<Tensor>& weights,
+                          const std::vector<int64_t>& sizes,
+                          const std::vector<const Fp8LinearContext*>& contexts) {
+  const char* op = "fp8_grouped_linear";
+  const Fp8Recipe& r = contexts[0]->recipe;
+  const bool record_amax =
+      (contexts[0]->autocast ? *contexts[0]->autocast : Fp8Autocast{}).record_amax;
+  const size_t G = weights.size();
+  const int64_t rows_total = x.size(0), K = x.size(1), N = weights[0].size(0);
+  const DType act = x.dtype(), w_dtype = weights[0].dtype();
+  Tensor xc = contiguous(x).detach();
+  const bool want_dx = grad_enabled() && x.requires_grad();
+  std::vector<bool> want_dw;
+  bool any_dw = false;
+  std::vector<Tensor> x_rows, w_used;  // every group's rows; the weights of groups with rows
+  std::vector<const Fp8LinearContext*> used;
+  std::vector<int64_t> begin(G), weight_index(G, -1);
+  int64_t next_row = 0, slack = 0;
+  for (size_t g = 0; g < G; ++g) {
+    want_dw.push_back(grad_enabled() && weights[g].requires_grad());
+    begin[g] = next_row;
+    x_rows.push_back(row_block(xc, next_row, sizes[g]));
+    if (sizes[g] > 0) {
+      any_dw = any_dw || want_dw[g];
+      weight_index[g] = static_cast<int64_t>(w_used.size());
+      w_used.push_back(weights[g].detach());
+      used.push_back(contexts[g]);
+      slack = std::max(slack, next_row + round_up(sizes[g], 16) - rows_total);
+    }
+    next_row += sizes[g];
+  }
+  const bool need_grad =
+      want_dx || std::find(want_dw.begin(), want_dw.end(), true) != want_dw.end();
+
+  Fp8GroupedTensor qx, qw;
+  if (!w_used.empty()) {
+    qx = fp8_cast_grouped(x_rows, r.forward_dtype,
+                          group_scales(contexts, &Fp8LinearContext::slot_input, record_amax),
+                          Fp8CastOptions{true, any_dw, 16});
+    qw = fp8_cast_grouped(w_used, r.forward_dtype,
+                          group_scales(used, &Fp8LinearContext::slot_weight, record_amax),
+                          Fp8CastOptions{true, want_dx, 16});
+  }
+  Tensor y = keep_output(op, [&] {  // selective checkpointing keeps it (runtime/autograd.h)
+    Tensor out = rows_with_slack(rows_total, N, slack, act, x.device());
+    for (size_t g = 0; g < G; ++g) {
+      if (weight_index[g] < 0) continue;
+      const Fp8Tensor a = qx.group(static_cast<int64_t>(g)), b = qw.group(weight_index[g]);
+      gemm_rows_into(out, begin[g], sizes[g], a.data, a.scale_inv, b.data, b.scale_inv, true);
+    }
+    return out;
+  });
+  if (!need_grad) return y;
+
+  // Saved for backward: the transposed copies and scale_invs (the row-major ones are dropped).
+  qx.data = Tensor();
+  qw.data = Tensor();
+  std::vector<Tensor> inputs{x};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  const Fp8GroupScales g_scales =
+      group_scales(contexts, &Fp8LinearContext::slot_grad_output, record_amax);
+  const bool any_rows = !used.empty();
+  const DType bwd = r.backward_dtype;
+  return record(op, y, inputs, [=](const Tensor& gy) {
+    Tensor gc = contiguous(gy);
+    std::vector<Tensor> g_rows;
+    for (size_t g = 0; g < G; ++g)  // (a group whose GEMMs want no gradient casts nothing)
+      g_rows.push_back(row_block(gc, begin[g], want_dx || want_dw[g] ? sizes[g] : 0));
+    std::vector<Tensor> grads(1 + G);
+    Fp8GroupedTensor qg;
+    if (any_rows && (want_dx || any_dw))
+      qg = fp8_cast_grouped(g_rows, bwd, g_scales, Fp8CastOptions{want_dx, any_dw, 16});
+    if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
+      Tensor dx = rows_with_slack(rows_total, K, slack, act, gc.device());
+      for (size_t g = 0; g < G; ++g) {
+        if (weight_index[g] < 0) continue;
+        const Fp8Tensor a = qg.group(static_cast<int64_t>(g)), b = qw.group(weight_index[g]);
+        gemm_rows_into(dx, begin[g], sizes[g], a.data, a.scale_inv, b.data_t, b.scale_inv, false);
+      }
+      grads[0] = dx;
+    }
+    for (size_t g = 0; g < G; ++g) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
+      if (!want_dw[g]) continue;
+      if (weight_index[g] < 0) {  // no rows: nothing cast, a zero gradient
+        grads[1 + g] = Tensor::zeros(weights[g].shape(), w_dtype, weights[g].device());
+        continue;
+      }
+      // The GEMM writes the weight's dtype from fp32 accumulation (fp8_linear_rows says why).
+      const Fp8Tensor a = qg.group(static_cast<int64_t>(g)), b = qx.group(static_cast<int64_t>(g));
+      grads[1 + g] =
+          unpad(fp8_gemm(a.data_t, a.scale_inv, b.data_t, b.scale_inv, w_dtype, false), N, K);
+    }
+    return grads;
+  });
+}
+
+}  // namespace
+
 Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
                           const std::vector<int64_t>& group_sizes,
                           const std::vector<const Fp8LinearContext*>& contexts) {
@@ -774,10 +1030,10 @@ Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
   const Fp8Autocast mode = contexts[0]->autocast ? *contexts[0]->autocast : Fp8Autocast{};
   const int64_t K = x.size(1), N = weights[0].size(0);
   if (!mode.enabled || K == 0) return grouped_linear(x, weights, group_sizes);
+  if (grouped_cast_path(contexts)) return grouped_tensorwise(x, weights, group_sizes, contexts);
 
-  // Each group is fp8_linear over its rows with its own context (its own input, weight and
-  // grad_output scaling): one fp8 GEMM per non-empty group, as there is no grouped fp8 GEMM
-  // (cuBLASLt 13 batches only equal shapes; cublasGemmGroupedBatchedEx takes no fp8 operands).
+  // The other recipes: each group is fp8_linear over its rows with its own context, one expert
+  // after the other (the per-group casts those recipes make).
   // An empty group casts nothing and gets a zero weight gradient.
   Tensor xc = contiguous(x).detach();
   Tensor y = Tensor::empty({x.size(0), N}, x.dtype(), x.device());
@@ -795,6 +1051,7 @@ Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
       passes[g] = fp8_linear_rows(Tensor(), row_block(xc, begin, rows), weights[g].detach(), s,
                                   *contexts[g], want_dx, want_dw[g]);
       row_block(y, begin, rows).copy_(passes[g].y2);
+      passes[g].y2 = Tensor();  // y holds it; the backward needs only the pass's saved casts
     }
     begin += rows;
   }

@@ -129,6 +129,44 @@ Tensor fp8_dequantize(const Fp8Tensor& q, DType dtype = DType::F32);
 // max |x| as an f32 [1] tensor on x's device (NaN ignored).
 Tensor fp8_amax(const Tensor& x);
 
+// ---- grouped casts (the experts of a mixture-of-experts layer) -------------------------------
+
+// Groups of rows [rows[g], cols] cast each with its own scale into one buffer per layout, each
+// group padded as fp8_cast pads it: `data` [sum rows_p, cols_p] holds group g's row-major copy
+// in rows [offsets[g], offsets[g] + rows_p[g]); `data_t` (1-d) holds group g's transposed copy
+// [cols_p, rows_p[g]] from element cols_p * offsets[g] on. scale_inv (f32 [4 G]) holds group g's
+// at element 4 g, so that each starts on a 16-byte boundary as the GEMMs need. A group without
+// rows has rows_p 0 and nothing cast (its scale_inv slot is not written).
+struct Fp8GroupedTensor {
+  Tensor data, data_t;  // E4M3 or E5M2; either may be absent
+  Tensor scale_inv;
+  std::vector<Tensor> scales;  // f32 [1] each: the scale each group was cast with
+  std::vector<int64_t> rows, rows_p, offsets;
+  int64_t cols = 0, cols_p = 0;
+  int64_t groups() const { return static_cast<int64_t>(rows.size()); }
+  // Group g as fp8_cast returns it (views of the buffers above).
+  Fp8Tensor group(int64_t g) const;
+};
+
+// How each group of fp8_cast_grouped is scaled: delayed scaling (`scales` has one f32 [1] per
+// group, and `amaxes` is empty or has one per group, undefined where the amax is not recorded),
+// as fp8_cast(x, fmt, scales[g], amaxes[g]); or dynamic scaling (`scales` empty), each group's
+// scale from its own amax as fp8_cast_dynamic(x, fmt, opts, margin).
+struct Fp8GroupScales {
+  std::vector<Tensor> scales, amaxes;
+  int margin = 0;
+};
+
+// Casts every xs[g] (2-d [rows_g, C], one dtype, C and device for all) exactly as the
+// single-tensor cast of `scaling` casts it alone (the same bytes, amaxes and scales; tested bit
+// for bit), into one grouped tensor: on CUDA one cast launch for up to 128 groups (dynamic
+// scaling: one amax launch first), not one or more per group; a layout the tile kernel does not
+// take (columns not a multiple of 8, misaligned rows) goes group by group. Groups without rows
+// cast nothing and record nothing. The xs may be row blocks of one tensor (the experts' rows) or
+// separate tensors (their weights).
+Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
+                                  const Fp8GroupScales& scaling, const Fp8CastOptions& opts = {});
+
 // The fp8 GEMM in the one layout Hopper runs ("TN"): both operands contraction-contiguous.
 // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv, accumulated in fp32; a and b
 // fp8 (not both e5m2), out f32/bf16/f16. On CUDA K % 16 == 0 and N % 8 == 0 (pad the operands).
@@ -334,6 +372,10 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
 // grad_output scaling, i.e. per expert weight and per activation group; all switched by one
 // autocast). One fp8 GEMM per non-empty group in forward, dgrad and wgrad; an empty group casts
 // nothing and its weight gets a zero gradient. With the autocast disabled, grouped_linear.
+// Under TE (delayed) and AO tensorwise (dynamic) scaling each operand (the rows, the weights, the
+// output gradient) is cast once for all groups (fp8_cast_grouped), the fprop and dgrad GEMMs write
+// the output and input gradient rows in place, and the forward keeps only the fp8 transposes;
+// the other recipes run each group through fp8_linear's path.
 Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
                           const std::vector<int64_t>& group_sizes,
                           const std::vector<const Fp8LinearContext*>& contexts);

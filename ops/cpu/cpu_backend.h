@@ -106,6 +106,9 @@ class CpuBackend final : public Backend {
   void fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& data, const Tensor& data_t,
                 const Tensor& amax, const Tensor& scale_inv) override;
   void fp8_amax(const Tensor& x, const Tensor& out) override;
+  void fp8_cast_grouped(const std::vector<Fp8CastGroup>& groups,
+                        const Fp8GroupScaling& scaling) override;
+  void fp8_amax_grouped(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs) override;
   void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
                            float fp8_max, int margin) override;
   void fp8_transpose(const Tensor& data_t, const Tensor& data) override;

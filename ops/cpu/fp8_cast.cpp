@@ -80,6 +80,17 @@ void CpuBackend::fp8_amax(const Tensor& x, const Tensor& out) {
   *f32(out) = m;
 }
 
+// The grouped casts are the single-tensor ones, group by group: the reference the CUDA kernels
+// are held to.
+void CpuBackend::fp8_cast_grouped(const std::vector<Fp8CastGroup>& groups,
+                                  const Fp8GroupScaling& scaling) {
+  fp8_casts_one_by_one(*this, groups, scaling);
+}
+
+void CpuBackend::fp8_amax_grouped(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs) {
+  fp8_amaxes_one_by_one(*this, xs, outs);
+}
+
 void CpuBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,
                                      const Tensor& scale_inv, float fp8_max, int margin) {
   const float s = fp8_scale_for_amax(*f32(amax), fp8_max, margin, 1.0f);

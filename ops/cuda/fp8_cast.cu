@@ -1,5 +1,7 @@
 // CUDA fp8 kernels other than the GEMM (the fp8_* methods of ops/backend.h): the fused cast + amax
-// (+ transpose), the amax reduction and scale computation of dynamic scaling, the byte transpose,
+// (+ transpose) of one tensor or of many groups in one launch (fp8_cast_grouped: a mixture of
+// experts' operands), the amax reduction (also grouped) and scale computation of dynamic scaling,
+// the byte transpose,
 // the delayed-scaling update of all slots in one launch, and the MX fake quantization.
 //
 // Rounding: the casts use the hardware cvt.rn.satfinite (sm_89+) which rounds to nearest even and
@@ -8,6 +10,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <type_traits>
@@ -99,30 +102,44 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&in)[4], uint32_t (
   out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-// Where one output of a fused cast goes: the scale it reads, the row-major and transposed fp8
-// copies (either may be null), the amax it max-accumulates and the scale_inv it sets (both
-// optional).
+// Where one output of a fused cast goes: the scale it reads (written instead under a grouped cast's
+// dynamic scaling), the row-major and transposed fp8 copies (either may be null), the amax it
+// max-accumulates (read instead under dynamic scaling) and the scale_inv it sets (both optional).
 struct CastOut {
-  const float* scale;
+  float* scale;
   uint8_t* data;
   uint8_t* data_t;
   float* amax;
   float* scale_inv;
 };
-template <int N>
-struct CastOuts {
-  CastOut o[N];
-};
 
-// Producers hand the cast kernel its values: load(k, offset, inside) issues the loads for row k
-// (of the thread's 4) at element offset `offset` (8 consecutive columns; zeros when not inside),
-// values(k, v) turns them into kOut sets of 8 floats to cast. Zero inputs give zero values, so
-// the padding comes out as zeros.
+// The groups of one cast launch: group g is rows [rows[g], C] of its input `in[g]` (handed to the
+// producer's bind; producers with inputs of their own ignore it), padded to rows_p[g] (a multiple
+// of 16) in its outputs o[g]; its tiles are the tile rows [first_tile_row[g], first_tile_row[g +
+// 1]) of the launch, each across all tile columns. A single-tensor cast is one group (kMax 1); a
+// grouped cast holds up to kMaxCastGroups per launch. The table travels as a __grid_constant__
+// kernel parameter (no upload; 8.7 KB for 128 groups, within CUDA 12.1+'s 32 KB).
+template <int kOut, int kMax>
+struct CastGroups {
+  const void* in[kMax];
+  int64_t rows[kMax], rows_p[kMax];
+  CastOut o[kMax][kOut];
+  int32_t first_tile_row[kMax + 1];
+  int count;
+};
+constexpr int kMaxCastGroups = 128;
+
+// Producers hand the cast kernel its values: bind(in) sets the input of the group whose tiles
+// follow, load(k, offset, inside) issues the loads for row k (of the thread's 4) at element
+// offset `offset` of that input (8 consecutive columns; zeros when not inside), values(k, v)
+// turns them into kOut sets of 8 floats to cast. Zero inputs give zero values, so the padding
+// comes out as zeros.
 template <class T>
 struct CastInput {  // plain cast: the values of x
   static constexpr int kOut = 1;
   const T* x;
   Raw8<T> raw[4];
+  __device__ __forceinline__ void bind(const void* in) { x = static_cast<const T*>(in); }
   __device__ __forceinline__ void load(int k, int64_t off, bool inside) {
     raw[k] = inside ? load_raw8<T>(x + off) : Raw8<T>{};
   }
@@ -138,6 +155,7 @@ struct CastSwiglu {
   static constexpr int kOut = 1;
   const T *gate, *up;
   Raw8<T> g[4], u[4];
+  __device__ __forceinline__ void bind(const void*) {}
   __device__ __forceinline__ void load(int k, int64_t off, bool inside) {
     g[k] = inside ? load_raw8<T>(gate + off) : Raw8<T>{};
     u[k] = inside ? load_raw8<T>(up + off) : Raw8<T>{};
@@ -159,6 +177,7 @@ struct CastSwigluGrad {
   static constexpr int kOut = 2;
   const T *grad, *gate, *up;
   Raw8<T> d[4], g[4], u[4];
+  __device__ __forceinline__ void bind(const void*) {}
   __device__ __forceinline__ void load(int k, int64_t off, bool inside) {
     d[k] = inside ? load_raw8<T>(grad + off) : Raw8<T>{};
     g[k] = inside ? load_raw8<T>(gate + off) : Raw8<T>{};
@@ -178,49 +197,84 @@ struct CastSwigluGrad {
   }
 };
 
-// Fused cast + amax + transpose over 128 x 64 tiles, a grid-stride loop over the tiles with a grid
-// of one wave (so that a few hundred blocks, not one per tile, contend for the amax atomic); the
-// next tile's loads are issued before the current tile's transposed write. The values come from a
-// producer (above), one or two outputs per element. Requires C % 8 == 0, Cp % 8 == 0 and
-// Rp % 16 == 0 (checked by the launcher); rows/cols beyond R/C inside the padded outputs get 0.
+// Fused cast + amax + transpose over 128 x 64 tiles of one or more groups (CastGroups), a
+// grid-stride loop over all groups' tiles with a grid of one wave (so that a few hundred blocks,
+// not one per tile, contend for the amax atomics); the next tile's loads are issued before the
+// current tile's transposed write. A block keeps the amax of the group in hand in registers and
+// adds it to the group's amax when it moves on to another group (the group is the same for all
+// threads of the block, so the reduction's barriers are safe); the block that casts a group's
+// first tile writes its scale_inv (and, dynamic, its scale). The values come from a producer
+// (above), one or two outputs per element. Requires C % 8 == 0, Cp % 8 == 0 and every
+// rows_p % 16 == 0 (checked by the launcher); rows/cols beyond a group's R/C inside its padded
+// outputs get 0.
 //
 // data_t goes through shared memory as 32-bit words, one row of `tile` per column of the tile: the
 // word of rows 16q + 4k .. 16q + 4k + 3 of column col sits at tile[col][4 (q ^ (col / 8)) + k].
 // The swizzle of the 16-byte chunks makes both the 32-bit stores (a warp: 8 threads' columns x 4
 // row groups) and the 16-byte loads (8 lanes: the 8 chunks of one column) free of bank
 // conflicts. Each 8 lanes then write one 128-byte run of a data_t row.
-template <class P, bool kE5M2>
+template <class P, bool kE5M2, int kMax>
 __global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(P p, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
-                          CastOuts<P::kOut> outs) {
+    cast_transpose_kernel(P p, int64_t C, int64_t Cp,
+                          const __grid_constant__ CastGroups<P::kOut, kMax> gs,
+                          const Fp8GroupScaling sc) {
   constexpr int kOut = P::kOut;
   __shared__ __align__(16) uint32_t tile[kOut][kTileCols][kTileRows / 4];
   __shared__ float red[32];
-  float s[kOut], m[kOut];
-  bool any_t = false;
-#pragma unroll
-  for (int o = 0; o < kOut; ++o) {
-    s[o] = *outs.o[o].scale;
-    m[o] = 0.0f;
-    any_t = any_t || outs.o[o].data_t;
-  }
   const int64_t tiles_x = (Cp + kTileCols - 1) / kTileCols;
-  const int64_t tiles_y = (Rp + kTileRows - 1) / kTileRows;
+  const int64_t tiles_y = gs.first_tile_row[gs.count];
   const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
-  auto load_tile = [&](int64_t r0, int64_t c0) {
-    const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
+  auto group_of = [&](int64_t y) {
+    return kMax == 1 ? 0
+                     : accel::cuda::chunk_owner(gs.first_tile_row, gs.count, static_cast<int>(y));
+  };
+  // Loads tile row y (of group g) at columns c0..c0+63.
+  auto load_tile = [&](int g, int64_t y, int64_t c0) {
+    const int64_t R = gs.rows[g];
+    const int64_t r = (y - gs.first_tile_row[g]) * kTileRows + 4 * ty, c = c0 + 8 * tx;
 #pragma unroll
     for (int k = 0; k < 4; ++k)  // C % 8 == 0: all 8 columns or none are inside
       p.load(k, (r + k) * C + c, r + k < R && c < C);
+  };
+  float s[kOut], m[kOut];
+  auto enter = [&](int g) {  // group g's scales, a fresh amax
+#pragma unroll
+    for (int o = 0; o < kOut; ++o) {
+      const CastOut& out = gs.o[g][o];
+      s[o] = sc.from_amax ? fp8_scale_for_amax(*out.amax, sc.fp8_max, sc.margin, 1.0f) : *out.scale;
+      m[o] = 0.0f;
+    }
+  };
+  auto leave = [&](int g) {  // group g's amax (delayed scaling records it)
+#pragma unroll
+    for (int o = 0; o < kOut; ++o) {
+      float* amax = gs.o[g][o].amax;
+      if (amax && !sc.from_amax) {
+        const float bm = block_max(m[o], red);
+        if (threadIdx.x == 0 && bm > __ldcg(amax)) atomic_max_nonneg(amax, bm);
+      }
+    }
   };
   // This block's tiles are blockIdx.x + i * gridDim.x in row-major order, walked as (tile row,
   // tile column) without a division per tile.
   const int64_t step_y = gridDim.x / tiles_x, step_x = gridDim.x % tiles_x;
   int64_t tile_y = blockIdx.x / tiles_x, tile_x = blockIdx.x % tiles_x;
-  if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);
+  int g = -1;                                           // the group of the tile in hand
+  int next = tile_y < tiles_y ? group_of(tile_y) : -1;  // the group of the tile loaded next
+  if (next >= 0) {
+    p.bind(gs.in[next]);
+    load_tile(next, tile_y, tile_x * kTileCols);
+  }
   while (tile_y < tiles_y) {
-    const int64_t r0 = tile_y * kTileRows, c0 = tile_x * kTileCols;
+    if (next != g) {
+      if (g >= 0) leave(g);
+      g = next;
+      enter(g);
+    }
+    const int64_t Rp = gs.rows_p[g];
+    const int64_t r0 = (tile_y - gs.first_tile_row[g]) * kTileRows, c0 = tile_x * kTileCols;
     const int64_t r = r0 + 4 * ty, c = c0 + 8 * tx;
+    bool any_t = false;
     uint32_t w[kOut][2][4];  // [output][column half][row]: bytes = columns 4h..4h+3 of row k
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -240,14 +294,16 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int o = 0; o < kOut; ++o) {
-      uint8_t* data = outs.o[o].data;
-      if (data && c < Cp) {  // Cp % 8 == 0: all 8 columns or none are inside
+      const CastOut& out = gs.o[g][o];
+      if (out.data && c < Cp) {  // Cp % 8 == 0: all 8 columns or none are inside
 #pragma unroll
         for (int k = 0; k < 4; ++k)
           if (r + k < Rp)
-            *reinterpret_cast<uint2*>(data + (r + k) * Cp + c) = make_uint2(w[o][0][k], w[o][1][k]);
+            *reinterpret_cast<uint2*>(out.data + (r + k) * Cp + c) =
+                make_uint2(w[o][0][k], w[o][1][k]);
       }
-      if (outs.o[o].data_t) {
+      if (out.data_t) {
+        any_t = true;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           uint32_t cols[4];
@@ -257,6 +313,10 @@ __global__ void __launch_bounds__(kThreads)
             tile[o][8 * tx + 4 * h + j][4 * ((ty / 4) ^ tx) + ty % 4] = cols[j];
         }
       }
+      if (r0 == 0 && c0 == 0 && threadIdx.x == 0) {  // the group's first tile
+        if (sc.from_amax) *out.scale = s[o];
+        if (out.scale_inv) *out.scale_inv = 1.0f / s[o];
+      }
     }
     tile_x += step_x;
     tile_y += step_y;
@@ -264,12 +324,16 @@ __global__ void __launch_bounds__(kThreads)
       tile_x -= tiles_x;
       ++tile_y;
     }
-    if (tile_y < tiles_y) load_tile(tile_y * kTileRows, tile_x * kTileCols);  // in flight below
-    if (any_t) {
+    next = tile_y < tiles_y ? group_of(tile_y) : -1;
+    if (next >= 0) {  // in flight below
+      if (next != g) p.bind(gs.in[next]);
+      load_tile(next, tile_y, tile_x * kTileCols);
+    }
+    if (any_t) {  // the same for every thread (one group)
       __syncthreads();
 #pragma unroll
       for (int o = 0; o < kOut; ++o) {
-        uint8_t* data_t = outs.o[o].data_t;
+        uint8_t* data_t = gs.o[g][o].data_t;
         if (!data_t) continue;
 #pragma unroll
         for (int q2 = 0; q2 < 2; ++q2) {
@@ -283,16 +347,7 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();  // the tile is rewritten by the next iteration
     }
   }
-#pragma unroll
-  for (int o = 0; o < kOut; ++o) {
-    float* amax = outs.o[o].amax;
-    if (amax) {  // the same for every thread: block_max's barriers are safe
-      const float bm = block_max(m[o], red);
-      if (threadIdx.x == 0 && bm > __ldcg(amax)) atomic_max_nonneg(amax, bm);
-    }
-    if (outs.o[o].scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
-      *outs.o[o].scale_inv = 1.0f / s[o];
-  }
+  if (g >= 0) leave(g);
 }
 
 // Any shapes and alignments: one thread per padded element, written to data then data_t.
@@ -365,6 +420,56 @@ __global__ void __launch_bounds__(256)
   }
   m = block_max(m, red);
   if (threadIdx.x == 0 && m > __ldcg(out)) atomic_max_nonneg(out, m);
+}
+
+// max |x| of each of a list of tensors (NaN ignored), as amax_kernel gives each (the grouped casts
+// of dynamic scaling): every tensor is cut into chunks of kAmaxChunk elements and each block
+// reduces one chunk (chunk_owner finds its tensor) into that tensor's out, issuing all its loads
+// before the first use. The table travels as a __grid_constant__ kernel parameter.
+constexpr int kAmaxThreads = 256;
+constexpr int kAmaxLoads = 8;  // 16-byte vectors of 8 elements per thread and chunk
+constexpr int64_t kAmaxChunk = int64_t{kAmaxThreads} * kAmaxLoads * 8;
+constexpr int kAmaxMax = 128;  // tensors per launch
+
+template <class T>
+struct AmaxGroups {
+  const T* x[kAmaxMax];
+  int64_t n[kAmaxMax];
+  float* out[kAmaxMax];
+  int32_t first_chunk[kAmaxMax + 1];
+  int count;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kAmaxThreads)
+    amax_grouped_kernel(const __grid_constant__ AmaxGroups<T> a) {
+  __shared__ float red[32];
+  const int chunk = static_cast<int>(blockIdx.x);
+  const int t = accel::cuda::chunk_owner(a.first_chunk, a.count, chunk);
+  const T* __restrict__ x = a.x[t];
+  const int64_t begin = static_cast<int64_t>(chunk - a.first_chunk[t]) * kAmaxChunk;
+  const int64_t end = min(a.n[t], begin + kAmaxChunk);
+  float m = 0.0f;
+  int64_t rest = begin;                            // elements from here on go one at a time
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // then so is x + begin
+    rest = begin + (end - begin) / 8 * 8;
+    Raw8<T> raw[kAmaxLoads];
+#pragma unroll
+    for (int u = 0; u < kAmaxLoads; ++u) {
+      const int64_t i = begin + (static_cast<int64_t>(u) * kAmaxThreads + threadIdx.x) * 8;
+      raw[u] = i < rest ? load_raw8<T>(x + i) : Raw8<T>{};
+    }
+#pragma unroll
+    for (int u = 0; u < kAmaxLoads; ++u) {
+      float v[8];
+      unpack8<T>(raw[u], v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+    }
+  }
+  for (int64_t i = rest + threadIdx.x; i < end; i += kAmaxThreads) m = fmaxf(m, fabsf(to_f(x[i])));
+  m = block_max(m, red);
+  if (threadIdx.x == 0 && m > __ldcg(a.out[t])) atomic_max_nonneg(a.out[t], m);
 }
 
 __global__ void scale_from_amax_kernel(const float* amax, float* scale, float* scale_inv,
@@ -495,15 +600,27 @@ DType target_format(const Fp8CastTarget& t) {
   return t.data.defined() ? t.data.dtype() : t.data_t.dtype();
 }
 
-// One wave of cast_transpose_kernel blocks over the tiles of [Rp, Cp].
-template <class P, bool kE5M2>
-void launch_tiles(const P& producer, int64_t R, int64_t C, int64_t Rp, int64_t Cp,
-                  const CastOuts<P::kOut>& outs, cudaStream_t stream) {
-  auto kernel = cast_transpose_kernel<P, kE5M2>;
+// One wave of cast_transpose_kernel blocks over the tiles of every group of `gs`.
+template <class P, bool kE5M2, int kMax>
+void launch_tiles(const P& producer, int64_t C, int64_t Cp, const CastGroups<P::kOut, kMax>& gs,
+                  const Fp8GroupScaling& scaling, cudaStream_t stream) {
+  auto kernel = cast_transpose_kernel<P, kE5M2, kMax>;
   static const int per_sm = resident_blocks(kernel, kThreads);
-  const int64_t tiles = ((Cp + kTileCols - 1) / kTileCols) * ((Rp + kTileRows - 1) / kTileRows);
-  kernel<<<grid_for(tiles * kThreads, kThreads, per_sm), kThreads, 0, stream>>>(producer, R, C, Rp,
-                                                                                Cp, outs);
+  const int64_t tiles = ((Cp + kTileCols - 1) / kTileCols) * gs.first_tile_row[gs.count];
+  kernel<<<grid_for(tiles * kThreads, kThreads, per_sm), kThreads, 0, stream>>>(producer, C, Cp, gs,
+                                                                                scaling);
+}
+
+// The one group of a single-tensor cast: R rows padded to Rp, read by the producer itself.
+template <int kOut>
+CastGroups<kOut, 1> one_group(int64_t R, int64_t Rp, const std::array<CastOut, kOut>& outs) {
+  CastGroups<kOut, 1> gs{};
+  gs.rows[0] = R;
+  gs.rows_p[0] = Rp;
+  for (int o = 0; o < kOut; ++o) gs.o[0][o] = outs[o];
+  gs.first_tile_row[1] = static_cast<int32_t>((Rp + kTileRows - 1) / kTileRows);
+  gs.count = 1;
+  return gs;
 }
 
 }  // namespace
@@ -530,8 +647,9 @@ void CudaBackend::fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& d
       const T* xp = static_cast<const T*>(x.data_ptr());
       if (fast) {
         CastInput<T> producer{xp, {}};
-        launch_tiles<CastInput<T>, kE5M2>(producer, R, C, Rp, Cp, CastOuts<1>{{cast_out(target)}},
-                                          scope.stream);
+        CastGroups<1, 1> gs = one_group<1>(R, Rp, {cast_out(target)});
+        gs.in[0] = xp;
+        launch_tiles<CastInput<T>, kE5M2>(producer, C, Cp, gs, Fp8GroupScaling{}, scope.stream);
       } else {
         // (Also for empty tensors: one block still records amax 0 and scale_inv.)
         const int blocks = std::max(1, grid_for(Rp * Cp, 256));
@@ -558,7 +676,7 @@ void CudaBackend::fp8_swiglu_cast(const Tensor& gate, const Tensor& up, const Fp
         CastSwiglu<T> producer{
             static_cast<const T*>(gate.data_ptr()), static_cast<const T*>(up.data_ptr()), {}, {}};
         launch_tiles<CastSwiglu<T>, decltype(e5m2)::value>(
-            producer, R, C, Rp, Cp, CastOuts<1>{{cast_out(out)}}, scope.stream);
+            producer, C, Cp, one_group<1>(R, Rp, {cast_out(out)}), Fp8GroupScaling{}, scope.stream);
       });
     }
   });
@@ -588,8 +706,8 @@ void CudaBackend::fp8_swiglu_backward_cast(const Tensor& grad, const Tensor& gat
                                    {},
                                    {}};
         launch_tiles<CastSwigluGrad<T>, decltype(e5m2)::value>(
-            producer, R, C, Rp, Cp, CastOuts<2>{{cast_out(to_gate), cast_out(to_up)}},
-            scope.stream);
+            producer, C, Cp, one_group<2>(R, Rp, {cast_out(to_gate), cast_out(to_up)}),
+            Fp8GroupScaling{}, scope.stream);
       });
     }
   });
@@ -606,6 +724,83 @@ void CudaBackend::fp8_amax(const Tensor& x, const Tensor& out) {
         static_cast<const T*>(x.data_ptr()), n, fptr(out));
   });
   ACCEL_CUDA_CHECK_LAUNCH("fp8_amax");
+}
+
+// All groups in one launch (kMaxCastGroups at a time) when they share the tile layout; else one
+// by one through fp8_cast (the generic kernel for shapes the tiles do not take).
+void CudaBackend::fp8_cast_grouped(const std::vector<Fp8CastGroup>& groups,
+                                   const Fp8GroupScaling& scaling) {
+  if (groups.empty()) return;
+  const Tensor& x0 = groups[0].x;
+  const int64_t C = x0.size(1), Cp = padded_cols(groups[0].out);
+  const DType fmt = target_format(groups[0].out);
+  bool fast = true;
+  for (const Fp8CastGroup& g : groups)
+    fast = fast && g.x.dtype() == x0.dtype() && g.x.size(1) == C && g.x.size(0) > 0 &&
+           padded_cols(g.out) == Cp && target_format(g.out) == fmt &&
+           tile_layout(C, padded_rows(g.out), Cp, {g.x.data_ptr()},
+                       x0.dtype() == DType::F32 ? 32 : 16, {&g.out});
+  if (!fast) {
+    fp8_casts_one_by_one(*this, groups, scaling);
+    return;
+  }
+  OpScope scope(x0);
+  accel::cuda::dispatch_float(x0.dtype(), "fp8_cast_grouped", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_fp8(fmt, [&](auto e5m2) {
+      for (size_t start = 0; start < groups.size(); start += kMaxCastGroups) {
+        CastGroups<1, kMaxCastGroups> gs{};
+        int64_t tile_rows = 0;
+        for (size_t i = start; i < groups.size() && gs.count < kMaxCastGroups; ++i, ++gs.count) {
+          const Fp8CastGroup& g = groups[i];
+          const int64_t Rp = padded_rows(g.out);
+          gs.in[gs.count] = g.x.data_ptr();
+          gs.rows[gs.count] = g.x.size(0);
+          gs.rows_p[gs.count] = Rp;
+          gs.o[gs.count][0] = cast_out(g.out);
+          gs.first_tile_row[gs.count] = static_cast<int32_t>(tile_rows);
+          tile_rows += (Rp + kTileRows - 1) / kTileRows;
+        }
+        accel::cuda::require(tile_rows < (int64_t{1} << 31), "fp8_cast_grouped",
+                             "too many tile rows for one launch");
+        gs.first_tile_row[gs.count] = static_cast<int32_t>(tile_rows);
+        launch_tiles<CastInput<T>, decltype(e5m2)::value>(CastInput<T>{nullptr, {}}, C, Cp, gs,
+                                                          scaling, scope.stream);
+      }
+    });
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_cast_grouped");
+}
+
+void CudaBackend::fp8_amax_grouped(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs) {
+  if (xs.empty()) return;
+  bool one_dtype = true;
+  for (const Tensor& x : xs) one_dtype = one_dtype && x.dtype() == xs[0].dtype();
+  if (!one_dtype) {
+    fp8_amaxes_one_by_one(*this, xs, outs);
+    return;
+  }
+  OpScope scope(xs[0]);
+  accel::cuda::dispatch_float(xs[0].dtype(), "fp8_amax_grouped", [&](auto tag) {
+    using T = decltype(tag);
+    for (size_t start = 0; start < xs.size(); start += kAmaxMax) {
+      AmaxGroups<T> a{};
+      int64_t chunks = 0;
+      for (size_t i = start; i < xs.size() && a.count < kAmaxMax; ++i, ++a.count) {
+        a.x[a.count] = static_cast<const T*>(xs[i].data_ptr());
+        a.n[a.count] = xs[i].numel();
+        a.out[a.count] = fptr(outs[i]);
+        a.first_chunk[a.count] = static_cast<int32_t>(chunks);
+        chunks += (xs[i].numel() + kAmaxChunk - 1) / kAmaxChunk;
+      }
+      a.first_chunk[a.count] = static_cast<int32_t>(chunks);
+      if (chunks == 0) continue;
+      accel::cuda::require(chunks < (int64_t{1} << 31), "fp8_amax_grouped",
+                           "too many chunks for one launch");
+      amax_grouped_kernel<T><<<static_cast<unsigned>(chunks), kAmaxThreads, 0, scope.stream>>>(a);
+    }
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("fp8_amax_grouped");
 }
 
 void CudaBackend::fp8_scale_from_amax(const Tensor& amax, const Tensor& scale,

@@ -1,12 +1,14 @@
 // fp8 benchmark: cuBLASLt fp8 GEMM TFLOP/s through our wrapper (fprop with fast accumulation,
 // dgrad/wgrad precise) against bf16 at 8192-sized and Llama-3.2-1B shapes (goal >= 1000 TFLOP/s
 // on an H200), and the fused cast(+amax+transpose) kernels' bandwidth against a plain copy (goal
-// >= 80%). Plain main: `bench_fp8_gemm [--iters N]`.
+// >= 80%), also grouped over a mixture of experts' operands. Plain main: `bench_fp8_gemm [--iters
+// N]`.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "ops/backend.h"
 #include "ops/fp8.h"
@@ -76,6 +78,44 @@ void cast_row(const char* what, int64_t R, int64_t C, bool rowwise, bool columnw
       copy_bw / 1e9, dyn_ms, 100.0 * dyn_bytes / (dyn_ms * 1e-3) / copy_bw);
 }
 
+// The grouped cast of a mixture of experts' rows (fp8_cast_grouped: every group with its own
+// scale and amax, one launch; dynamic: one grouped amax launch first) against the same groups
+// cast one by one, each as a fraction of the copy bandwidth.
+void grouped_cast_row(const char* what, const std::vector<int64_t>& sizes, int64_t C) {
+  const Device gpu = Device::cuda(0);
+  int64_t R = 0;
+  for (int64_t n : sizes) R += n;
+  Tensor x = randn({R, C}, DType::BF16);
+  Tensor y = Tensor::empty({R, C}, DType::BF16, gpu);
+  const double copy_bw = 2.0 * x.nbytes() / (time_ms([&] { y.copy_(x); }) * 1e-3);
+  std::vector<Tensor> rows;
+  Fp8GroupScales delayed, dynamic;
+  int64_t begin = 0;
+  for (int64_t n : sizes) {
+    rows.push_back(narrow(x, 0, begin, n));
+    begin += n;
+    delayed.scales.push_back(Tensor::ones({1}, DType::F32, gpu));
+    delayed.amaxes.push_back(Tensor::zeros({1}, DType::F32, gpu));
+  }
+  const Fp8CastOptions o{true, true, 16};
+  const double grouped = time_ms([&] { fp8_cast_grouped(rows, DType::E4M3, delayed, o); });
+  const double one_by_one = time_ms([&] {
+    for (size_t g = 0; g < rows.size(); ++g)
+      fp8_cast(rows[g], DType::E4M3, delayed.scales[g], delayed.amaxes[g], o);
+  });
+  const double grouped_dyn = time_ms([&] { fp8_cast_grouped(rows, DType::E4M3, dynamic, o); });
+  const double dyn_one_by_one = time_ms([&] {
+    for (const Tensor& r : rows) fp8_cast_dynamic(r, DType::E4M3, o);
+  });
+  const double bytes = x.nbytes() + 2.0 * x.numel();
+  auto pct = [&](double ms, double b) { return 100.0 * b / (ms * 1e-3) / copy_bw; };
+  std::printf(
+      "%-38s %zu groups [%lld, %lld] + transpose | grouped %7.3f ms %5.1f%% of copy | one by one "
+      "%7.3f ms | dynamic: grouped %7.3f ms %5.1f%% | one by one %7.3f ms\n",
+      what, sizes.size(), (long long)R, (long long)C, grouped, pct(grouped, bytes), one_by_one,
+      grouped_dyn, pct(grouped_dyn, bytes + x.nbytes()), dyn_one_by_one);
+}
+
 // The fused swiglu casts of the fp8 MLP (fp8_swiglu_mlp) at a llama-1b shape against the unfused
 // sequence they replace, and their bytes over the copy bandwidth.
 void swiglu_cast_rows(int64_t R, int64_t C) {
@@ -141,6 +181,10 @@ int main(int argc, char** argv) {
   gemm_row("llama-1b mlp up (8192 tok)", 8192, 8192, 2048);
   gemm_row("llama-1b mlp down (8192 tok)", 8192, 2048, 8192);
   gemm_row("llama-1b wgrad up (K=tok)", 8192, 2048, 8192);
+  // One expert of moe-small (1024 of its 16384 routed rows): fp8 experts run one such GEMM each.
+  gemm_row("moe-small expert gate/up", 1024, 1024, 1536);
+  gemm_row("moe-small expert down", 1024, 1536, 1024);
+  gemm_row("moe-small expert wgrad (K=rows)", 1024, 1536, 1024);
   std::printf(
       "\n-- casts bf16 -> fp8 with amax (delayed: given scale; dynamic: amax pass first) --\n");
   cast_row("cast rowwise", 8192, 8192, true, false);
@@ -152,6 +196,12 @@ int main(int argc, char** argv) {
   cast_row("grad cast + transpose (llama-1b mlp)", 8192, 8192, true, true, DType::E5M2, 1e-3);
   std::printf("\n-- the fp8 MLP's fused swiglu casts (llama-1b: 8192 tokens x 8192) --\n");
   swiglu_cast_rows(8192, 8192);
+  std::printf("\n-- grouped casts of a mixture of experts' operands (moe-small: 16 experts) --\n");
+  std::vector<int64_t> ragged;  // 16 experts around 1024 rows of 16384, as a router spreads them
+  for (int64_t e = 0; e < 16; ++e) ragged.push_back(1024 + (e % 2 ? 1 : -1) * (37 * e % 200));
+  grouped_cast_row("experts' rows (gate/up input)", ragged, 1536);
+  grouped_cast_row("experts' rows (down input)", ragged, 1024);
+  grouped_cast_row("experts' weights (gate/up)", std::vector<int64_t>(16, 1024), 1536);
   return 0;
 }
 #else

@@ -111,4 +111,36 @@ inline void expect_matches(const Tensor& gpu_result, const Tensor& cpu_result, D
 
 inline std::string seed_note(uint64_t seed) { return "seed " + std::to_string(seed); }
 
+// fp8 codes equal, or both NaN (the hardware may keep a NaN's sign differently).
+inline void expect_same_codes(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined() && want.defined()) << what;
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  Tensor g = contiguous(got).to(Device::cpu()), w = contiguous(want).to(Device::cpu());
+  const uint8_t* a = static_cast<const uint8_t*>(g.data_ptr());
+  const uint8_t* b = static_cast<const uint8_t*>(w.data_ptr());
+  const bool e4m3 = want.dtype() == DType::E4M3;
+  int64_t bad = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const float fa = e4m3 ? e4m3_to_f32(a[i]) : e5m2_to_f32(a[i]);
+    const float fb = e4m3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i]);
+    if (a[i] == b[i] || (std::isnan(fa) && std::isnan(fb))) continue;
+    if (bad++ < 5)
+      ADD_FAILURE() << what << " element " << i << ": cuda 0x" << std::hex << int(a[i]) << " cpu 0x"
+                    << int(b[i]) << std::dec << " (" << fa << " vs " << fb << ")";
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// x with fp8 edge values (infinities, NaN, saturating and underflowing magnitudes, the largest
+// codes' neighbours, signed zeros) at every 7th element from the start.
+inline Tensor with_specials(Tensor x) {
+  std::vector<double> v = x.to_vector();
+  const double specials[] = {INFINITY, -INFINITY, NAN,   1e30,    -1e30, 1e-30, -0.0,
+                             0.0,      447.9,     448.1, 57344.0, 1e-7,  3e-3,  -2.0e-3};
+  for (size_t i = 0; i < sizeof(specials) / sizeof(double) && i * 7 < v.size(); ++i)
+    v[i * 7] = specials[i];
+  return Tensor::from_vector(v, x.shape(), x.dtype());
+}
+
 }  // namespace accel::cuda_test

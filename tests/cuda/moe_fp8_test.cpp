@@ -1,7 +1,8 @@
-// The experts' fp8 GEMMs on the GPU (fp8_grouped_linear: the dense path's cast kernels and one
-// cuBLASLt fp8 GEMM per non-empty expert) against the CPU twin, under delayed (TE) and dynamic
-// (AO) scaling over two steps with a scale update between, empty and unaligned groups included;
-// and a tiny Qwen3-MoE trained 3 steps in fp8 on the GPU against the same on the CPU.
+// The experts' fp8 casts and GEMMs on the GPU against the CPU twin: the grouped cast kernels bit
+// for bit; fp8_grouped_linear (one grouped cast per operand, one cuBLASLt fp8 GEMM per non-empty
+// expert) under delayed (TE) and dynamic (AO) scaling over two steps with a scale update between,
+// empty and unaligned groups included; and a tiny Qwen3-MoE trained 3 steps in fp8 on the GPU
+// against the same on the CPU.
 #include <gtest/gtest.h>
 
 #include "models/decoder.h"
@@ -12,6 +13,85 @@
 namespace accel {
 namespace {
 using namespace cuda_test;
+
+// fp8_cast_grouped on the GPU (one launch for all groups: the grouped tile kernel, 128 groups per
+// launch, with the grouped amax pass first under dynamic scaling) against the CPU's, which is each
+// group's own cast (tests/ops/fp8_grouped_cast_test.cpp): every group's codes (row-major and
+// transposed, padding included), scale, scale_inv and amax bit for bit. Ragged groups with empty
+// ones and groups of more than one tile (128 x 64) in both directions; 130 groups (two launches);
+// separate tensors (the weights); 36 columns, which the tiles do not take (group by group through
+// the generic kernel); fp8 edge values in the first group.
+TEST(CudaMoeFp8, GroupedCastMatchesCpuBitForBit) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(5);
+  struct Case {
+    std::vector<int64_t> sizes;
+    int64_t cols;
+    DType in;
+    bool separate;  // separate tensors instead of row blocks of one
+  };
+  std::vector<int64_t> many;
+  for (int g = 0; g < 130; ++g) many.push_back(g % 5 == 0 ? 0 : (g * 37) % 41 + 1);
+  const std::vector<int64_t> ragged = {37, 0, 300, 5, 16, 129, 0, 1, 150};
+  const std::vector<Case> cases = {
+      {ragged, 200, DType::BF16, false}, {ragged, 200, DType::F32, false},
+      {ragged, 64, DType::F16, false},   {many, 64, DType::BF16, false},
+      {ragged, 96, DType::BF16, true},   {ragged, 36, DType::BF16, false}};
+  for (const Case& c : cases)
+    for (bool delayed : {true, false})
+      for (DType fmt : {DType::E4M3, DType::E5M2})
+        for (int mode = 0; mode < 3; ++mode) {
+          const Fp8CastOptions opts{mode != 2, mode != 0, 16};
+          SCOPED_TRACE(std::to_string(c.sizes.size()) + " groups of " + std::to_string(c.cols) +
+                       " " + dtype_name(c.in) + (c.separate ? " separate" : " rows") +
+                       (delayed ? " delayed " : " dynamic ") + dtype_name(fmt) + " row " +
+                       std::to_string(opts.rowwise) + " col " + std::to_string(opts.columnwise));
+          int64_t total = 0;
+          for (int64_t n : c.sizes) total += n;
+          Tensor x = with_specials(random_tensor({total, c.cols}, c.in, rng, -300.0, 300.0));
+          std::vector<Tensor> xs[2];
+          Fp8GroupScales sc[2];
+          int64_t begin = 0;
+          for (size_t g = 0; g < c.sizes.size(); ++g) {
+            Tensor part = narrow(x, 0, begin, c.sizes[g]);
+            begin += c.sizes[g];
+            if (c.separate) part = contiguous(part);
+            xs[0].push_back(part);
+            xs[1].push_back(c.separate ? part.to(gpu()) : Tensor());
+            if (!delayed) continue;
+            const double s = (fmt == DType::E4M3 ? 0.37 : 91.0) * (1.0 + 0.29 * double(g));
+            const double seed = g % 4 == 3 ? 1e6 : 0.25;  // amaxes max-accumulate
+            for (int d = 0; d < 2; ++d) {
+              const Device dev = d ? gpu() : Device::cpu();
+              sc[d].scales.push_back(Tensor::full({1}, s, DType::F32, dev));
+              sc[d].amaxes.push_back(Tensor::full({1}, seed, DType::F32, dev));
+            }
+          }
+          if (!c.separate) {
+            Tensor xg = x.to(gpu());
+            begin = 0;
+            for (size_t g = 0; g < c.sizes.size(); ++g) {
+              xs[1][g] = narrow(xg, 0, begin, c.sizes[g]);
+              begin += c.sizes[g];
+            }
+          }
+          const Fp8GroupedTensor want = fp8_cast_grouped(xs[0], fmt, sc[0], opts);
+          const Fp8GroupedTensor got = fp8_cast_grouped(xs[1], fmt, sc[1], opts);
+          for (size_t g = 0; g < c.sizes.size(); ++g) {
+            SCOPED_TRACE("group " + std::to_string(g));
+            if (delayed) {
+              EXPECT_EQ(sc[1].amaxes[g].item(), sc[0].amaxes[g].item()) << "amax";
+            }
+            if (c.sizes[g] == 0) continue;
+            const Fp8Tensor a = got.group(static_cast<int64_t>(g));
+            const Fp8Tensor b = want.group(static_cast<int64_t>(g));
+            if (opts.rowwise) expect_same_codes(a.data, b.data, "data");
+            if (opts.columnwise) expect_same_codes(a.data_t, b.data_t, "data_t");
+            EXPECT_EQ(a.scale.item(), b.scale.item()) << "scale";
+            EXPECT_EQ(a.scale_inv.item(), b.scale_inv.item()) << "scale_inv";
+          }
+        }
+}
 
 TEST(CudaMoeFp8, GroupedLinearMatchesCpu) {
   ACCEL_SKIP_WITHOUT_CUDA();

@@ -30,14 +30,15 @@ struct Experts {
   }
 };
 
-Experts make_experts(Fp8Scaling scaling, std::shared_ptr<const Fp8Autocast> autocast = nullptr) {
+Experts make_experts(Fp8Scaling scaling, std::shared_ptr<const Fp8Autocast> autocast = nullptr,
+                     size_t groups = kGroups.size()) {
   Experts e;
   Fp8Recipe r;
   r.scaling = scaling;
   r.amax_history_len = 4;
   if (scaling == Fp8Scaling::Delayed)
     e.delayed = std::make_shared<Fp8DelayedScaling>(r, Device::cpu());
-  for (size_t g = 0; g < kGroups.size(); ++g) {
+  for (size_t g = 0; g < groups; ++g) {
     Fp8LinearContext c;
     c.recipe = r;
     c.autocast = autocast;
@@ -53,7 +54,7 @@ Experts make_experts(Fp8Scaling scaling, std::shared_ptr<const Fp8Autocast> auto
     // Scales near what the amaxes give that differ per group by factors other than powers of
     // two (those would round alike), so that a group cast with another group's scale shows.
     std::vector<float> s;
-    for (size_t g = 0; g < kGroups.size(); ++g)
+    for (size_t g = 0; g < groups; ++g)
       for (float base : {64.0f, 128.0f, 4096.0f}) s.push_back(base * (1.0f + 0.37f * float(g)));
     e.delayed->scales().copy_(Tensor::from_vector(s, {static_cast<int64_t>(s.size())}));
     std::vector<float> inv;
@@ -258,29 +259,128 @@ TEST(Fp8GroupedLinearDelayed, RecordsEachGroupsAmaxesInItsSlots) {
   }
 }
 
-// Each group is exactly fp8_linear over its rows with its context (one op, same numbers).
-TEST(Fp8GroupedLinearDelayed, EachGroupIsTheFp8LinearOfItsRows) {
-  const Inputs in = make_inputs(DType::BF16);
-  Experts a = make_experts(Fp8Scaling::Delayed), b = make_experts(Fp8Scaling::Delayed);
-  const Grads got =
-      run(in, [&](const Tensor& x, const std::vector<Tensor>& w) { return grouped_fp8(x, w, a); });
+// fp8_grouped_linear against fp8_linear over each group's rows with the group's context: output,
+// every gradient and the amax histories bit for bit (one op, same numbers); groups without rows get
+// zero weight gradients.
+void expect_each_group_is_its_fp8_linear(const Inputs& in, const std::vector<int64_t>& groups,
+                                         Fp8Scaling scaling) {
+  Experts a = make_experts(scaling, nullptr, groups.size());
+  Experts b = make_experts(scaling, nullptr, groups.size());
+  const Grads got = run(in, [&](const Tensor& x, const std::vector<Tensor>& w) {
+    return fp8_grouped_linear(x, w, groups, a.pointers());
+  });
   const Grads want = run(in, [&](const Tensor& x, const std::vector<Tensor>& w) {
     std::vector<Tensor> parts;
     int64_t begin = 0;
-    for (size_t g = 0; g < kGroups.size(); ++g) {
-      if (kGroups[g] > 0)
-        parts.push_back(fp8_linear(narrow(x, 0, begin, kGroups[g]), w[g], Tensor(), b.contexts[g]));
-      begin += kGroups[g];
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (groups[g] > 0)
+        parts.push_back(fp8_linear(narrow(x, 0, begin, groups[g]), w[g], Tensor(), b.contexts[g]));
+      begin += groups[g];
     }
     return cat(parts, 0);
   });
   EXPECT_EQ(got.y.to_vector(), want.y.to_vector());
   EXPECT_EQ(got.dx.to_vector(), want.dx.to_vector());
-  for (size_t g = 0; g < kGroups.size(); ++g)
-    if (kGroups[g] > 0) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g] > 0) {
       EXPECT_EQ(got.dw[g].to_vector(), want.dw[g].to_vector()) << g;
+    } else {
+      for (double v : got.dw[g].to_vector()) ASSERT_EQ(v, 0.0) << g;
     }
+  }
+  if (a.delayed) {
+    EXPECT_EQ(a.delayed->amax_history().to_vector(), b.delayed->amax_history().to_vector());
+  }
+}
+
+TEST(Fp8GroupedLinearDelayed, EachGroupIsTheFp8LinearOfItsRows) {
+  expect_each_group_is_its_fp8_linear(make_inputs(DType::BF16), kGroups, Fp8Scaling::Delayed);
+}
+
+// The same under dynamic scaling and with aligned dimensions, where the GEMMs write the output and
+// dx rows in place: a group's padded rows run into the next groups' rows (sizes 1, 2, 3 pad to
+// 16) until those groups' GEMMs write them.
+class Fp8GroupedLinearShapes : public ::testing::TestWithParam<std::tuple<Fp8Scaling, bool>> {};
+
+TEST_P(Fp8GroupedLinearShapes, EachGroupIsTheFp8LinearOfItsRows) {
+  const auto [scaling, aligned] = GetParam();
+  const std::vector<int64_t> groups = {1, 2, 0, 3, 17, 1, 0};
+  const int64_t in_f = aligned ? 32 : 24, out_f = aligned ? 48 : 40;
+  int64_t rows = 0;
+  for (int64_t n : groups) rows += n;
+  Inputs in;
+  in.x = test::randn({rows, in_f}, 1, DType::BF16);
+  in.g = test::randn({rows, out_f}, 2, DType::BF16, 1e-3);
+  for (size_t e = 0; e < groups.size(); ++e)
+    in.weights.push_back(test::randn({out_f, in_f}, 10 + e, DType::BF16, 0.2 * (1.0 + double(e))));
+  expect_each_group_is_its_fp8_linear(in, groups, scaling);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, Fp8GroupedLinearShapes,
+    ::testing::Combine(::testing::Values(Fp8Scaling::Delayed, Fp8Scaling::Dynamic),
+                       ::testing::Bool()),
+    [](const auto& i) {
+      return std::string(std::get<0>(i.param) == Fp8Scaling::Delayed ? "Delayed" : "Dynamic") +
+             (std::get<1>(i.param) ? "_aligned" : "_padded");
+    });
+
+// Only the groups whose GEMMs want a gradient cast their output gradient: with x frozen and one
+// expert's weight frozen, that expert's grad_output slot records nothing, as its fp8_linear would.
+TEST(Fp8GroupedLinearDelayed, FrozenExpertCastsNoOutputGradient) {
+  const Inputs in = make_inputs(DType::BF16);
+  Experts a = make_experts(Fp8Scaling::Delayed), b = make_experts(Fp8Scaling::Delayed);
+  std::vector<Tensor> w[2];
+  for (int i = 0; i < 2; ++i)
+    for (size_t g = 0; g < kGroups.size(); ++g)
+      w[i].push_back(in.weights[g].clone().set_requires_grad(g != 1));
+  fp8_grouped_linear(in.x, w[0], kGroups, a.pointers()).backward(in.g);
+  std::vector<Tensor> parts;
+  int64_t begin = 0;
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    if (kGroups[g] > 0)
+      parts.push_back(
+          fp8_linear(narrow(in.x, 0, begin, kGroups[g]), w[1][g], Tensor(), b.contexts[g]));
+    begin += kGroups[g];
+  }
+  cat(parts, 0).backward(in.g);
+  EXPECT_EQ(a.delayed->amax(a.contexts[1].slot_grad_output).item(), 0.0);
+  EXPECT_GT(a.delayed->amax(a.contexts[0].slot_grad_output).item(), 0.0);
   EXPECT_EQ(a.delayed->amax_history().to_vector(), b.delayed->amax_history().to_vector());
+  for (size_t g = 0; g < kGroups.size(); ++g)
+    if (g != 1 && kGroups[g] > 0) {
+      EXPECT_EQ(w[0][g].grad().to_vector(), w[1][g].grad().to_vector()) << g;
+    }
+}
+
+// What the op keeps for backward: the fp8 transposes of the rows and of the weights of the groups
+// with rows (one byte per element, padded to 16) and 16 bytes of scale_inv per group and operand,
+// nothing in high precision (the output is the caller's). Measured as the activation bytes alive
+// after the forward beyond the output.
+TEST(Fp8GroupedLinearDelayed, KeepsOnlyTheFp8TransposesForBackward) {
+  const std::vector<int64_t> groups = {70, 0, 33, 16};
+  const int64_t in_f = 64, out_f = 96;
+  int64_t rows = 0, rows_p = 0, with_rows = 0;
+  for (int64_t n : groups) {
+    rows += n;
+    rows_p += (n + 15) / 16 * 16;
+    with_rows += n > 0 ? 1 : 0;
+  }
+  Tensor x = test::randn({rows, in_f}, 1, DType::BF16).set_requires_grad(true);
+  std::vector<Tensor> w;
+  for (size_t e = 0; e < groups.size(); ++e)
+    w.push_back(test::randn({out_f, in_f}, 10 + e, DType::BF16, 0.1).set_requires_grad(true));
+  Experts e = make_experts(Fp8Scaling::Delayed, nullptr, groups.size());
+  e.delayed->amax_history();  // the state's buffers exist before the measurement
+  const int64_t before = memory_stats(Device::cpu()).current[int(MemCategory::Activations)];
+  Tensor y = fp8_grouped_linear(x, w, groups, e.pointers());
+  const int64_t kept = memory_stats(Device::cpu()).current[int(MemCategory::Activations)] - before;
+  const int64_t y_bytes = (rows + 15) * out_f * 2;  // the output, with its padded rows' slack
+  const int64_t fp8_copies = in_f * rows_p + with_rows * in_f * out_f;
+  const int64_t scale_invs = 2 * 4 * 4 * static_cast<int64_t>(groups.size());
+  EXPECT_LE(kept, y_bytes + fp8_copies + scale_invs);
+  EXPECT_GE(kept, rows * out_f * 2 + fp8_copies);
+  y.backward(Tensor::ones(y.shape(), y.dtype()));
 }
 
 TEST(Fp8GroupedLinearDelayed, DisabledAutocastIsGroupedLinearAndRecordsNothing) {
