@@ -175,7 +175,7 @@ Tensor fp8_amax(const Tensor& x) {
 // ---- GEMM -------------------------------------------------------------------------------------
 
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, bool fast_accum) {
+              const Tensor& b_scale_inv, bool fast_accum, bool accumulate) {
   const char* op = "fp8_gemm";
   detail::check_defined(op, a, "a");
   detail::check_defined(op, b, "b");
@@ -189,6 +189,8 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
     op_error(op, "e5m2 x e5m2 is not a supported fp8 GEMM (one operand must be e4m3)");
   if (!is_compute_float(out.dtype()))
     op_error(op, std::string("out must be f32, bf16 or f16, got ") + dtype_name(out.dtype()));
+  if (accumulate && out.dtype() != DType::F32)
+    op_error(op, "accumulating into out needs an f32 out, got " + out.str());
   if (a.size(1) != b.size(1))
     op_error(op, "contraction dims differ: a " + shape_str(a.shape()) + ", b " +
                      shape_str(b.shape()) + " (both operands are [rows, K])");
@@ -209,7 +211,7 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
                "scale_inv tensors must start on 16-byte boundaries (a view at an offset into "
                "a vector of scales is not; give each scale its own 16 bytes)");
   if (out.numel() == 0) return;
-  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum, accumulate);
 }
 
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,

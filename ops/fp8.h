@@ -132,9 +132,10 @@ Tensor fp8_amax(const Tensor& x);
 // The fp8 GEMM in the one layout Hopper runs ("TN"): both operands contraction-contiguous.
 // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv, accumulated in fp32; a and b
 // fp8 (not both e5m2), out f32/bf16/f16. On CUDA K % 16 == 0 and N % 8 == 0 (pad the operands).
-// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do).
+// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do). accumulate: out +=
+// the product instead (out f32), e.g. a weight gradient summed over row chunks in fp32.
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, bool fast_accum);
+              const Tensor& b_scale_inv, bool fast_accum, bool accumulate = false);
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
                 const Tensor& b_scale_inv, DType out_dtype, bool fast_accum);
 
