@@ -304,7 +304,7 @@ double fp8_step(const RunSpec& s, Fp8Run& r, int step, int rank, ProcessGroup* p
   for (int micro = 0; micro < s.accum; ++micro) {
     r.t.strategy->begin_micro_batch(micro == s.accum - 1);
     auto [ids, labels] = rank_batch(s, step, micro, rank, 64);
-    Tensor loss = r.t.model->forward_loss(ids, labels);
+    Tensor loss = r.t.model->forward_loss(ids, labels, {}, 1.0 / s.accum);
     loss_sum += loss.item();
     mul(loss, 1.0 / s.accum).backward();
     r.t.strategy->end_micro_batch();
