@@ -383,7 +383,8 @@ class CausalLM : public Module {
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
   // A tied head's counterpart of Linear::linear_fn: when set, the logits are
   // tied_head_fn(x, model.embed_tokens.weight.value) instead of linear(x, that weight), in forward
-  // and forward_loss; autograd adds the head's weight gradient into the embedding's. A conversion
+  // (and in forward_loss without a head_loss_fn); autograd adds the head's weight gradient into the
+  // embedding's. A conversion
   // installs one (fp8 under the TE recipe, models/fp8_linear.h). The tied head has no module and
   // no hooks of its own: under ZeRO-3 / FSDP it reads the embedding weight the root unit gathered
   // (kept from the root's pre-forward to the end of backward), as the bf16 path does.
