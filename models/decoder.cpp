@@ -1056,22 +1056,28 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, const TokenLayout& l
   });
 }
 
-Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout) {
+Tensor CausalLM::forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout,
+                              double grad_scale) {
   return with_forward_hooks(*this, [&] {
     Tensor x = final_hidden(ids, nullptr, layout);
+    // The head's GEMMs inside the chunked loss: the conversion's (head_loss_fn) or the compute
+    // dtype's.
+    auto fused = [&](const Tensor& weight) {
+      return head_loss_fn ? head_loss_fn(x, weight, targets, grad_scale)
+                          : linear_cross_entropy(x, weight, targets, -100, 0, grad_scale);
+    };
     Tensor lm_loss;
     if (!lm_head) {
-      // A converted tied head (tied_head_fn) keeps its own GEMM and the plain loss, as a
-      // converted Linear head does below.
+      // A tied head converted without a fused loss keeps its own GEMM and the plain loss, as a
+      // Linear head does below.
       const Tensor& embed = model.embed_tokens.weight.value;
-      lm_loss = tied_head_fn ? loss(tied_head_fn(x, embed), targets)
-                             : linear_cross_entropy(x, embed, targets);
-    } else if (lm_head->linear_fn) {
+      lm_loss =
+          tied_head_fn && !head_loss_fn ? loss(tied_head_fn(x, embed), targets) : fused(embed);
+    } else if (lm_head->linear_fn && !head_loss_fn) {
       lm_loss = loss(lm_head->forward(x), targets);
     } else {
       // The head's hooks run as in Linear::forward (FSDP gathers its weight there).
-      lm_loss = with_forward_hooks(
-          *lm_head, [&] { return linear_cross_entropy(x, lm_head->weight.value, targets); });
+      lm_loss = with_forward_hooks(*lm_head, [&] { return fused(lm_head->weight.value); });
     }
     return add_router_aux_loss(lm_loss);
   });

@@ -336,11 +336,15 @@ class CausalLM : public Module {
   // the cached ones; the cache is sized on first use. `layout` describes packed rows (training).
   Tensor forward(const Tensor& ids, KVCache* cache = nullptr, const TokenLayout& layout = {});
   // loss(forward(ids, nullptr, layout), targets) without the [B, S, vocab] logits: the LM head's
-  // GEMM and the cross-entropy run fused over row chunks (linear_cross_entropy), which saves two
-  // B x S x vocab tensors (4 GiB in bf16 at 8k tokens and a 128k vocabulary). A head whose linear
-  // layer was converted (linear_fn, e.g. fp8; a tied head: tied_head_fn) keeps its own GEMM and
-  // the plain loss.
-  Tensor forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout = {});
+  // GEMMs and the cross-entropy run fused over row chunks (linear_cross_entropy; a converted head
+  // its head_loss_fn, e.g. fp8), which saves two B x S x vocab tensors (4 GiB in bf16 at 8k tokens
+  // and a 128k vocabulary). A head converted without a head_loss_fn (linear_fn or tied_head_fn
+  // only) computes its logits and then the plain loss. grad_scale: the factor the caller
+  // backpropagates this loss with ((loss * grad_scale).backward(), as the trainer's loss scale and
+  // micro-batch weight): the fused head makes its gradients in forward, exactly as the unfused
+  // head would for that factor (linear_cross_entropy).
+  Tensor forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout = {},
+                      double grad_scale = 1.0);
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:
   // targets[b, t] is the token after ids[b, t]; -100 is ignored).
   static Tensor loss(const Tensor& logits, const Tensor& targets);
@@ -379,11 +383,19 @@ class CausalLM : public Module {
   Linear* lm_head = nullptr;  // null when tied to model.embed_tokens
   // A tied head's counterpart of Linear::linear_fn: when set, the logits are
   // tied_head_fn(x, model.embed_tokens.weight.value) instead of linear(x, that weight), in forward
-  // and forward_loss; autograd adds the head's weight gradient into the embedding's. A conversion
+  // (and in forward_loss without a head_loss_fn); autograd adds the head's weight gradient into the
+  // embedding's. A conversion
   // installs one (fp8 under the TE recipe, models/fp8_linear.h). The tied head has no module and
   // no hooks of its own: under ZeRO-3 / FSDP it reads the embedding weight the root unit gathered
   // (kept from the root's pre-forward to the end of backward), as the bf16 path does.
   std::function<Tensor(const Tensor& x, const Tensor& weight)> tied_head_fn;
+  // A converted head's fused loss (tied or not), installed with its linear_fn / tied_head_fn:
+  // forward_loss computes head_loss_fn(x, head weight, targets, grad_scale) instead of
+  // linear_cross_entropy (fp8: fp8_linear_cross_entropy, models/fp8_linear.h). An untied head's
+  // hooks run around it, as around linear_cross_entropy.
+  std::function<Tensor(const Tensor& x, const Tensor& weight, const Tensor& targets,
+                       double grad_scale)>
+      head_loss_fn;
 
  private:
   // The final norm's output [B, S, hidden] (forward without the LM head).

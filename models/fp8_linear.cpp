@@ -103,6 +103,7 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     if (!lin || inside_experts(name)) continue;
     Fp8LayerChoice c;
     c.name = name;
+    if (auto* lm = dynamic_cast<CausalLM*>(&model)) c.lm_head = lin == lm->lm_head;
     c.out_features = lin->weight.value.size(0);
     c.in_features = lin->weight.value.size(1);
     c.fp8 = true;
@@ -114,6 +115,7 @@ std::vector<Fp8LayerChoice> choose_fp8_layers(Module& model, const Fp8Config& cf
     Fp8LayerChoice c;
     c.name = "lm_head";
     c.tied_to = lm->model.embed_tokens.full_name();
+    c.lm_head = true;
     c.out_features = lm->model.embed_tokens.weight.value.size(0);
     c.in_features = lm->model.embed_tokens.weight.value.size(1);
     c.fp8 = true;
@@ -185,6 +187,16 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
     contexts_[c.name] = ctx;
     if (c.expert >= 0) continue;  // run by its block (below)
     auto fn = [ctx](const Tensor& x, const Tensor& w) { return fp8_linear(x, w, Tensor(), *ctx); };
+    if (c.lm_head) {
+      // forward_loss runs the head's GEMMs inside the chunked loss (or, for a recipe that cannot
+      // be chunked, its fp8_linear and then the loss: fp8_linear_cross_entropy decides).
+      if (!lm || lm->head_loss_fn)
+        throw std::logic_error("[fp8] " + c.display_name() + " without a CausalLM to fuse it in");
+      lm->head_loss_fn = [ctx](const Tensor& x, const Tensor& w, const Tensor& targets,
+                               double grad_scale) {
+        return fp8_linear_cross_entropy(x, w, targets, *ctx, -100, 0, grad_scale);
+      };
+    }
     if (!c.tied_to.empty()) {
       // The tied head: the same op on the embedding weight, whose gradient autograd adds to the
       // embedding's own.
@@ -279,11 +291,22 @@ std::string Fp8Training::describe() const {
       << c.in_features << "]: " << c.reason;
     ++shown;
   }
-  for (const Fp8LayerChoice& c : layers_)
-    if (c.fp8 && !c.tied_to.empty())
-      o << "\n  in fp8: " << c.display_name() << " [out " << c.out_features << ", in "
-        << c.in_features << "]: the embedding weight cast for the head's GEMMs, its gradient "
-        << "added to the embedding's";
+  for (const Fp8LayerChoice& c : layers_) {
+    if (!c.fp8 || !c.lm_head) continue;
+    o << "\n  in fp8: " << c.display_name() << " [out " << c.out_features << ", in "
+      << c.in_features << "]: ";
+    if (!c.tied_to.empty())
+      o << "the embedding weight cast for the head's GEMMs, its gradient added to the "
+           "embedding's; ";
+    const std::string unfused = fp8_linear_cross_entropy_unfused_reason(recipe_);
+    if (unfused.empty())
+      o << "fused with the loss: its GEMMs run inside the chunked cross-entropy, so the [tokens, "
+           "vocab] logits and their gradient never exist in full";
+    else
+      o << "its [tokens, vocab] logits and their gradient in full, then the cross-entropy "
+           "(not fused with the loss: "
+        << unfused << ")";
+  }
   int64_t expert_layers = 0;
   for (const Fp8LayerChoice& c : layers_) expert_layers += c.fp8 && c.expert >= 0 ? 1 : 0;
   if (expert_layers)

@@ -37,6 +37,9 @@ struct Fp8LayerChoice {
   // A tied LM head: the module whose weight it multiplies by ("model.embed_tokens"); empty for a
   // Linear module.
   std::string tied_to;
+  // The CausalLM's LM head, tied or not: forward_loss runs it fused with the cross-entropy
+  // (CausalLM::head_loss_fn) where its recipe allows.
+  bool lm_head = false;
   // A mixture-of-experts expert's projection ("model.layers.0.mlp.experts.3.gate_proj"): its
   // global expert index, else -1. Its block runs it (fp8_grouped_linear over every held expert),
   // never its Linear module; under expert parallelism another rank may hold it.
@@ -65,7 +68,10 @@ class Fp8Training {
   // Installs fp8 linear functions in the chosen Linear layers of `model` (which must outlive the
   // layers' use; the layers keep the shared state alive), a tied LM head's in
   // CausalLM::tied_head_fn: the same fp8_linear with its own context (delayed scaling: its own
-  // input, weight and grad_output slots), reading model.embed_tokens.weight, and the experts' in
+  // input, weight and grad_output slots), reading model.embed_tokens.weight; the LM head's (tied
+  // or not) fused loss in CausalLM::head_loss_fn: fp8_linear_cross_entropy with the head's
+  // context (over row chunks under TE and MXFP8, with the same numbers and scaling state as the
+  // head's fp8_linear and then the loss); and the experts' in
   // SparseMoeBlock::experts_linear_fn: fp8_grouped_linear with one context per expert
   // projection (experts held by other expert-parallel ranks get slots but are never run here;
   // their amaxes come from their owners through step_end's all-reduce).

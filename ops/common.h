@@ -1,6 +1,8 @@
 // Helpers shared by the op wrappers in ops/*.cpp (not part of the public interface).
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -28,5 +30,32 @@ Tensor row_block(const Tensor& t, int64_t begin, int64_t rows);
 // x's dtype and device, and group sizes that are not negative and sum to N.
 void check_grouped_linear(const char* op, const Tensor& x, const std::vector<Tensor>& weights,
                           const std::vector<int64_t>& group_sizes);
+
+// The LM head's GEMMs for chunked_linear_cross_entropy, over row chunks of x2 [N, D] and a weight
+// [V, D] (both detached and contiguous): in the compute dtype (linear_cross_entropy) or as
+// fp8_linear runs them (fp8_linear_cross_entropy, ops/fp8.cpp).
+class ChunkedLinear {
+ public:
+  virtual ~ChunkedLinear() = default;
+  // Every chunk but the last holds a multiple of this many rows.
+  virtual int64_t row_multiple() const { return 1; }
+  // The logits [n, V] (x's dtype, contiguous) of rows [r0, r0 + n), valid until the next call.
+  virtual Tensor logits(int64_t r0, int64_t n) = 0;
+  // For the gradient g [n, V] of the latest logits: their rows' x gradient into gx ([n, D],
+  // undefined when x needs none), and the weight's part of its gradient kept.
+  virtual void backward(int64_t r0, int64_t n, const Tensor& g, const Tensor& gx) = 0;
+  // After the last chunk: the weight's gradient in its dtype (undefined when it needs none).
+  virtual Tensor weight_grad() = 0;
+};
+// Makes the GEMMs for (x2, weight, x needs a gradient, the weight needs one).
+using ChunkedLinearFactory = std::function<std::unique_ptr<ChunkedLinear>(
+    const Tensor& x2, const Tensor& weight, bool need_x, bool need_w)>;
+
+// cross_entropy(linear(x, weight), targets) over row chunks with the GEMMs `make` gives
+// (linear_cross_entropy's arguments, ops/ops.h; x and weight may differ in dtype where the GEMMs
+// take that: the logits and x's gradient are in x's dtype).
+Tensor chunked_linear_cross_entropy(const char* op, const Tensor& x, const Tensor& weight,
+                                    const Tensor& targets, int64_t ignore_index, int64_t chunk_rows,
+                                    double grad_scale, const ChunkedLinearFactory& make);
 
 }  // namespace accel::detail

@@ -265,7 +265,7 @@ Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
 // ---- GEMM -------------------------------------------------------------------------------------
 
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, bool fast_accum) {
+              const Tensor& b_scale_inv, bool fast_accum, bool accumulate) {
   const char* op = "fp8_gemm";
   detail::check_defined(op, a, "a");
   detail::check_defined(op, b, "b");
@@ -279,6 +279,8 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
     op_error(op, "e5m2 x e5m2 is not a supported fp8 GEMM (one operand must be e4m3)");
   if (!is_compute_float(out.dtype()))
     op_error(op, std::string("out must be f32, bf16 or f16, got ") + dtype_name(out.dtype()));
+  if (accumulate && out.dtype() != DType::F32)
+    op_error(op, "accumulating into out needs an f32 out, got " + out.str());
   if (a.size(1) != b.size(1))
     op_error(op, "contraction dims differ: a " + shape_str(a.shape()) + ", b " +
                      shape_str(b.shape()) + " (both operands are [rows, K])");
@@ -299,7 +301,7 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
                "scale_inv tensors must start on 16-byte boundaries (a view at an offset into "
                "a vector of scales is not; give each scale its own 16 bytes)");
   if (out.numel() == 0) return;
-  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum);
+  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum, accumulate);
 }
 
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
@@ -564,45 +566,68 @@ struct LinearShapes {
 };
 
 // One fp8 linear over 2-d rows, outside autograd: fp8_linear's numbers for x2 [M, K] (detached)
-// and a weight [N, K] (detached), and the backward that fp8_linear and fp8_grouped_linear record.
+// and a weight [N, K] (detached), and the backward that fp8_linear and fp8_grouped_linear record
+// (and the chunked LM head runs per chunk).
 struct Fp8RowsPass {
   Tensor y2;  // [M, N] in x's dtype
   // g2 [M, N] (contiguous) -> {dx2 [M, K] in x's dtype, dw [N, K] in the weight's dtype}, each
-  // undefined where not wanted; null when no gradient is wanted.
-  std::function<std::pair<Tensor, Tensor>(const Tensor& g2)> backward;
+  // undefined where not wanted; null when no gradient is wanted. With dw_acc (an f32 weight
+  // gradient accumulator, Fp8WgradSum) the weight gradient is added into it, before any rounding,
+  // and dw is undefined.
+  std::function<std::pair<Tensor, Tensor>(const Tensor& g2, const Tensor& dw_acc)> backward;
 };
 
-// MXFP8, emulated: each GEMM operand is quantized in 1x32 blocks along that GEMM's contraction
-// dimension, from the high-precision tensor (an MX tensor cannot be transposed exactly), and the
-// GEMM runs in the operands' precision on the exactly representable dequantized values.
-Fp8RowsPass mx_linear_rows(const Tensor& x2, const Tensor& w, const LinearShapes& s,
-                           const Fp8Recipe& r, bool want_dx, bool want_dw) {
-  Tensor wx = w.dtype() == s.x_dtype ? w : cast(w, s.x_dtype);
-  Fp8RowsPass p;
-  {
-    NoGradGuard no_grad;
-    Tensor a = r.hp_fprop ? x2 : fp8_mx_fake_quant(x2, r.forward_dtype, 1);
-    Tensor b = r.hp_fprop ? wx : fp8_mx_fake_quant(wx, r.forward_dtype, 1);
-    p.y2 = matmul(a, transpose(b, 0, 1));
-  }
-  if (!want_dx && !want_dw) return p;
-  p.backward = [=](const Tensor& g2) {
-    Tensor dx, dw;
-    if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K], contraction over N
-      Tensor a = r.hp_dgrad ? g2 : fp8_mx_fake_quant(g2, r.backward_dtype, 1);
-      Tensor b = r.hp_dgrad ? wx : fp8_mx_fake_quant(wx, r.forward_dtype, 0);
-      dx = matmul(a, b);
-    }
-    if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K], contraction over M
-      Tensor a = r.hp_wgrad ? g2 : fp8_mx_fake_quant(g2, r.backward_dtype, 0);
-      Tensor b = r.hp_wgrad ? x2 : fp8_mx_fake_quant(x2, r.forward_dtype, 0);
-      dw = matmul(transpose(a, 0, 1), b);
-      if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
-    }
-    return std::pair<Tensor, Tensor>{dx, dw};
-  };
-  return p;
+// The GEMMs in high precision, in x's dtype: those override_linear_precision keeps out of fp8, and
+// all three under MXFP8, emulated: each operand quantized in 1x32 blocks along that GEMM's
+// contraction dimension from the high-precision tensor (an MX tensor cannot be transposed
+// exactly), the GEMM run on the exactly representable dequantized values.
+bool fprop_in_hp(const Fp8Recipe& r) { return r.hp_fprop || r.scaling == Fp8Scaling::MxBlock; }
+bool dgrad_in_hp(const Fp8Recipe& r) { return r.hp_dgrad || r.scaling == Fp8Scaling::MxBlock; }
+bool wgrad_in_hp(const Fp8Recipe& r) { return r.hp_wgrad || r.scaling == Fp8Scaling::MxBlock; }
+
+// A high-precision GEMM's operand t: as it is where overridden, MX-quantized along `block_dim`
+// (1: rows' elements, 0: down columns; the GEMM's contraction dimension) under MXFP8.
+Tensor hp_operand(const Tensor& t, const Fp8Recipe& r, bool overridden, DType fmt, int block_dim) {
+  return r.scaling == Fp8Scaling::MxBlock && !overridden ? fp8_mx_fake_quant(t, fmt, block_dim) : t;
 }
+
+// The weight gradient of a high-precision wgrad GEMM, dW [N, K] = a^T . b for a [M, N] and
+// b [M, K] in x's dtype: the GEMM's output in that dtype, then the weight's (as fp8_linear always
+// did), or, with an accumulator, the fp32 product added into it (the operands widened exactly).
+Tensor hp_wgrad(const Tensor& a, const Tensor& b, DType w_dtype, const Tensor& acc) {
+  if (!acc.defined()) {
+    Tensor dw = matmul(transpose(a, 0, 1), b);
+    return dw.dtype() == w_dtype ? dw : cast(dw, w_dtype);
+  }
+  auto wide = [](const Tensor& t) {
+    Tensor f = t.dtype() == DType::F32 ? contiguous(t) : cast(t, DType::F32);
+    return f.as_strided({1, f.size(0), f.size(1)}, {f.numel(), f.size(1), 1}, f.offset());
+  };
+  backend_for(acc.device())
+      .matmul(acc.as_strided({1, acc.size(0), acc.size(1)}, {acc.numel(), acc.size(1), 1},
+                             acc.offset()),
+              wide(a), wide(b), /*trans_a=*/true, /*trans_b=*/false, 1.0, 1.0);
+  return Tensor();
+}
+
+// A weight gradient summed in fp32 over row blocks (the chunked LM head's chunks), so that it is
+// rounded once as fp8_linear's one wgrad GEMM rounds it: [N_p, K_p] for the fp8 GEMM (padded as
+// its operands), [N, K] for a high-precision one.
+struct Fp8WgradSum {
+  Tensor acc;
+  bool hp = false;
+  Fp8WgradSum(const LinearShapes& s, const Fp8Recipe& r, Device device) : hp(wgrad_in_hp(r)) {
+    acc = hp ? Tensor::zeros({s.N, s.K}, DType::F32, device)
+             : Tensor::zeros({round_up(s.N, 16), round_up(s.K, 16)}, DType::F32, device);
+  }
+  // The sum rounded as the one GEMM's output would be: to the weight's dtype from the fp8 GEMM,
+  // to x's dtype (then the weight's) from a high-precision one.
+  Tensor result(const LinearShapes& s) const {
+    Tensor dw = unpad(acc, s.N, s.K);
+    if (hp && dw.dtype() != s.x_dtype) dw = cast(dw, s.x_dtype);
+    return dw.dtype() == s.w_dtype ? dw : cast(dw, s.w_dtype);
+  }
+};
 
 // The rowwise and blockwise recipes: every GEMM operand is cast from the high-precision tensor with
 // scales along that GEMM's contraction dimension (a row- or tile-scaled tensor cannot be
@@ -638,7 +663,9 @@ Fp8RowsPass scaled_linear_rows(const Tensor& x2, const Tensor& w, const LinearSh
     else  // x^T [K, M]: scaled along M
       qx_t = fp8_cast_scaled(x2, fwd, act, true, pow2);
   }
-  p.backward = [=](const Tensor& g2) {
+  p.backward = [=](const Tensor& g2, const Tensor& dw_acc) {
+    if (dw_acc.defined())
+      throw std::logic_error("[fp8_linear] " + r.str() + " does not sum weight gradients");
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
       Fp8ScaledTensor qg = fp8_cast_scaled(g2, bwd, act, false, pow2);
@@ -699,98 +726,142 @@ void Fp8SharedInputCast::remember(const Tensor& x, DType fmt, int scaling, const
 
 namespace {
 
-// The non-MX recipes' pass. `x` keys the shared input cast (Fp8SharedInputCast; undefined: none).
-Fp8RowsPass fp8_linear_rows(const Tensor& x, const Tensor& x2, const Tensor& weight,
-                            const LinearShapes& s, const Fp8LinearContext& ctx, bool want_dx,
-                            bool want_dw) {
+// The weight's operands for fp8_linear's GEMMs (not the rowwise and blockwise recipes), made once
+// however many row passes use them: fp8_linear and each group of fp8_grouped_linear make one pass,
+// the chunked LM head one per chunk (so its weight is cast once per forward, not per chunk).
+struct Fp8WeightOperands {
+  Fp8Tensor q;    // the fp8 cast: data for an fp8 fprop, data_t for an fp8 dgrad
+  Tensor fprop;   // a high-precision fprop's weight (in x's dtype; MX-quantized along K)
+  Tensor weight;  // the weight itself (detached), for a high-precision dgrad
+  // A high-precision dgrad's weight (in x's dtype; MX-quantized along N), made at its first use:
+  // in fp8_linear's backward, as before, or at the chunked head's first chunk for all of them.
+  std::shared_ptr<Tensor> dgrad = std::make_shared<Tensor>();
+
+  Tensor dgrad_hp(const Fp8Recipe& r, DType x_dtype) const {
+    if (!dgrad->defined()) {
+      Tensor w = weight.dtype() == x_dtype ? weight : cast(weight, x_dtype);
+      *dgrad = hp_operand(w, r, r.hp_dgrad, r.forward_dtype, 0);
+    }
+    return *dgrad;
+  }
+};
+
+void check_delayed_slots(const char* op, const Fp8LinearContext& ctx) {
+  if (ctx.recipe.scaling == Fp8Scaling::Delayed &&
+      (!ctx.delayed || ctx.slot_input < 0 || ctx.slot_weight < 0 || ctx.slot_grad_output < 0))
+    throw std::logic_error(std::string("[") + op +
+                           "] delayed scaling without a scaling state and slots");
+}
+
+bool records_amax(const Fp8LinearContext& ctx) {
+  return (ctx.autocast ? *ctx.autocast : Fp8Autocast{}).record_amax;
+}
+
+// A cast with the recipe's scaling (delayed: the slot's scale, the amax max-accumulated into the
+// slot when recording; dynamic: the tensor's own amax). Nothing is cast when neither copy is
+// wanted.
+Fp8Tensor fp8_quantize(const Fp8LinearContext& ctx, bool record_amax, const Tensor& t, DType fmt,
+                       int slot, bool row, bool col) {
+  if (!row && !col) return Fp8Tensor{};
+  const Fp8CastOptions o{row, col, 16};
+  if (ctx.recipe.scaling != Fp8Scaling::Delayed)
+    return fp8_cast_dynamic(t, fmt, o, ctx.recipe.margin);
+  return fp8_cast(t, fmt, ctx.delayed->scale(slot),
+                  record_amax ? ctx.delayed->amax(slot) : Tensor(), o);
+}
+
+Fp8WeightOperands fp8_weight_operands(const Tensor& weight, const LinearShapes& s,
+                                      const Fp8LinearContext& ctx, bool want_dx) {
   const char* op = "fp8_linear";
   const Fp8Recipe& r = ctx.recipe;
-  if (r.scaling == Fp8Scaling::MxBlock) return mx_linear_rows(x2, weight, s, r, want_dx, want_dw);
-  if (r.scaling == Fp8Scaling::Rowwise || r.scaling == Fp8Scaling::Blockwise) {
-    if (ctx.weight_provider)
-      op_error(op, "a weight provider (FSDP's fp8 all-gather: one tensorwise scale) cannot feed " +
-                       r.str() + " (it casts the weight per row or block itself)");
-    if (r.hp_fprop || r.hp_dgrad || (r.hp_wgrad && r.scaling == Fp8Scaling::Blockwise))
-      op_error(op, "override_linear_precision does not combine with " + r.str());
-    return scaled_linear_rows(x2, weight, s, r, want_dx, want_dw);
+  Fp8WeightOperands w;
+  w.weight = weight;
+  if (fprop_in_hp(r)) {
+    NoGradGuard no_grad;
+    Tensor wx = weight.dtype() == s.x_dtype ? weight : cast(weight, s.x_dtype);
+    w.fprop = hp_operand(wx, r, r.hp_fprop, r.forward_dtype, 1);
   }
-  if (r.scaling == Fp8Scaling::Delayed &&
-      (!ctx.delayed || ctx.slot_input < 0 || ctx.slot_weight < 0 || ctx.slot_grad_output < 0))
-    throw std::logic_error("[fp8_linear] delayed scaling without a scaling state and slots");
-  const bool record_amax = (ctx.autocast ? *ctx.autocast : Fp8Autocast{}).record_amax;
-  auto delayed = ctx.delayed;
-  auto quantize = [r, delayed, record_amax](const Tensor& t, DType fmt, int slot, bool row,
-                                            bool col) -> Fp8Tensor {
-    if (!row && !col) return Fp8Tensor{};
-    Fp8CastOptions o{row, col, 16};
-    if (r.scaling == Fp8Scaling::Delayed)
-      return fp8_cast(t, fmt, delayed->scale(slot), record_amax ? delayed->amax(slot) : Tensor(),
-                      o);
-    return fp8_cast_dynamic(t, fmt, o, r.margin);
-  };
-  const bool x_row = !r.hp_fprop, x_col = want_dw && !r.hp_wgrad;
-  Fp8SharedInputCast* shared = x.defined() ? Fp8SharedInputCast::current() : nullptr;
-  const Fp8Tensor* reuse =
-      shared ? shared->find(x, r.forward_dtype, x_row, x_col, static_cast<int>(r.scaling))
-             : nullptr;
-  Fp8Tensor qx;
-  if (reuse) {
-    qx = *reuse;
-    // This layer's slot takes the amax the shared cast recorded (max over the same tensors).
-    if (r.scaling == Fp8Scaling::Delayed && record_amax && shared->cast_slot() != ctx.slot_input)
-      delayed->amax(ctx.slot_input).copy_(delayed->amax(shared->cast_slot()));
-  } else {
-    qx = quantize(x2, r.forward_dtype, ctx.slot_input, x_row, x_col);
-    if (shared)
-      shared->remember(x, r.forward_dtype, static_cast<int>(r.scaling), qx, ctx.slot_input);
-  }
-  Fp8Tensor qw;
+  if (r.scaling == Fp8Scaling::MxBlock) return w;
+  const bool fp8_dgrad = want_dx && !r.hp_dgrad;
   if (ctx.weight_provider) {
-    qw = ctx.weight_provider(weight);
-    if (qw.rows != s.N || qw.cols != s.K)
-      op_error(op, "the weight provider returned an fp8 tensor of [" + std::to_string(qw.rows) +
-                       ", " + std::to_string(qw.cols) + "] for weight " + weight.str());
-    if (!r.hp_fprop && !qw.data.defined())
+    w.q = ctx.weight_provider(weight);
+    if (w.q.rows != s.N || w.q.cols != s.K)
+      op_error(op, "the weight provider returned an fp8 tensor of [" + std::to_string(w.q.rows) +
+                       ", " + std::to_string(w.q.cols) + "] for weight " + weight.str());
+    if (!r.hp_fprop && !w.q.data.defined())
       op_error(op, "the weight provider's fp8 tensor has no row-major data");
-    if (qw.data.defined() &&
-        (qw.data.size(0) != round_up(s.N, 16) || qw.data.size(1) != round_up(s.K, 16)))
-      op_error(op, "the weight provider's fp8 data " + qw.data.str() +
+    if (w.q.data.defined() &&
+        (w.q.data.size(0) != round_up(s.N, 16) || w.q.data.size(1) != round_up(s.K, 16)))
+      op_error(op, "the weight provider's fp8 data " + w.q.data.str() +
                        " is not padded to multiples of 16");
-    if (want_dx && !r.hp_dgrad) qw = fp8_with_transpose(qw);
+    if (fp8_dgrad) w.q = fp8_with_transpose(w.q);
   } else {
-    qw = quantize(weight, r.forward_dtype, ctx.slot_weight, !r.hp_fprop, want_dx && !r.hp_dgrad);
+    w.q = fp8_quantize(ctx, records_amax(ctx), weight, r.forward_dtype, ctx.slot_weight,
+                       !r.hp_fprop, fp8_dgrad);
+  }
+  return w;
+}
+
+// One pass of rows x2 [M, K] through the weight's operands. `x` keys the shared input cast
+// (Fp8SharedInputCast; undefined: none).
+Fp8RowsPass fp8_rows_pass(const Tensor& x, const Tensor& x2, const Fp8WeightOperands& w,
+                          const LinearShapes& s, const Fp8LinearContext& ctx, bool want_dx,
+                          bool want_dw) {
+  const Fp8Recipe& r = ctx.recipe;
+  const bool record_amax = records_amax(ctx);
+  Fp8Tensor qx;
+  if (r.scaling != Fp8Scaling::MxBlock) {
+    const bool x_row = !r.hp_fprop, x_col = want_dw && !r.hp_wgrad;
+    Fp8SharedInputCast* shared = x.defined() ? Fp8SharedInputCast::current() : nullptr;
+    const Fp8Tensor* reuse =
+        shared ? shared->find(x, r.forward_dtype, x_row, x_col, static_cast<int>(r.scaling))
+               : nullptr;
+    if (reuse) {
+      qx = *reuse;
+      // This layer's slot takes the amax the shared cast recorded (max over the same tensors).
+      if (r.scaling == Fp8Scaling::Delayed && record_amax && shared->cast_slot() != ctx.slot_input)
+        ctx.delayed->amax(ctx.slot_input).copy_(ctx.delayed->amax(shared->cast_slot()));
+    } else {
+      qx = fp8_quantize(ctx, record_amax, x2, r.forward_dtype, ctx.slot_input, x_row, x_col);
+      if (shared)
+        shared->remember(x, r.forward_dtype, static_cast<int>(r.scaling), qx, ctx.slot_input);
+    }
   }
   Fp8RowsPass p;
-  if (r.hp_fprop) {
+  if (fprop_in_hp(r)) {
     NoGradGuard no_grad;
-    Tensor w = weight.dtype() == s.x_dtype ? weight : cast(weight, s.x_dtype);
-    p.y2 = matmul(x2, transpose(w, 0, 1));
+    p.y2 = matmul(hp_operand(x2, r, r.hp_fprop, r.forward_dtype, 1), transpose(w.fprop, 0, 1));
   } else {
-    p.y2 = unpad(fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, s.x_dtype, true), s.M, s.N);
+    p.y2 =
+        unpad(fp8_gemm(qx.data, qx.scale_inv, w.q.data, w.q.scale_inv, s.x_dtype, true), s.M, s.N);
   }
   if (!want_dx && !want_dw) return p;
   // Saved for backward: the fp8 transposes (1 byte per element), or the high-precision tensors
   // for the GEMMs that run in high precision.
-  Tensor x_t = qx.data_t, x_si = qx.scale_inv, w_t = qw.data_t, w_si = qw.scale_inv;
-  Tensor x_hp = r.hp_wgrad ? x2 : Tensor();
-  Tensor w_hp = r.hp_dgrad ? weight : Tensor();
+  Tensor x_t = qx.data_t, x_si = qx.scale_inv, w_t = w.q.data_t, w_si = w.q.scale_inv;
+  Tensor x_hp = wgrad_in_hp(r) ? x2 : Tensor();
+  Fp8WeightOperands wd;  // a high-precision dgrad's weight; not the forward's operands
+  if (want_dx && dgrad_in_hp(r)) {
+    wd.weight = w.weight;
+    wd.dgrad = w.dgrad;
+  }
   const int slot_g = ctx.slot_grad_output;
-  p.backward = [=](const Tensor& g2) {
-    const bool dx_fp8 = want_dx && !r.hp_dgrad, dw_fp8 = want_dw && !r.hp_wgrad;
-    Fp8Tensor qg = quantize(g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
+  p.backward = [=](const Tensor& g2, const Tensor& dw_acc) {
+    const bool dx_fp8 = want_dx && !dgrad_in_hp(r), dw_fp8 = want_dw && !wgrad_in_hp(r);
+    Fp8Tensor qg = fp8_quantize(ctx, record_amax, g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
-      if (r.hp_dgrad) {
-        Tensor w = w_hp.dtype() == g2.dtype() ? w_hp : cast(w_hp, g2.dtype());
-        dx = matmul(g2, w);
-      } else {
+      if (dgrad_in_hp(r))
+        dx = matmul(hp_operand(g2, r, r.hp_dgrad, r.backward_dtype, 1), wd.dgrad_hp(r, g2.dtype()));
+      else
         dx = unpad(fp8_gemm(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, false), s.M, s.K);
-      }
     }
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
-      if (r.hp_wgrad) {
-        dw = matmul(transpose(g2, 0, 1), x_hp);
-        if (dw.dtype() != s.w_dtype) dw = cast(dw, s.w_dtype);
+      if (wgrad_in_hp(r)) {
+        dw = hp_wgrad(hp_operand(g2, r, r.hp_wgrad, r.backward_dtype, 0),
+                      hp_operand(x_hp, r, r.hp_wgrad, r.forward_dtype, 0), s.w_dtype, dw_acc);
+      } else if (dw_acc.defined()) {
+        fp8_gemm(dw_acc, qg.data_t, qg.scale_inv, x_t, x_si, false, /*accumulate=*/true);
       } else {
         // The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight
         // receives the fp32 product itself, a 16-bit weight that product rounded once by the
@@ -804,6 +875,25 @@ Fp8RowsPass fp8_linear_rows(const Tensor& x, const Tensor& x2, const Tensor& wei
     return std::pair<Tensor, Tensor>{dx, dw};
   };
   return p;
+}
+
+// fp8_linear's pass of x2 through `weight` under ctx's recipe.
+Fp8RowsPass fp8_linear_rows(const Tensor& x, const Tensor& x2, const Tensor& weight,
+                            const LinearShapes& s, const Fp8LinearContext& ctx, bool want_dx,
+                            bool want_dw) {
+  const char* op = "fp8_linear";
+  const Fp8Recipe& r = ctx.recipe;
+  if (r.scaling == Fp8Scaling::Rowwise || r.scaling == Fp8Scaling::Blockwise) {
+    if (ctx.weight_provider)
+      op_error(op, "a weight provider (FSDP's fp8 all-gather: one tensorwise scale) cannot feed " +
+                       r.str() + " (it casts the weight per row or block itself)");
+    if (r.hp_fprop || r.hp_dgrad || (r.hp_wgrad && r.scaling == Fp8Scaling::Blockwise))
+      op_error(op, "override_linear_precision does not combine with " + r.str());
+    return scaled_linear_rows(x2, weight, s, r, want_dx, want_dw);
+  }
+  check_delayed_slots(op, ctx);
+  return fp8_rows_pass(x, x2, fp8_weight_operands(weight, s, ctx, want_dx), s, ctx, want_dx,
+                       want_dw);
 }
 
 void check_fp8_linear_operands(const char* op, const Tensor& x, const Tensor& weight) {
@@ -841,7 +931,7 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   Tensor y = with_shape(p.y2, out_shape);
   if (p.backward)
     y = record(op, y, {x, weight}, [backward = p.backward, x_shape, N = s.N](const Tensor& g) {
-      auto [dx2, dw] = backward(contiguous(reshape(g, {-1, N})));
+      auto [dx2, dw] = backward(contiguous(reshape(g, {-1, N})), Tensor());
       return std::vector<Tensor>{dx2.defined() ? with_shape(dx2, x_shape) : Tensor(), dw};
     });
   if (bias.defined()) y = add(y, bias.dtype() == y.dtype() ? bias : cast(bias, y.dtype()));
@@ -1067,7 +1157,7 @@ Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
     for (size_t e = 0; e < passes.size(); ++e) {
       const int64_t rows = group_sizes[e];
       if (rows > 0) {
-        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows));
+        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows), Tensor());
         if (want_dx) row_block(grads[0], first, rows).copy_(dx2);
         grads[1 + e] = dw;
       } else if (want_dw[e]) {
@@ -1077,6 +1167,94 @@ Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
     }
     return grads;
   });
+}
+
+// ---- the fp8 LM head fused with the loss ------------------------------------------------------
+
+std::string fp8_linear_cross_entropy_unfused_reason(const Fp8Recipe& r) {
+  switch (r.scaling) {
+    case Fp8Scaling::Delayed:
+    case Fp8Scaling::MxBlock:
+      return "";
+    case Fp8Scaling::Dynamic:
+      return "dynamic scaling casts the output gradient with the amax of all its rows, known only "
+             "after the last chunk";
+    case Fp8Scaling::Rowwise:
+      return "the rowwise recipes scale the wgrad GEMM's output-gradient operand per column, over "
+             "all rows";
+    case Fp8Scaling::Blockwise:
+      return "the blockwise recipe is not chunked (AO keeps the LM head in high precision)";
+  }
+  return "unknown recipe";
+}
+
+namespace {
+
+// fp8_linear's GEMMs over the chunks: the weight's operands made once, then one row pass per
+// chunk, whose backward adds the chunk's weight gradient into an fp32 sum.
+class Fp8ChunkedLinear : public detail::ChunkedLinear {
+ public:
+  Fp8ChunkedLinear(const Tensor& x2, const Tensor& w, const Fp8LinearContext& ctx, bool need_x,
+                   bool need_w)
+      : x2_(x2),
+        ctx_(ctx),
+        s_{0, w.size(0), w.size(1), x2.dtype(), w.dtype()},
+        need_x_(need_x),
+        need_w_(need_w),
+        w_(fp8_weight_operands(w, s_, ctx, need_x)) {
+    if (need_w) sum_ = std::make_unique<Fp8WgradSum>(s_, ctx.recipe, x2.device());
+  }
+  // MXFP8 quantizes the wgrad GEMM's operands in blocks of 32 rows: chunks of whole blocks make
+  // the blocks of one pass. Otherwise 16, the rows the fp8 casts pad to.
+  int64_t row_multiple() const override {
+    return ctx_.recipe.scaling == Fp8Scaling::MxBlock ? 32 : 16;
+  }
+  Tensor logits(int64_t r0, int64_t n) override {
+    LinearShapes s = s_;
+    s.M = n;
+    pass_ = fp8_rows_pass(Tensor(), row_block(x2_, r0, n), w_, s, ctx_, need_x_, need_w_);
+    return pass_.y2;
+  }
+  void backward(int64_t, int64_t, const Tensor& g, const Tensor& gx) override {
+    auto [dx, dw] = pass_.backward(g, sum_ ? sum_->acc : Tensor());
+    if (gx.defined()) gx.copy_(dx);
+  }
+  Tensor weight_grad() override { return sum_ ? sum_->result(s_) : Tensor(); }
+
+ private:
+  Tensor x2_;
+  const Fp8LinearContext& ctx_;
+  LinearShapes s_;
+  bool need_x_, need_w_;
+  Fp8WeightOperands w_;
+  std::unique_ptr<Fp8WgradSum> sum_;
+  Fp8RowsPass pass_;
+};
+
+}  // namespace
+
+Tensor fp8_linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets,
+                                const Fp8LinearContext& ctx, int64_t ignore_index,
+                                int64_t chunk_rows, double grad_scale) {
+  const char* op = "fp8_linear_cross_entropy";
+  detail::check_defined(op, x, "x");
+  detail::check_defined(op, weight, "weight");
+  check_fp8_linear_operands(op, x, weight);
+  const Fp8Autocast mode = ctx.autocast ? *ctx.autocast : Fp8Autocast{};
+  // As fp8_linear: fp8 switched off runs the plain linear (here: fused with the loss), and so
+  // does an input with nothing to quantize.
+  if (!mode.enabled || x.numel() == 0 || (weight.dim() == 2 && weight.size(1) == 0))
+    return linear_cross_entropy(x, weight, targets, ignore_index, chunk_rows, grad_scale);
+  if (!fp8_linear_cross_entropy_unfused_reason(ctx.recipe).empty()) {
+    Tensor y = fp8_linear(x, weight, Tensor(), ctx);
+    return cross_entropy(reshape(y, {-1, y.size(-1)}), reshape(targets, {-1}), ignore_index);
+  }
+  check_delayed_slots(op, ctx);
+  return detail::chunked_linear_cross_entropy(
+      op, x, weight, targets, ignore_index, chunk_rows, grad_scale,
+      [&ctx](const Tensor& x2, const Tensor& w, bool need_x, bool need_w) {
+        return std::make_unique<Fp8ChunkedLinear>(x2, w, ctx, need_x, need_w);
+      });
 }
 
 // ---- the fp8 swiglu MLP -----------------------------------------------------------------------

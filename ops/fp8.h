@@ -170,9 +170,10 @@ Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
 // The fp8 GEMM in the one layout Hopper runs ("TN"): both operands contraction-contiguous.
 // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv, accumulated in fp32; a and b
 // fp8 (not both e5m2), out f32/bf16/f16. On CUDA K % 16 == 0 and N % 8 == 0 (pad the operands).
-// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do).
+// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do). accumulate: out +=
+// the product instead (out f32), e.g. a weight gradient summed over row chunks in fp32.
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, bool fast_accum);
+              const Tensor& b_scale_inv, bool fast_accum, bool accumulate = false);
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
                 const Tensor& b_scale_inv, DType out_dtype, bool fast_accum);
 
@@ -379,6 +380,25 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
 Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
                           const std::vector<int64_t>& group_sizes,
                           const std::vector<const Fp8LinearContext*>& contexts);
+
+// linear_cross_entropy (ops/ops.h; the arguments are its) with the GEMMs of fp8_linear(x, weight,
+// {}, ctx): the LM head in fp8 fused with the loss over row chunks, so that neither the [N, V]
+// logits nor their gradient exist. The same casts, GEMMs, formats and scaling as the fp8 linear
+// followed by cross_entropy: the weight is cast once per call (its amax recorded once); each
+// chunk's rows of x and of the output gradient are cast with the slot's scale, known before the
+// step under delayed scaling, their amaxes max-accumulated over the chunks (the amax of all rows);
+// the weight gradient is summed in fp32 over the chunks and rounded once, as the one wgrad GEMM
+// rounds it (so only its summation order differs). MXFP8 (emulated) runs chunks of multiples of
+// 32 rows, so that its 32-row blocks along the tokens (the wgrad GEMM's operands) are those of one
+// pass; the delayed recipe's chunks are multiples of 16 rows.
+// Recipes whose scales span all rows (fp8_linear_cross_entropy_unfused_reason) run the fp8 linear
+// and then cross_entropy instead, with the [N, V] logits. With fp8 switched off (evaluation in
+// bf16) it is linear_cross_entropy.
+Tensor fp8_linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets,
+                                const Fp8LinearContext& ctx, int64_t ignore_index = -100,
+                                int64_t chunk_rows = 0, double grad_scale = 1.0);
+// Empty when fp8_linear_cross_entropy runs `recipe` over row chunks; else why it does not.
+std::string fp8_linear_cross_entropy_unfused_reason(const Fp8Recipe& recipe);
 
 // y = down(swiglu(gate(x), up(x))) (a Llama MLP) with all three projections in fp8 under one
 // delayed-scaling state, as fp8_linear would run them one by one (the same GEMMs, scales, amaxes

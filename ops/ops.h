@@ -86,8 +86,13 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 // row of x, computed chunk_rows rows at a time (0: about 2^27 logits per chunk) so that the
 // [N, V] logits never exist; the gradients are made in the forward pass. Same value as the two
 // ops; in 16-bit dtypes the weight's gradient is rounded once per chunk.
+// grad_scale: the gradient backward is expected to bring (the caller backpropagates loss *
+// grad_scale). The gradients are made in forward for it, rounded as the two ops round them for
+// that upstream gradient; backward multiplies them by its gradient / grad_scale (exactly 1 when
+// as expected; another value costs one more rounding). 0 or not finite: taken as 1.
 Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets,
-                            int64_t ignore_index = -100, int64_t chunk_rows = 0);
+                            int64_t ignore_index = -100, int64_t chunk_rows = 0,
+                            double grad_scale = 1.0);
 // weight [V, D], ids [...] (i32/i64) -> [..., D]. An id outside [0, V) is an error.
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x [..., D] * rsqrt(mean(x^2) + eps) * weight[D]; statistics in fp32.

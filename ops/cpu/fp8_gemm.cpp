@@ -28,7 +28,8 @@ uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 }  // namespace
 
 void CpuBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
-                          const Tensor& b, const Tensor& b_scale_inv, bool fast_accum) {
+                          const Tensor& b, const Tensor& b_scale_inv, bool fast_accum,
+                          bool accumulate) {
   (void)fast_accum;  // fp32 accumulation either way
   auto decode = [](const Tensor& q) {
     Tensor f = Tensor::empty(q.shape(), DType::F32);
@@ -40,12 +41,14 @@ void CpuBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_sc
   };
   Tensor fa = decode(a), fb = decode(b);
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  // accumulate comes with an f32 out (ops/fp8.cpp checks), which is then the accumulator.
   Tensor acc = out.dtype() == DType::F32 ? out : Tensor::empty({M, N}, DType::F32);
   // cuBLASLt scales the accumulated product: D = (scale_a * scale_b) * (A . B).
   const float alpha = *f32(a_scale_inv) * *f32(b_scale_inv);
   cpu_backend().matmul(acc.as_strided({1, M, N}, {M * N, N, 1}, acc.offset()),
                        fa.as_strided({1, M, K}, {M * K, K, 1}, 0),
-                       fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, alpha, 0.0);
+                       fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, alpha,
+                       accumulate ? 1.0 : 0.0);
   if (!acc.same(out)) out.copy_(acc);
 }
 

@@ -6,7 +6,9 @@
 // passed by device pointer (A_SCALE_POINTER / B_SCALE_POINTER), so scales never visit the host.
 // Fast accumulation (no periodic promotion of tensor-core partial sums) is chosen by the caller:
 // fprop only, as TE and torchao do. Output types: bf16/f16 for fprop and dgrad, fp32 (C and D
-// fp32, a supported fp8 configuration) for the weight gradient (ops/fp8.cpp's wgrad).
+// fp32, a supported fp8 configuration) for the weight gradient (ops/fp8.cpp's wgrad). With
+// `accumulate` the GEMM adds into out (beta 1, C = D = out, fp32): the chunked LM head sums its
+// weight gradient over row chunks in fp32 that way.
 //
 // The handle, workspace, plan cache and the timed algorithm choice are shared with
 // ops/cuda/matmul.cpp (ops/cuda/cublaslt.h).
@@ -31,7 +33,7 @@ constexpr int64_t kScalePerTensor = 0;  // the one scale mode: an f32 scalar per
 struct Problem {
   DType a, b, out;
   int64_t m, n, k;
-  bool fast;
+  bool fast, accumulate;
   uint32_t align;
   lt::Key to_key() const {
     return {kFp8Tag,
@@ -45,7 +47,8 @@ struct Problem {
             fast,
             kScalePerTensor,
             static_cast<int64_t>(align),
-            static_cast<int64_t>(CUBLASLT_EPILOGUE_DEFAULT)};
+            static_cast<int64_t>(CUBLASLT_EPILOGUE_DEFAULT),
+            accumulate};
   }
 };
 
@@ -70,7 +73,7 @@ std::string problem(const Problem& p) {
   return std::string("[fp8_gemm] ") + dtype_name(p.a) + " a [" + std::to_string(p.m) + ", " +
          std::to_string(p.k) + "] x " + dtype_name(p.b) + " b [" + std::to_string(p.n) + ", " +
          std::to_string(p.k) + "]^T -> " + dtype_name(p.out) +
-         (p.fast ? " (fast accumulation)" : "");
+         (p.fast ? " (fast accumulation)" : "") + (p.accumulate ? " (added into out)" : "");
 }
 
 std::unique_ptr<lt::Plan> make_plan(const Problem& p) {
@@ -103,7 +106,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 void CudaBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
-                           const Tensor& b, const Tensor& b_scale_inv, bool fast_accum) {
+                           const Tensor& b, const Tensor& b_scale_inv, bool fast_accum,
+                           bool accumulate) {
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   if (K % 16 != 0)
     throw std::invalid_argument("[fp8_gemm] the contraction dimension K=" + std::to_string(K) +
@@ -117,15 +121,15 @@ void CudaBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_s
     throw std::invalid_argument("[fp8_gemm] operands must start on 16-byte boundaries");
   DeviceGuard guard(out.device().index);
   const int device = out.device().index;
-  const Problem p{a.dtype(),   b.dtype(),
-                  out.dtype(), M,
-                  N,           K,
-                  fast_accum,  lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr()})};
-  const float alpha = 1.0f, beta = 0.0f;
+  const Problem p{
+      a.dtype(),  b.dtype(),  out.dtype(),
+      M,          N,          K,
+      fast_accum, accumulate, lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr()})};
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   lt::Operands ops = lt::row_major_operands(a, b, out);
   ops.alpha = &alpha;
   ops.beta = &beta;
-  ops.beta_nonzero = false;
+  ops.beta_nonzero = accumulate;
   auto lock = lt::lock();
   lt::Plan& plan = lt::plan_for(device, p.to_key(), [&] { return make_plan(p); });
   const void* sa = b_scale_inv.data_ptr();  // library A is our b, library B our a

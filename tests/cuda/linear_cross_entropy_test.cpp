@@ -1,14 +1,20 @@
 // linear_cross_entropy on the GPU against the CPU twin of the two-op definition: the loss and both
 // gradients, for 16-bit and f32 inputs, with chunks that split the rows unevenly. The weight's
 // gradient in 16-bit is rounded once per chunk, so its bound grows with the chunk count.
+// fp8_linear_cross_entropy (the fp8 LM head fused with the loss) on the GPU against its CPU
+// emulation and against the unfused fp8 head on the GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
+#include "ops/fp8.h"
 #include "ops/ops.h"
 #include "runtime/autograd.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/ops/fp8_head_check.h"
 
 namespace accel {
 namespace {
@@ -50,6 +56,76 @@ TEST(CudaLinearCrossEntropy, MatchesCpuLinearThenCrossEntropy) {
                    tol * largest(wr.grad()), "grad w");
     }
   }
+}
+
+// The scaling state of two runs that cast with the same scales: x's and the weight's amaxes come
+// from the same casts (bit for bit on the GPU), the output gradient's from logits whose GEMMs sum
+// in another order, so its amax (a bf16 gradient element) may be a neighbouring value.
+void expect_states_close(const test::HeadStep& got, const test::HeadStep& want) {
+  ASSERT_EQ(got.history.size(), want.history.size());
+  for (size_t i = 0; i < want.history.size(); ++i)
+    EXPECT_NEAR(got.history[i], want.history[i], 2e-2 * std::abs(want.history[i]))
+        << "amax history element " << i;
+  for (size_t i = 0; i < want.scales.size(); ++i)
+    EXPECT_NEAR(got.scales[i], want.scales[i], 2e-2 * std::abs(want.scales[i])) << "scale " << i;
+}
+
+void expect_head_steps_match(const std::vector<test::HeadStep>& got,
+                             const std::vector<test::HeadStep>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t step = 0; step < want.size(); ++step) {
+    SCOPED_TRACE(what + ", step " + std::to_string(step));
+    // Tolerances of CudaFp8.LinearMatchesCpuEmulation: fp8 GEMMs (fprop with Hopper's fast
+    // accumulation) against the fp32 emulation, bf16 outputs.
+    EXPECT_NEAR(got[step].loss, want[step].loss, 2e-3 * std::abs(want[step].loss));
+    cuda_test::expect_matches(got[step].gx, want[step].gx, DType::BF16, "grad x", 2.0);
+    cuda_test::expect_matches(got[step].gw, want[step].gw, DType::BF16, "grad w", 2.0);
+    expect_states_close(got[step], want[step]);
+  }
+}
+
+// 300 rows (ragged last chunks), bf16, TE's delayed recipe and MXFP8 (emulated), an upstream
+// factor: the GPU against the CPU emulation of the same fused head, step by step from the same
+// scales, and against the unfused head (fp8_linear, then cross_entropy) on the GPU.
+TEST(CudaFp8LinearCrossEntropy, MatchesCpuAndTheUnfusedHead) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const test::HeadShape s{300, 128, 1024};
+  for (test::HeadRecipe h : {test::HeadRecipe::Delayed, test::HeadRecipe::Mxfp8}) {
+    for (int64_t chunk : {0, 64, 100}) {
+      const std::string what =
+          std::string(test::head_recipe_name(h)) + " chunk_rows " + std::to_string(chunk);
+      SCOPED_TRACE(what);
+      const std::vector<test::HeadStep> cpu =
+          test::fp8_head_steps(Device::cpu(), h, DType::BF16, s, true, chunk, 0.5);
+      const std::vector<test::HeadStep> fused =
+          test::fp8_head_steps(gpu(), h, DType::BF16, s, true, chunk, 0.5, &cpu);
+      expect_head_steps_match(fused, cpu, "GPU vs CPU");
+      const std::vector<test::HeadStep> unfused =
+          test::fp8_head_steps(gpu(), h, DType::BF16, s, false, 0, 0.5, &fused);
+      expect_head_steps_match(fused, unfused, "fused vs unfused on the GPU");
+    }
+  }
+}
+
+// The accumulating fp8 GEMM (beta 1 into an f32 out: the fused head's weight gradient) adds the
+// product to what out holds, as the CPU emulation does.
+TEST(CudaFp8LinearCrossEntropy, Fp8GemmAccumulatesIntoF32Out) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(12);
+  Tensor a = random_tensor({96, 64}, DType::F32, rng), b = random_tensor({48, 64}, DType::F32, rng);
+  Fp8Tensor qa = fp8_cast_dynamic(a, DType::E5M2), qb = fp8_cast_dynamic(b, DType::E4M3);
+  const Tensor start = random_tensor({96, 48}, DType::F32, rng);
+  Tensor want = start.clone();
+  fp8_gemm(want, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true);
+  Tensor got = start.to(gpu());
+  fp8_gemm(got, qa.data.to(gpu()), qa.scale_inv.to(gpu()), qb.data.to(gpu()),
+           qb.scale_inv.to(gpu()), false, true);
+  cuda_test::expect_matches(got.to(Device::cpu()), want, DType::F32, "accumulated fp8 gemm", 100.0);
+  // Twice: the second call adds the product again.
+  fp8_gemm(got, qa.data.to(gpu()), qa.scale_inv.to(gpu()), qb.data.to(gpu()),
+           qb.scale_inv.to(gpu()), false, true);
+  fp8_gemm(want, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true);
+  cuda_test::expect_matches(got.to(Device::cpu()), want, DType::F32, "twice", 100.0);
 }
 
 }  // namespace

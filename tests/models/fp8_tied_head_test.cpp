@@ -18,13 +18,7 @@ namespace accel {
 namespace {
 using namespace accel::testing;
 
-Fp8Config te_config() {
-  Fp8Config c;
-  c.backend = Fp8Backend::TE;
-  c.amax_history_len = 4;
-  c.amax_compute_algo = AmaxComputeAlgo::Max;
-  return c;
-}
+Fp8Config te_config() { return te_test_config(); }
 
 Fp8Config ao_config() {
   Fp8Config c;
@@ -32,12 +26,7 @@ Fp8Config ao_config() {
   return c;
 }
 
-Fp8Config mx_config() {
-  Fp8Config c = te_config();
-  c.use_mxfp8_block_scaling = true;
-  c.fp8_format = Fp8Format::E4M3;
-  return c;
-}
+Fp8Config mx_config() { return mxfp8_test_config(); }
 
 const Fp8LayerChoice* find_layer(const std::vector<Fp8LayerChoice>& layers,
                                  const std::string& name) {
@@ -199,13 +188,16 @@ TEST(Fp8TiedHead, TrainsAndTracksBf16) {
   expect_fp8_tracks_bf16(tied_train_config(), {{"tied TE delayed", te_config()},
                                                {"tied MXFP8 emulated", mx_config()},
                                                {"tied AO dynamic", ao_config()}});
-  // Under TE the tied head itself runs in fp8: the same run with the head in bf16 differs from
-  // its first step on (the head's GEMM is the only difference).
+  // Under TE the tied head itself runs in fp8: the same run with the head in bf16 (neither its
+  // logits nor its fused loss in fp8) differs from its first step on (the head's GEMM is the only
+  // difference).
   const Fp8Config te = te_config();
   const std::vector<double> head_fp8 = fp8_train_losses(tied_train_config(), &te, 3),
                             head_bf16 =
-                                fp8_train_losses(tied_train_config(), &te, 3,
-                                                 [](CausalLM&m) { m.tied_head_fn = nullptr; });
+                                fp8_train_losses(tied_train_config(), &te, 3, [](CausalLM&m) {
+                                  m.tied_head_fn = nullptr;
+                                  m.head_loss_fn = nullptr;
+                                });
   EXPECT_NE(head_fp8[0], head_bf16[0]);
 }
 
@@ -312,7 +304,7 @@ double fp8_step(const RunSpec& s, Fp8Run& r, int step, int rank, ProcessGroup* p
   for (int micro = 0; micro < s.accum; ++micro) {
     r.t.strategy->begin_micro_batch(micro == s.accum - 1);
     auto [ids, labels] = rank_batch(s, step, micro, rank, 64);
-    Tensor loss = r.t.model->forward_loss(ids, labels);
+    Tensor loss = r.t.model->forward_loss(ids, labels, {}, 1.0 / s.accum);
     loss_sum += loss.item();
     mul(loss, 1.0 / s.accum).backward();
     r.t.strategy->end_micro_batch();

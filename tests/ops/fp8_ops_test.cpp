@@ -225,6 +225,23 @@ TEST(Fp8Gemm, RejectsBadOperands) {
                std::invalid_argument);  // not fp8
 }
 
+// accumulate adds the product into an f32 out (the fused LM head sums its weight gradient over
+// chunks so): start + product, in two calls the product twice; a 16-bit out is refused.
+TEST(Fp8Gemm, AccumulatesIntoAnF32Out) {
+  Tensor a = test::randn({24, 32}, 13, DType::F32), b = test::randn({16, 32}, 14, DType::F32);
+  Fp8Tensor qa = fp8_cast_dynamic(a, DType::E5M2), qb = fp8_cast_dynamic(b, DType::E4M3);
+  const Tensor product = fp8_gemm(qa.data, qa.scale_inv, qb.data, qb.scale_inv, DType::F32, false);
+  const Tensor start = test::randn({24, 16}, 15, DType::F32);
+  Tensor out = start.clone();
+  fp8_gemm(out, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, /*accumulate=*/true);
+  test::expect_close(out, add(start, product), 1e-6, 1e-6, "start + product");
+  fp8_gemm(out, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true);
+  test::expect_close(out, add(start, mul(product, 2.0)), 1e-6, 1e-6, "start + 2 x product");
+  Tensor bf = Tensor::zeros({24, 16}, DType::BF16);
+  EXPECT_THROW(fp8_gemm(bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true),
+               std::invalid_argument);
+}
+
 // ---- delayed scaling --------------------------------------------------------------------------
 
 // Runs one delayed-scaling slot through steps whose tensors have the given amaxes (recorded by

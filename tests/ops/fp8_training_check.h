@@ -1,6 +1,7 @@
-// Shared by the fp8 training tests of an untied head (tests/ops/fp8_training_test.cpp) and a tied
-// one (tests/models/fp8_tied_head_test.cpp): short training runs of a tiny decoder on the CPU
-// emulation, whose loss must fall and stay within a few percent of bf16.
+// Shared by the fp8 training tests of an untied head (tests/ops/fp8_training_test.cpp), a tied
+// one (tests/models/fp8_tied_head_test.cpp) and the head fused with the loss
+// (tests/models/fp8_lm_head_test.cpp): short training runs of a tiny decoder on the CPU
+// emulation, whose loss must fall and stay within a few percent of bf16; the recipes they run.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -19,6 +20,22 @@
 #include "parallel/ddp.h"
 
 namespace accel::testing {
+
+// TE's delayed recipe as the model tests run it (a 4-step history, max), and MXFP8 (emulated,
+// E4M3) on top of it.
+inline Fp8Config te_test_config() {
+  Fp8Config c;
+  c.backend = Fp8Backend::TE;
+  c.amax_history_len = 4;
+  c.amax_compute_algo = AmaxComputeAlgo::Max;
+  return c;
+}
+inline Fp8Config mxfp8_test_config() {
+  Fp8Config c = te_test_config();
+  c.use_mxfp8_block_scaling = true;
+  c.fp8_format = Fp8Format::E4M3;
+  return c;
+}
 
 // Arithmetic sequences t_i = (a + d i) mod V: the next token follows from the previous two.
 inline std::pair<Tensor, Tensor> arithmetic_batch(uint64_t seed, int64_t B, int64_t S, int64_t V) {

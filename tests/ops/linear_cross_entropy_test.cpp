@@ -1,6 +1,6 @@
 // linear_cross_entropy against its definition, cross_entropy(linear(x, w), t): value and both
 // gradients, in f64 and f32, for chunkings that split the rows unevenly, ignored rows, an upstream
-// factor, and no-grad use.
+// factor (expected by grad_scale or not), and no-grad use.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -19,14 +19,14 @@ struct Result {
   Tensor gx, gw;
 };
 
-// loss * factor backpropagated; fused picks the op under test (chunk_rows) or the two-op
-// definition.
+// loss * factor backpropagated; fused picks the op under test (chunk_rows, grad_scale) or the
+// two-op definition.
 Result run(const Tensor& x0, const Tensor& w0, const Tensor& t, bool fused, int64_t chunk_rows,
-           double factor) {
+           double factor, double grad_scale = 1.0) {
   Tensor x = x0.clone(), w = w0.clone();
   x.set_requires_grad(true);
   w.set_requires_grad(true);
-  Tensor loss = fused ? linear_cross_entropy(x, w, t, -100, chunk_rows)
+  Tensor loss = fused ? linear_cross_entropy(x, w, t, -100, chunk_rows, grad_scale)
                       : cross_entropy(reshape(linear(x, w), {-1, w.size(0)}), reshape(t, {-1}));
   mul(loss, factor).backward();
   return {loss.item(), x.grad(), w.grad()};
@@ -42,12 +42,16 @@ TEST(LinearCrossEntropy, EqualsLinearThenCrossEntropy) {
     const double tol = dt == DType::F64 ? 1e-12 : 2e-5;
     Result want = run(cast(x, dt), cast(w, dt), t, false, 0, 2.5);
     for (int64_t chunk : {0, 1, 4, 15, 100}) {
-      SCOPED_TRACE("chunk_rows " + std::to_string(chunk) + " " + dtype_name(dt));
-      Result got = run(cast(x, dt), cast(w, dt), t, true, chunk, 2.5);
-      EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss));
-      ASSERT_EQ(got.gx.shape(), x.shape());
-      expect_close(got.gx, want.gx, tol, tol, "grad x");
-      expect_close(got.gw, want.gw, tol, tol, "grad w");
+      // grad_scale 1: the factor applied in backward; 2.5: expected, made in forward.
+      for (double grad_scale : {1.0, 2.5}) {
+        SCOPED_TRACE("chunk_rows " + std::to_string(chunk) + " " + dtype_name(dt) + " grad_scale " +
+                     std::to_string(grad_scale));
+        Result got = run(cast(x, dt), cast(w, dt), t, true, chunk, 2.5, grad_scale);
+        EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss));
+        ASSERT_EQ(got.gx.shape(), x.shape());
+        expect_close(got.gx, want.gx, tol, tol, "grad x");
+        expect_close(got.gw, want.gw, tol, tol, "grad w");
+      }
     }
   }
 }

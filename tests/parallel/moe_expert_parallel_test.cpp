@@ -260,7 +260,9 @@ double moe_step(const Case& c, CausalLM& model, Strategy& strategy, int step, in
   for (int m = 0; m < micro; ++m) {
     strategy.begin_micro_batch(m == micro - 1);
     auto [ids, labels] = testing::rank_batch(s, step, 0, first + m, model.config.vocab_size);
-    Tensor loss = model.forward_loss(ids, labels);
+    // As the trainer: forward_loss is told the factor backward brings (the fp8 head fused with
+    // the loss makes its output gradient, and records its amax, for it).
+    Tensor loss = model.forward_loss(ids, labels, {}, 1.0 / micro);
     sum += loss.item();
     mul(loss, 1.0 / micro).backward();
     strategy.end_micro_batch();

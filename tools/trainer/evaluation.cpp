@@ -9,11 +9,12 @@
 
 namespace accel {
 
-Tensor batch_loss(Run& run, const Batch& b) {
+Tensor batch_loss(Run& run, const Batch& b, double grad_scale) {
   TokenLayout layout;
   if (b.position_ids.defined()) layout.position_ids = b.position_ids.to(run.device);
   if (b.segment_ids.defined()) layout.segment_ids = b.segment_ids.to(run.device);
-  return run.model->forward_loss(b.input_ids.to(run.device), b.labels.to(run.device), layout);
+  return run.model->forward_loss(b.input_ids.to(run.device), b.labels.to(run.device), layout,
+                                 grad_scale);
 }
 
 double evaluate(Run& run) {

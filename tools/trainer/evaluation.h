@@ -10,8 +10,9 @@ struct Batch;
 class Tensor;
 
 // The model's mean loss over the trained tokens of a batch, on the run's device, with the
-// batch's layout (packed documents: position and segment ids) when it has one.
-Tensor batch_loss(Run& run, const Batch& b);
+// batch's layout (packed documents: position and segment ids) when it has one. grad_scale: the
+// factor training backpropagates it with (CausalLM::forward_loss).
+Tensor batch_loss(Run& run, const Batch& b, double grad_scale = 1.0);
 
 // The mean loss per trained token over training.eval_batches of the evaluation data on all ranks
 // (every rank calls it); NaN without evaluation data. The evaluation source is rewound, so every

@@ -46,7 +46,8 @@ Tensor forward_backward(Run& run, const Batch& b, double scale, double aux_scale
                         HostTimes& t, Tensor& aux) {
   Tensor loss, scaled;
   t.time(HostTimes::kForward, [&] {
-    loss = batch_loss(run, b);
+    // The LM loss is backpropagated with `scale`: the fused head makes its gradients for it.
+    loss = batch_loss(run, b, scale);
     aux = run.model->router_aux_loss();
     if (poison == Poison::Loss) loss = mul(loss, NAN);
     const DecoderConfig& mc = run.model->config;
