@@ -70,16 +70,40 @@ void expect_states_close(const test::HeadStep& got, const test::HeadStep& want) 
     EXPECT_NEAR(got.scales[i], want.scales[i], 2e-2 * std::abs(want.scales[i])) << "scale " << i;
 }
 
+// ||got - want|| / ||want||.
+double relative_norm_error(const Tensor& got, const Tensor& want) {
+  const std::vector<double> g = got.to(Device::cpu()).to_vector(), w = want.to_vector();
+  double d = 0, n = 0;
+  for (size_t i = 0; i < w.size(); ++i) d += (g[i] - w[i]) * (g[i] - w[i]), n += w[i] * w[i];
+  return std::sqrt(d / std::max(n, 1e-300));
+}
+
+// How the gradients are compared. Elementwise: two GPU runs whose output gradients are cast from
+// the same logits (fused against unfused). Norm: the GPU against the CPU emulation, where the
+// logits differ by Hopper's fast fp8 accumulation, so a few output-gradient elements round to the
+// neighbouring e5m2 value (2 mantissa bits: up to 25% of such an element); the weight and input
+// gradients then differ elementwise wherever their sums cancel (seen on the H200: up to 201 of
+// 131,072 weight-gradient elements past the elementwise bound, all near zero), while their norms
+// agree to about the fraction of flipped elements times 25%. A wrong scale, layout or chunk is
+// off by O(1) in norm.
+enum class GradCheck { Elementwise, Norm };
+
 void expect_head_steps_match(const std::vector<test::HeadStep>& got,
-                             const std::vector<test::HeadStep>& want, const std::string& what) {
+                             const std::vector<test::HeadStep>& want, const std::string& what,
+                             GradCheck check) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t step = 0; step < want.size(); ++step) {
     SCOPED_TRACE(what + ", step " + std::to_string(step));
     // Tolerances of CudaFp8.LinearMatchesCpuEmulation: fp8 GEMMs (fprop with Hopper's fast
     // accumulation) against the fp32 emulation, bf16 outputs.
     EXPECT_NEAR(got[step].loss, want[step].loss, 2e-3 * std::abs(want[step].loss));
-    cuda_test::expect_matches(got[step].gx, want[step].gx, DType::BF16, "grad x", 2.0);
-    cuda_test::expect_matches(got[step].gw, want[step].gw, DType::BF16, "grad w", 2.0);
+    if (check == GradCheck::Elementwise) {
+      cuda_test::expect_matches(got[step].gx, want[step].gx, DType::BF16, "grad x", 2.0);
+      cuda_test::expect_matches(got[step].gw, want[step].gw, DType::BF16, "grad w", 2.0);
+    } else {
+      EXPECT_LT(relative_norm_error(got[step].gx, want[step].gx), 5e-2) << "grad x";
+      EXPECT_LT(relative_norm_error(got[step].gw, want[step].gw), 5e-2) << "grad w";
+    }
     expect_states_close(got[step], want[step]);
   }
 }
@@ -99,10 +123,11 @@ TEST(CudaFp8LinearCrossEntropy, MatchesCpuAndTheUnfusedHead) {
           test::fp8_head_steps(Device::cpu(), h, DType::BF16, s, true, chunk, 0.5);
       const std::vector<test::HeadStep> fused =
           test::fp8_head_steps(gpu(), h, DType::BF16, s, true, chunk, 0.5, &cpu);
-      expect_head_steps_match(fused, cpu, "GPU vs CPU");
+      expect_head_steps_match(fused, cpu, "GPU vs CPU", GradCheck::Norm);
       const std::vector<test::HeadStep> unfused =
           test::fp8_head_steps(gpu(), h, DType::BF16, s, false, 0, 0.5, &fused);
-      expect_head_steps_match(fused, unfused, "fused vs unfused on the GPU");
+      expect_head_steps_match(fused, unfused, "fused vs unfused on the GPU",
+                              GradCheck::Elementwise);
     }
   }
 }

@@ -48,7 +48,7 @@ def read_kernels(path):
     for row in csv.DictReader(lines):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        out.append((row["Kernel Name"], float(row["Metric Value"])))
+        out.append((row["Kernel Name"], float(row["Metric Value"].replace(",", ""))))
     return out
 
 
