@@ -955,10 +955,7 @@ bool grouped_cast_path(const std::vector<const Fp8LinearContext*>& contexts) {
         o.backward_dtype != r.backward_dtype || o.margin != r.margin || o.hp_fprop || o.hp_dgrad ||
         o.hp_wgrad)
       return false;
-    if (r.scaling == Fp8Scaling::Delayed &&
-        (!c->delayed || c->slot_input < 0 || c->slot_weight < 0 || c->slot_grad_output < 0))
-      throw std::logic_error(
-          "[fp8_grouped_linear] delayed scaling without a scaling state and slots");
+    check_delayed_slots("fp8_grouped_linear", *c);
   }
   return true;
 }
@@ -1011,8 +1008,7 @@ Tensor grouped_tensorwise(const Tensor& x, const std::vector<Tensor>& weights,
                           const std::vector<const Fp8LinearContext*>& contexts) {
   const char* op = "fp8_grouped_linear";
   const Fp8Recipe& r = contexts[0]->recipe;
-  const bool record_amax =
-      (contexts[0]->autocast ? *contexts[0]->autocast : Fp8Autocast{}).record_amax;
+  const bool record_amax = records_amax(*contexts[0]);
   const size_t G = weights.size();
   const int64_t rows_total = x.size(0), K = x.size(1), N = weights[0].size(0);
   const DType act = x.dtype(), w_dtype = weights[0].dtype();
@@ -1304,7 +1300,7 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   Fp8DelayedScaling& d = *gate.delayed;
   const Fp8Recipe& r = gate.recipe;
   const DType fwd = r.forward_dtype, bwd = r.backward_dtype, act = x.dtype();
-  const bool record_amax = (gate.autocast ? *gate.autocast : Fp8Autocast{}).record_amax;
+  const bool record_amax = records_amax(gate);
   auto amax_of = [&](int slot) { return record_amax ? d.amax(slot) : Tensor(); };
   auto cast_with = [&](const Tensor& t, DType fmt, int slot, bool row, bool col) {
     return fp8_cast(t, fmt, d.scale(slot), amax_of(slot), Fp8CastOptions{row, col, 16});
