@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Where a training step's wall time goes, from a CUPTI trace (tools/profile/kernel_trace.cpp):
+
+    CUDA_INJECTION64_PATH=build/lib/libaccel_kernel_trace.so ACCEL_TRACE_OUT=trace.csv \\
+        build/bin/accel-train --config configs/llama-1b.yaml --set training.max_steps=12
+    python3 tools/reference/step_timeline.py trace.csv [--steps 5]
+
+A step runs from one forward embedding lookup (`embedding_kernel`) to the next; the last
+--steps whole steps are read. For each step: the wall time, the time the GPU was running
+something, and the time it was idle, split by why:
+  - host late, after a wait: the GPU ran dry while the host was blocked in a synchronizing call
+    (a stream synchronize, a blocking copy: a loss or norm read) and had not launched the next
+    work yet;
+  - host late, launching: the host was busy (no wait) and launched the next work after the GPU
+    had finished the previous one: the host is slower than the GPU there;
+  - queued: the next work was launched before the GPU went idle; the gap is the GPU's own
+    latency between launches.
+Then the kernel time by kind (step_kernels.py's kinds) and the largest idle gaps with the
+kernels on either side and the host call that preceded the late launch.
+"""
+import bisect
+import csv
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from step_kernels import kind_of  # noqa: E402
+
+WAITS = re.compile(r"Synchronize|cudaMemcpy(?!.*Async)|cuMemcpy[DH]to[DH](?!.*Async)|"
+                   r"cudaStreamWaitEvent|cudaEventSynchronize|cuStreamSynchronize|"
+                   r"cuCtxSynchronize|cuEventSynchronize")
+GPU_KINDS = {"K", "C", "S"}
+
+
+def read(path):
+    gpu, api = [], []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            rec = (int(row["start_ns"]), int(row["end_ns"]), int(row["correlation"]), row["name"])
+            (gpu if row["kind"] in GPU_KINDS else api).append(rec)
+    gpu.sort()
+    api.sort()
+    return gpu, api
+
+
+def short(name):
+    name = re.sub(r"\(.*", "", name)  # drop the parameter list
+    name = re.sub(r"<.*", "", name)  # and template arguments
+    return name.split("::")[-1][:48] or "?"
+
+
+def main():
+    args = sys.argv[1:]
+    want = 5
+    if "--steps" in args:
+        i = args.index("--steps")
+        want = int(args[i + 1])
+        del args[i:i + 2]
+    if len(args) != 1:
+        sys.exit(__doc__)
+    gpu, api = read(args[0])
+    launch = {}  # correlation -> start of the host call that launched it
+    for s, _, c, _ in api:
+        launch.setdefault(c, s)
+    api_starts = [x[0] for x in api]
+    starts = [i for i, g in enumerate(gpu) if re.search(r"(?<![A-Za-z_])embedding_kernel(?!_)", g[3])]
+    if len(starts) < 2:
+        sys.exit(f"need two forward embedding launches, found {len(starts)}: run more steps")
+    bounds = list(zip(starts, starts[1:]))[-want:]
+    waits = [(s, e, n) for s, e, _, n in api if WAITS.search(n)]
+    rows, gaps, by_kind = [], defaultdict(float), defaultdict(float)
+    for a, b in bounds:
+        t0, t1 = gpu[a][0], gpu[b][0]
+        busy = late_wait = late_busy = queued = 0
+        end = t0
+        for i in range(a, b + 1):
+            s, e, c, n = gpu[i]
+            gap = s - end
+            if gap > 0:
+                issued = launch.get(c, s)
+                if issued > end:  # the host launched it after the GPU had gone idle
+                    waited = any(ws < issued and we > end for ws, we, _ in waits)
+                    if waited:
+                        late_wait += min(gap, issued - end)
+                    else:
+                        late_busy += min(gap, issued - end)
+                    queued += max(0, gap - (issued - end))
+                    at = bisect.bisect_left(api_starts, issued) - 1  # the call before the launch
+                    host = short(api[at][3]) if at >= 0 else "?"
+                    key = (short(gpu[i - 1][3]), short(n), "after a wait" if waited else host)
+                else:
+                    queued += gap
+                    key = (short(gpu[i - 1][3]), short(n), "queued")
+                gaps[key] += gap / len(bounds)
+            if i < b:
+                busy += max(0, e - max(s, end))
+                by_kind[kind_of(n)] += (e - s) / len(bounds)
+            end = max(end, e)
+        rows.append((t1 - t0, busy, late_wait, late_busy, queued))
+
+    def ms(ns):
+        return ns / 1e6
+
+    med = [statistics.median(col) for col in zip(*rows)]
+    print(f"# {len(rows)} steps (median ms per step)")
+    print("| wall | GPU busy | idle: host late after a wait | idle: host late, launching | "
+          "idle: queued |")
+    print("|---|---|---|---|---|")
+    print("| " + " | ".join(f"{ms(v):.2f}" for v in med) + " |")
+    print("\n| kernel kind | ms per step |\n|---|---|")
+    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {ms(v):.2f} |")
+    print("\n| idle gap: before -> after (host call before the late launch) | ms per step |")
+    print("|---|---|")
+    for (p, n, h), v in sorted(gaps.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"| {p} -> {n} ({h}) | {ms(v):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
