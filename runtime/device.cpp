@@ -86,6 +86,13 @@ std::shared_ptr<Storage> allocate_storage(size_t nbytes, Device d, MemCategory c
   return std::make_shared<Storage>(p, nbytes, d, c);
 }
 
+void recategorize(Storage& s, MemCategory c) {
+  if (s.category == c) return;
+  memory_stats_add(s.device, s.category, -static_cast<int64_t>(s.nbytes));
+  memory_stats_add(s.device, c, static_cast<int64_t>(s.nbytes));
+  s.category = c;
+}
+
 Storage::~Storage() {
   if (device.is_cpu()) {
     std::free(data);

@@ -53,6 +53,9 @@ struct Storage {
 };
 
 std::shared_ptr<Storage> allocate_storage(size_t nbytes, Device d, MemCategory c);
+// Counts `s` under category `c` from now on (a buffer that changes role: a backward result
+// kept as a parameter's gradient).
+void recategorize(Storage& s, MemCategory c);
 
 // Counts bytes in and out of one device's pool; the CPU and CUDA allocators both use it.
 void memory_stats_add(Device d, MemCategory c, int64_t bytes);

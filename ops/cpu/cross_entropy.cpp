@@ -31,11 +31,12 @@ std::vector<int64_t> checked_targets(const Tensor& targets, int64_t ignore_index
 void check_ce_rows(const Tensor& logits, const Tensor& targets, const Tensor& per_row,
                    const char* what) {
   require(logits.dim() == 2 && logits.is_contiguous(), "cross_entropy",
-          "logits must be contiguous [N, V], got " + logits.str());
+          [&] { return "logits must be contiguous [N, V], got " + logits.str(); });
   const int64_t n = logits.shape()[0];
   require(targets.numel() == n && targets.is_contiguous() && per_row.numel() == n &&
               per_row.is_contiguous(),
-          "cross_entropy", std::string("targets and ") + what + " must be contiguous [N]");
+          "cross_entropy",
+          [&] { return std::string("targets and ") + what + " must be contiguous [N]"; });
 }
 }  // namespace
 
@@ -83,7 +84,7 @@ void CpuBackend::cross_entropy_backward(const Tensor& grad_logits, const Tensor&
               grad_logits.dtype() == logits.dtype(),
           "cross_entropy", "grad_logits must be contiguous and match logits");
   require(scale.numel() == 1 && scale.dtype() == lse.dtype(), "cross_entropy",
-          "backward: scale must be one element of lse's dtype, got " + scale.str());
+          [&] { return "backward: scale must be one element of lse's dtype, got " + scale.str(); });
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   const std::vector<int64_t> tgt = checked_targets(targets, ignore_index, logits);
   dispatch_float(logits.dtype(), "cross_entropy", [&](auto tr) {

@@ -28,13 +28,16 @@ std::vector<int64_t> checked_ids(const Tensor& ids, int64_t vocab, const Tensor&
 }  // namespace
 
 void CpuBackend::embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) {
-  require(weight.dim() == 2, "embedding", "weight must be [V, D], got " + weight.str());
+  require(weight.dim() == 2, "embedding",
+          [&] { return "weight must be [V, D], got " + weight.str(); });
   const Tensor w = contiguous_copy(weight);
   const int64_t vocab = w.shape()[0], d = w.shape()[1];
   const std::vector<int64_t> id = checked_ids(ids, vocab, w);
   require(out.is_contiguous() && out.numel() == static_cast<int64_t>(id.size()) * d &&
               out.dtype() == w.dtype(),
-          "embedding", "out must be contiguous [..., D] of the weight's dtype, got " + out.str());
+          "embedding", [&] {
+            return "out must be contiguous [..., D] of the weight's dtype, got " + out.str();
+          });
   const size_t row_bytes = static_cast<size_t>(d) * w.element_size();
   const auto* src = static_cast<const char*>(w.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
@@ -47,12 +50,13 @@ void CpuBackend::embedding(const Tensor& out, const Tensor& weight, const Tensor
 void CpuBackend::embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
                                     const Tensor& ids) {
   require(grad_weight.dim() == 2 && grad_weight.is_contiguous(), "embedding",
-          "grad_weight must be contiguous [V, D], got " + grad_weight.str());
+          [&] { return "grad_weight must be contiguous [V, D], got " + grad_weight.str(); });
   const int64_t vocab = grad_weight.shape()[0], d = grad_weight.shape()[1];
   const std::vector<int64_t> id = checked_ids(ids, vocab, grad_weight);
   const Tensor g = contiguous_copy(grad_out);
   require(g.numel() == static_cast<int64_t>(id.size()) * d && g.dtype() == grad_weight.dtype(),
-          "embedding", "grad_out " + grad_out.str() + " does not match ids and weight");
+          "embedding",
+          [&] { return "grad_out " + grad_out.str() + " does not match ids and weight"; });
   // Group positions by id so each weight row is accumulated by one thread, at full precision, and
   // rounded once.
   std::vector<int64_t> order(id.size());

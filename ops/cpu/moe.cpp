@@ -28,7 +28,7 @@ void CpuBackend::topk(const Tensor& values, const Tensor& indices, const Tensor&
   require(x.dim() == 2 && x.is_contiguous() && values.is_contiguous() && k >= 1 && k <= x.size(1) &&
               values.dtype() == x.dtype() && values.shape() == Shape{x.size(0), k} &&
               indices.shape() == values.shape(),
-          "topk", "values / indices must be [R, k] for x " + x.str());
+          "topk", [&] { return "values / indices must be [R, k] for x " + x.str(); });
   const int64_t R = x.size(0), C = x.size(1);
   auto* idx = static_cast<int64_t*>(indices.data_ptr());
   require(indices.dtype() == DType::I64 && indices.is_contiguous(), "topk", "indices must be i64");
@@ -70,7 +70,9 @@ void CpuBackend::topk_backward(const Tensor& grad_x, const Tensor& grad_values,
   require(grad_x.dim() == 2 && grad_x.is_contiguous() && grad_values.is_contiguous() &&
               grad_values.dtype() == grad_x.dtype() && grad_values.shape() == indices.shape() &&
               grad_values.dim() == 2 && grad_values.size(0) == grad_x.size(0),
-          "topk", "backward: grad_values / indices must be [R, k] for grad_x " + grad_x.str());
+          "topk", [&] {
+            return "backward: grad_values / indices must be [R, k] for grad_x " + grad_x.str();
+          });
   const int64_t R = grad_x.size(0), C = grad_x.size(1), k = grad_values.size(1);
   const int64_t* idx = i64_ptr(indices, "topk");
   dispatch_float(grad_x.dtype(), "topk", [&](auto tr) {
@@ -88,7 +90,7 @@ void CpuBackend::moe_permute(const Tensor& out, const Tensor& x, const Tensor& o
   require(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous() &&
               out.dtype() == x.dtype() && out.size(1) == x.size(1) &&
               out.size(0) == x.size(0) * top_k && order.numel() == out.size(0),
-          "moe_permute", "out must be [N * k, H] for x " + x.str());
+          "moe_permute", [&] { return "out must be [N * k, H] for x " + x.str(); });
   const int64_t rows = out.size(0), H = x.size(1);
   const int64_t* ord = i64_ptr(order, "moe_permute");
   dispatch_float(x.dtype(), "moe_permute", [&](auto tr) {
@@ -107,7 +109,8 @@ void CpuBackend::moe_permute_backward(const Tensor& grad_x, const Tensor& grad_o
               grad_out.is_contiguous() && grad_out.dtype() == grad_x.dtype() &&
               grad_out.size(1) == grad_x.size(1) && grad_out.size(0) == grad_x.size(0) * top_k &&
               inverse.numel() == grad_out.size(0),
-          "moe_permute", "backward: grad_out must be [N * k, H] for grad_x " + grad_x.str());
+          "moe_permute",
+          [&] { return "backward: grad_out must be [N * k, H] for grad_x " + grad_x.str(); });
   const int64_t N = grad_x.size(0), H = grad_x.size(1);
   const int64_t* inv = i64_ptr(inverse, "moe_permute");
   dispatch_float(grad_x.dtype(), "moe_permute", [&](auto tr) {
@@ -136,9 +139,10 @@ void CpuBackend::moe_unpermute(const Tensor& out, const Tensor& y, const Tensor&
               weights.dtype() == out.dtype() && weights.size(0) == out.size(0) &&
               y.size(0) == out.size(0) * weights.size(1) && y.size(1) == out.size(1) &&
               inverse.numel() == y.size(0),
-          "moe_unpermute",
-          "y [N * k, H], weights [N, k] and out [N, H] do not line up: " + y.str() + ", " +
-              weights.str() + ", " + out.str());
+          "moe_unpermute", [&] {
+            return "y [N * k, H], weights [N, k] and out [N, H] do not line up: " + y.str() + ", " +
+                   weights.str() + ", " + out.str();
+          });
   const int64_t N = out.size(0), H = out.size(1), k = weights.size(1);
   const int64_t* inv = i64_ptr(inverse, "moe_unpermute");
   dispatch_float(out.dtype(), "moe_unpermute", [&](auto tr) {
@@ -172,7 +176,7 @@ void CpuBackend::moe_unpermute_backward(const Tensor& grad_y, const Tensor& grad
               grad_out.dtype() == y.dtype() && grad_y.dtype() == y.dtype() &&
               grad_weights.dtype() == weights.dtype() && weights.dtype() == y.dtype() &&
               order.numel() == y.size(0),
-          "moe_unpermute", "backward: shapes do not line up with y " + y.str());
+          "moe_unpermute", [&] { return "backward: shapes do not line up with y " + y.str(); });
   const int64_t rows = y.size(0), H = y.size(1), k = weights.size(1);
   const int64_t* ord = i64_ptr(order, "moe_unpermute");
   dispatch_float(y.dtype(), "moe_unpermute", [&](auto tr) {
@@ -214,7 +218,8 @@ void CpuBackend::grouped_matmul(const std::vector<Tensor>& outs, const std::vect
   for (size_t g = 0; g < outs.size(); ++g) {
     require(outs[g].dim() == 2 && as[g].dim() == 2 && bs[g].dim() == 2 && outs[g].is_contiguous() &&
                 as[g].is_contiguous() && bs[g].is_contiguous(),
-            "grouped_linear", "group " + std::to_string(g) + ": operands must be 2-d row-major");
+            "grouped_linear",
+            [&] { return "group " + std::to_string(g) + ": operands must be 2-d row-major"; });
     if (outs[g].numel() == 0) continue;
     matmul(as3(outs[g]), as3(as[g]), as3(bs[g]), trans_a, trans_b, 1.0, 0.0);
   }

@@ -41,7 +41,7 @@ std::pair<int64_t, int64_t> check_norm_args(const char* op, const Tensor& out, c
   const int64_t d = x.shape().back();
   const int64_t rows = d ? x.numel() / d : 0;
   require(weight.numel() == d && weight.dtype() == x.dtype(), op,
-          "weight " + weight.str() + " must be [D] of x's dtype");
+          [&] { return "weight " + weight.str() + " must be [D] of x's dtype"; });
   require(rstd.numel() == rows && rstd.is_contiguous(), op, "rstd must be [rows]");
   return {d, rows};
 }
@@ -115,7 +115,7 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_weig
   const Tensor w = contiguous_copy(weight);
   require(
       g.shape() == x.shape() && g.dtype() == x.dtype() && w.numel() == d && rstd.numel() == rows,
-      "rms_norm", "backward: grad_out, weight or rstd do not match x " + x.str());
+      "rms_norm", [&] { return "backward: grad_out, weight or rstd do not match x " + x.str(); });
   if (grad_x.defined())
     require(grad_x.is_contiguous() && grad_x.shape() == x.shape() && grad_x.dtype() == x.dtype(),
             "rms_norm", "grad_x must be contiguous and match x");

@@ -17,8 +17,17 @@ namespace accel::cpu {
 template <class Tr>
 using AccOf = std::conditional_t<std::is_same_v<typename Tr::C, double>, double, float>;
 
-inline void require(bool ok, const char* op, const std::string& msg) {
-  if (!ok) throw std::logic_error(std::string("[") + op + "] " + msg);
+// `msg`: the message, or a callable that builds it: a message built from tensor descriptions
+// costs microseconds of host time, which a check that passes should not spend on every launch.
+template <class Msg>
+void require(bool ok, const char* op, Msg&& msg) {
+  if (ok) return;
+  std::string text;
+  if constexpr (std::is_invocable_v<Msg>)
+    text = msg();
+  else
+    text = msg;
+  throw std::logic_error(std::string("[") + op + "] " + text);
 }
 
 // Work per row -> rows per thread chunk.

@@ -36,7 +36,8 @@ void CpuBackend::swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up,
               grad_out.shape() == gate.shape() && up.shape() == gate.shape() &&
               grad_gate.dtype() == gate.dtype() && grad_up.dtype() == gate.dtype() &&
               grad_out.dtype() == gate.dtype() && up.dtype() == gate.dtype(),
-          "swiglu", "backward: shapes and dtypes must all match gate " + gate.str());
+          "swiglu",
+          [&] { return "backward: shapes and dtypes must all match gate " + gate.str(); });
   const Tensor gc = contiguous_copy(gate), uc = contiguous_copy(up), go = contiguous_copy(grad_out);
   dispatch_float(gate.dtype(), "swiglu", [&](auto tr) {
     using Tr = decltype(tr);

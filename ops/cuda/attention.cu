@@ -437,16 +437,18 @@ void check_attention(const char* op, const Tensor& out, const Tensor& lse, const
               k.is_contiguous() && v.is_contiguous() && out.is_contiguous() &&
               lse.is_contiguous() && lse.dtype() == DType::F32 &&
               lse.shape() == Shape{q.shape()[0], q.shape()[2], q.shape()[1]},
-          op,
-          "got q " + q.str() + ", k " + k.str() + ", v " + v.str() + ", out " + out.str() +
-              ", lse " + lse.str());
+          op, [&] {
+            return "got q " + q.str() + ", k " + k.str() + ", v " + v.str() + ", out " + out.str() +
+                   ", lse " + lse.str();
+          });
   require(k.dtype() == q.dtype() && v.dtype() == q.dtype() && out.dtype() == q.dtype(), op,
           "q, k, v and out must share a dtype");
   const Tensor& seg = mask.segment_ids;
   if (seg.defined())
     require(seg.dtype() == DType::I32 && seg.is_contiguous() && seg.device() == q.device() &&
                 q.shape()[1] == k.shape()[1] && seg.shape() == Shape{q.shape()[0], q.shape()[1]},
-            op, "segment_ids " + seg.str() + " for q " + q.str() + " and k " + k.str());
+            op,
+            [&] { return "segment_ids " + seg.str() + " for q " + q.str() + " and k " + k.str(); });
   require(mask.window >= 0 && (mask.causal || (mask.window == 0 && !seg.defined())), op,
           "a window or segment_ids needs causal attention");
   if (q.shape()[3] > 32 * kMaxT)

@@ -45,8 +45,17 @@ __device__ __forceinline__ int chunk_owner(const int32_t* first_chunk, int count
   return lo;
 }
 
-inline void require(bool ok, const char* op, const std::string& msg) {
-  if (!ok) throw std::logic_error(std::string("[") + op + "] CUDA backend: " + msg);
+// `msg`: the message, or a callable that builds it: a message built from tensor descriptions
+// costs microseconds of host time, which a check that passes should not spend on every launch.
+template <class Msg>
+void require(bool ok, const char* op, Msg&& msg) {
+  if (ok) return;
+  std::string text;
+  if constexpr (std::is_invocable_v<Msg>)
+    text = msg();
+  else
+    text = msg;
+  throw std::logic_error(std::string("[") + op + "] CUDA backend: " + text);
 }
 
 inline void require_cuda(const Tensor& t, const char* op, const char* what) {

@@ -82,12 +82,14 @@ void check_ce_rows(const Tensor& logits, const Tensor& targets, const Tensor& pe
   require_cuda(logits, "cross_entropy", "logits");
   require_cuda(targets, "cross_entropy", "targets");
   require(logits.dim() == 2 && logits.is_contiguous(), "cross_entropy",
-          "logits must be contiguous [N, V], got " + logits.str());
+          [&] { return "logits must be contiguous [N, V], got " + logits.str(); });
   const int64_t n = logits.shape()[0];
   require(targets.numel() == n && targets.is_contiguous() && per_row.numel() == n &&
               per_row.is_contiguous() && per_row.dtype() == DType::F32,
-          "cross_entropy",
-          std::string("targets must be contiguous [N] and ") + what + " contiguous f32 [N]");
+          "cross_entropy", [&] {
+            return std::string("targets must be contiguous [N] and ") + what +
+                   " contiguous f32 [N]";
+          });
   if (targets.dtype() != DType::I64 && targets.dtype() != DType::I32)
     unsupported_dtype("cross_entropy targets", targets.dtype());
 }

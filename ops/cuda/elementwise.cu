@@ -287,11 +287,13 @@ void CudaBackend::binary(BinaryOp op, const Tensor& out, const Tensor& a, const 
   require_cuda(a, name, "a");
   require_cuda(b, name, "b");
   require(a.shape() == out.shape() && b.shape() == out.shape() && a.dtype() == b.dtype(), name,
-          "inputs must be expanded to out's shape and share a dtype: " + a.str() + ", " + b.str() +
-              " -> " + out.str());
+          [&] {
+            return "inputs must be expanded to out's shape and share a dtype: " + a.str() + ", " +
+                   b.str() + " -> " + out.str();
+          });
   const bool cmp = op == BinaryOp::Greater || op == BinaryOp::Equal;
   require(cmp ? out.dtype() == DType::Bool : out.dtype() == a.dtype(), name,
-          "wrong output dtype " + out.str());
+          [&] { return "wrong output dtype " + out.str(); });
   if (op == BinaryOp::Div && is_integer(a.dtype()))
     throw std::invalid_argument(std::string("[div] integer division is not supported (") +
                                 dtype_name(a.dtype()) + "); cast to a float dtype first");

@@ -99,7 +99,8 @@ void CudaBackend::embedding(const Tensor& out, const Tensor& weight, const Tenso
   require_cuda(ids, "embedding", "ids");
   require(weight.dim() == 2 && ids.is_contiguous() && out.is_contiguous() &&
               out.dtype() == weight.dtype() && out.numel() == ids.numel() * weight.shape()[1],
-          "embedding", "weight " + weight.str() + ", ids " + ids.str() + " -> " + out.str());
+          "embedding",
+          [&] { return "weight " + weight.str() + ", ids " + ids.str() + " -> " + out.str(); });
   if (ids.dtype() != DType::I64 && ids.dtype() != DType::I32)
     unsupported_dtype("embedding ids", ids.dtype());
   const int64_t n = ids.numel(), vocab = weight.shape()[0], d = weight.shape()[1];
@@ -126,9 +127,10 @@ void CudaBackend::embedding_backward(const Tensor& grad_weight, const Tensor& gr
   require(grad_weight.dim() == 2 && grad_weight.is_contiguous() && ids.is_contiguous() &&
               grad_out.dtype() == grad_weight.dtype() &&
               grad_out.numel() == ids.numel() * grad_weight.shape()[1],
-          "embedding",
-          "backward: grad_weight " + grad_weight.str() + ", grad_out " + grad_out.str() + ", ids " +
-              ids.str());
+          "embedding", [&] {
+            return "backward: grad_weight " + grad_weight.str() + ", grad_out " + grad_out.str() +
+                   ", ids " + ids.str();
+          });
   if (ids.dtype() != DType::I64 && ids.dtype() != DType::I32)
     unsupported_dtype("embedding ids", ids.dtype());
   const int64_t n = ids.numel(), vocab = grad_weight.shape()[0], d = grad_weight.shape()[1];

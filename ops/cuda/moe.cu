@@ -284,10 +284,11 @@ void CudaBackend::topk(const Tensor& values, const Tensor& indices, const Tensor
                   k <= x.shape()[1] && values.shape() == Shape{x.shape()[0], k} &&
                   indices.shape() == values.shape() && values.dtype() == x.dtype() &&
                   values.is_contiguous() && x.shape()[1] < (int64_t(1) << 31);
-  require(
-      ok, op,
-      "needs x [R, C] and values, indices [R, k] with 1 <= k <= C, values of x's dtype; got k=" +
-          std::to_string(k) + ", " + shapes({&values, &indices, &x}));
+  require(ok, op, [&] {
+    return "needs x [R, C] and values, indices [R, k] with 1 <= k <= C, values of x's dtype; got "
+           "k=" +
+           std::to_string(k) + ", " + shapes({&values, &indices, &x});
+  });
   const int64_t rows = x.shape()[0];
   if (rows == 0) return;
   Tensor xc = dense(x);
@@ -311,10 +312,11 @@ void CudaBackend::topk_backward(const Tensor& grad_x, const Tensor& grad_values,
   const bool ok = grad_x.dim() == 2 && grad_x.is_contiguous() && grad_values.dim() == 2 &&
                   grad_values.dtype() == grad_x.dtype() && grad_values.shape() == indices.shape() &&
                   grad_values.shape()[0] == grad_x.shape()[0];
-  require(ok, op,
-          "backward needs grad_x [R, C] (contiguous), grad_values and indices [R, k] of grad_x's "
-          "dtype; got " +
-              shapes({&grad_x, &grad_values, &indices}));
+  require(ok, op, [&] {
+    return "backward needs grad_x [R, C] (contiguous), grad_values and indices [R, k] of grad_x's "
+           "dtype; got " +
+           shapes({&grad_x, &grad_values, &indices});
+  });
   const int64_t rows = grad_x.shape()[0], k = grad_values.shape()[1];
   if (rows == 0 || k == 0) return;
   Tensor g = dense(grad_values);
@@ -339,9 +341,10 @@ void CudaBackend::moe_permute(const Tensor& out, const Tensor& x, const Tensor& 
                   out.dtype() == x.dtype() && out.is_contiguous() &&
                   order.numel() == x.shape()[0] * top_k && out.shape()[0] == order.numel() &&
                   out.shape()[1] == x.shape()[1];
-  require(ok, op,
-          "needs x [N, H], order [N * k], out [N * k, H] (contiguous, x's dtype); got k=" +
-              std::to_string(top_k) + ", " + shapes({&out, &x, &order}));
+  require(ok, op, [&] {
+    return "needs x [N, H], order [N * k], out [N * k, H] (contiguous, x's dtype); got k=" +
+           std::to_string(top_k) + ", " + shapes({&out, &x, &order});
+  });
   const int64_t tokens = x.shape()[0], h = x.shape()[1], rows = out.shape()[0];
   if (rows == 0 || h == 0) return;
   Tensor xc = dense(x);
@@ -372,10 +375,11 @@ void CudaBackend::moe_permute_backward(const Tensor& grad_x, const Tensor& grad_
                   inverse.numel() == grad_x.shape()[0] * top_k &&
                   grad_out.shape()[0] == inverse.numel() &&
                   grad_out.shape()[1] == grad_x.shape()[1];
-  require(ok, op,
-          "backward needs grad_x [N, H] (contiguous), grad_out [N * k, H] of its dtype, inverse "
-          "[N * k]; got k=" +
-              std::to_string(top_k) + ", " + shapes({&grad_x, &grad_out, &inverse}));
+  require(ok, op, [&] {
+    return "backward needs grad_x [N, H] (contiguous), grad_out [N * k, H] of its dtype, inverse "
+           "[N * k]; got k=" +
+           std::to_string(top_k) + ", " + shapes({&grad_x, &grad_out, &inverse});
+  });
   const int64_t tokens = grad_x.shape()[0], h = grad_x.shape()[1];
   if (tokens == 0 || h == 0) return;
   Tensor g = dense(grad_out);
@@ -406,11 +410,12 @@ void CudaBackend::moe_unpermute(const Tensor& out, const Tensor& y, const Tensor
                   out.dtype() == y.dtype() && out.is_contiguous() && weights.shape()[1] >= 1 &&
                   weights.shape()[0] == out.shape()[0] && inverse.numel() == weights.numel() &&
                   y.shape()[0] == inverse.numel() && y.shape()[1] == out.shape()[1];
-  require(
-      ok, op,
-      "needs y [N * k, H], weights [N, k], inverse [N * k], out [N, H] (contiguous, y's dtype); "
-      "got " +
-          shapes({&out, &y, &weights, &inverse}));
+  require(ok, op, [&] {
+    return "needs y [N * k, H], weights [N, k], inverse [N * k], out [N, H] (contiguous, y's "
+           "dtype); "
+           "got " +
+           shapes({&out, &y, &weights, &inverse});
+  });
   const int64_t tokens = out.shape()[0], h = out.shape()[1], k = weights.shape()[1];
   if (tokens == 0 || h == 0) return;
   Tensor yc = dense(y), wc = dense(weights);
@@ -447,11 +452,12 @@ void CudaBackend::moe_unpermute_backward(const Tensor& grad_y, const Tensor& gra
     ok = ok && grad_y.is_contiguous() && grad_y.dtype() == y.dtype() && grad_y.shape() == y.shape();
   if (grad_weights.defined())
     ok = ok && grad_weights.is_contiguous() && grad_weights.shape() == weights.shape();
-  require(ok, op,
-          "backward needs grad_out [N, H], y [N * k, H] of its dtype, weights [N, k], order "
-          "[N * k], grad_y like y and grad_weights like weights (contiguous; either may be "
-          "none); got " +
-              shapes({&grad_y, &grad_weights, &grad_out, &y, &weights, &order}));
+  require(ok, op, [&] {
+    return "backward needs grad_out [N, H], y [N * k, H] of its dtype, weights [N, k], order "
+           "[N * k], grad_y like y and grad_weights like weights (contiguous; either may be "
+           "none); got " +
+           shapes({&grad_y, &grad_weights, &grad_out, &y, &weights, &order});
+  });
   const int64_t tokens = grad_out.shape()[0], h = grad_out.shape()[1], k = weights.shape()[1];
   const int64_t rows = tokens * k;
   if (rows == 0 || (!grad_y.defined() && !grad_weights.defined())) return;

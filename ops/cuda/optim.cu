@@ -223,25 +223,29 @@ void check_state(const char* op, const Tensor& param, const Tensor& grad,
                  std::initializer_list<const Tensor*> state) {
   require_cuda(param, op, "param");
   require_cuda(grad, op, "grad");
-  require(param.is_contiguous() && grad.is_contiguous() && grad.numel() == param.numel(), op,
-          "param " + param.str() + " and grad " + grad.str() + " must be contiguous and match");
+  require(param.is_contiguous() && grad.is_contiguous() && grad.numel() == param.numel(), op, [&] {
+    return "param " + param.str() + " and grad " + grad.str() + " must be contiguous and match";
+  });
   for (const Tensor* t : state)
-    require(t->is_contiguous() && t->numel() == param.numel() && t->device() == param.device() &&
-                (t->dtype() == param.dtype() ||
-                 (t->dtype() == DType::BF16 && param.dtype() == DType::F32) ||
-                 (t->dtype() == DType::F32 && param.dtype() == DType::BF16)) &&
-                t->dtype() == (*state.begin())->dtype(),
-            op,
-            "optimizer state " + t->str() + " must match param " + param.str() +
-                " (its dtype, bf16 beside an f32 param or f32 beside a bf16 param; one dtype for "
-                "all moments)");
+    require(
+        t->is_contiguous() && t->numel() == param.numel() && t->device() == param.device() &&
+            (t->dtype() == param.dtype() ||
+             (t->dtype() == DType::BF16 && param.dtype() == DType::F32) ||
+             (t->dtype() == DType::F32 && param.dtype() == DType::BF16)) &&
+            t->dtype() == (*state.begin())->dtype(),
+        op, [&] {
+          return "optimizer state " + t->str() + " must match param " + param.str() +
+                 " (its dtype, bf16 beside an f32 param or f32 beside a bf16 param; one dtype for "
+                 "all moments)";
+        });
 }
 
 // A bf16 param is a master weight: its update is stochastically rounded, and only theirs.
 void check_rounding(const char* op, const Tensor& param, bool has_rounding) {
-  require(has_rounding == (param.dtype() == DType::BF16), op,
-          "stochastic rounding goes with bf16 params (master weights) and only them; param " +
-              param.str() + (has_rounding ? " has one" : " has none"));
+  require(has_rounding == (param.dtype() == DType::BF16), op, [&] {
+    return "stochastic rounding goes with bf16 params (master weights) and only them; param " +
+           param.str() + (has_rounding ? " has one" : " has none");
+  });
 }
 
 template <class T>
@@ -371,9 +375,10 @@ void adamw_step_multi(const std::vector<Tensor>& params, const std::vector<Tenso
                 c.numel() == params[i].numel() &&
                 (c.dtype() == DType::BF16 || c.dtype() == DType::F16) &&
                 params[i].dtype() == DType::F32,
-            "adamw_step",
-            "compute copy " + (c.defined() ? c.str() : std::string("(undefined)")) +
-                " must be a contiguous bf16/f16 tensor beside f32 param " + params[i].str());
+            "adamw_step", [&] {
+              return "compute copy " + (c.defined() ? c.str() : std::string("(undefined)")) +
+                     " must be a contiguous bf16/f16 tensor beside f32 param " + params[i].str();
+            });
   }
   OpScope sc(params[0]);
   const AdamScalars s = optim_math::adam_scalars(p, grad_scale);

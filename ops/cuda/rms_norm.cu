@@ -317,7 +317,7 @@ bool check_norm_layout(const char* op, int64_t d, DType t,
   const int n = 16 / static_cast<int>(dtype_size(t));
   bool vec = d % n == 0;
   for (const Tensor* p : ts) {
-    require(p->is_contiguous(), op, "operands must be contiguous: " + p->str());
+    require(p->is_contiguous(), op, [&] { return "operands must be contiguous: " + p->str(); });
     vec = vec && aligned16(p->data_ptr());
   }
   return vec;
@@ -391,7 +391,8 @@ void CudaBackend::rms_norm(const Tensor& out, const Tensor& rstd, const Tensor& 
   require_cuda(x, "rms_norm", "x");
   require(out.shape() == x.shape() && out.dtype() == x.dtype() && weight.dtype() == x.dtype() &&
               x.dim() >= 1 && weight.numel() == x.shape().back() && rstd.dtype() == DType::F32,
-          "rms_norm", "x " + x.str() + ", weight " + weight.str() + ", rstd " + rstd.str());
+          "rms_norm",
+          [&] { return "x " + x.str() + ", weight " + weight.str() + ", rstd " + rstd.str(); });
   launch_norm_forward("rms_norm", out, rstd, Tensor(), x, Tensor(), weight, eps);
 }
 
@@ -402,9 +403,10 @@ void CudaBackend::add_rms_norm(const Tensor& sum, const Tensor& out, const Tenso
               x.dim() >= 1 && weight.numel() == x.shape().back() && rstd.dtype() == DType::F32 &&
               r.shape() == x.shape() && r.dtype() == x.dtype() && sum.shape() == x.shape() &&
               sum.dtype() == x.dtype(),
-          "add_rms_norm",
-          "x " + x.str() + ", r " + r.str() + ", sum " + sum.str() + ", weight " + weight.str() +
-              ", rstd " + rstd.str());
+          "add_rms_norm", [&] {
+            return "x " + x.str() + ", r " + r.str() + ", sum " + sum.str() + ", weight " +
+                   weight.str() + ", rstd " + rstd.str();
+          });
   launch_norm_forward("add_rms_norm", out, rstd, sum, x, r, weight, eps);
 }
 
@@ -417,7 +419,8 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
   require(grad_out.shape() == x.shape() && grad_out.dtype() == x.dtype() && weight.numel() == d &&
               weight.dtype() == x.dtype() && rstd.numel() == rows && rstd.dtype() == DType::F32 &&
               rstd.is_contiguous(),
-          "rms_norm", "backward: grad_out, weight or rstd do not match x " + x.str());
+          "rms_norm",
+          [&] { return "backward: grad_out, weight or rstd do not match x " + x.str(); });
   if (d == 0) return;
   OpScope sc(x);
   if (rows == 0) {
@@ -431,9 +434,10 @@ void CudaBackend::rms_norm_backward(const Tensor& grad_x, const Tensor& grad_wei
   Tensor ga;
   if (grad_x_add.defined()) {
     require(grad_x.defined() && grad_x_add.shape() == x.shape() && grad_x_add.dtype() == x.dtype(),
-            "rms_norm",
-            "backward: grad_x_add " + grad_x_add.str() + " must match x " + x.str() +
-                " and needs grad_x");
+            "rms_norm", [&] {
+              return "backward: grad_x_add " + grad_x_add.str() + " must match x " + x.str() +
+                     " and needs grad_x";
+            });
     require_cuda(grad_x_add, "rms_norm", "grad_x_add");
     ga = grad_x_add.is_contiguous() && aligned16(grad_x_add.data_ptr()) ? grad_x_add
                                                                         : grad_x_add.clone();

@@ -63,7 +63,7 @@ void require_vec_ready(const char* op, std::initializer_list<const Tensor*> ts) 
   for (const Tensor* t : ts) {
     require_cuda(*t, op, "operand");
     require(t->is_contiguous() && aligned16(t->data_ptr()), op,
-            "operands must be contiguous and 16-byte aligned, got " + t->str());
+            [&] { return "operands must be contiguous and 16-byte aligned, got " + t->str(); });
   }
 }
 
@@ -94,7 +94,8 @@ void CudaBackend::swiglu_backward(const Tensor& grad_gate, const Tensor& grad_up
               grad_out.shape() == gate.shape() && up.shape() == gate.shape() &&
               grad_gate.dtype() == gate.dtype() && grad_up.dtype() == gate.dtype() &&
               grad_out.dtype() == gate.dtype() && up.dtype() == gate.dtype(),
-          "swiglu", "backward: shapes and dtypes must all match gate " + gate.str());
+          "swiglu",
+          [&] { return "backward: shapes and dtypes must all match gate " + gate.str(); });
   auto ready = [](const Tensor& t) {
     return t.is_contiguous() && aligned16(t.data_ptr()) ? t : t.clone();
   };

@@ -168,6 +168,37 @@ TEST(Autograd, GradientsAccumulateAcrossBackwardCalls) {
   EXPECT_FALSE(x.grad().defined());
 }
 
+// A leaf's first gradient is the backward's own result when nothing else holds its memory (no
+// copy, counted as gradients from then on); when the backward also keeps that tensor, the leaf
+// gets a copy, and a later accumulation leaves the kept tensor as it was.
+TEST(Autograd, FirstGradientIsKeptWithoutACopyOnlyWhenNothingElseHoldsIt) {
+  for (const bool kept_elsewhere : {false, true}) {
+    SCOPED_TRACE(kept_elsewhere ? "kept elsewhere" : "sole owner");
+    Tensor x = leaf({1, 2, 3}, {3});
+    const void* returned = nullptr;
+    Tensor stash;
+    Tensor y = record("scale_by_3", mul(x.detach(), 3.0), {x}, [&](const Tensor& g) {
+      Tensor r = mul(g, 3.0);
+      returned = r.storage()->data;
+      if (kept_elsewhere) stash = r;
+      return std::vector<Tensor>{r};
+    });
+    const int64_t grads_before =
+        memory_stats(Device::cpu()).current[static_cast<int>(MemCategory::Grads)];
+    sum(y).backward();
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 3, 3}));
+    EXPECT_EQ(x.grad().storage()->data == returned, !kept_elsewhere);
+    EXPECT_EQ(x.grad().storage()->category, MemCategory::Grads);
+    EXPECT_EQ(memory_stats(Device::cpu()).current[static_cast<int>(MemCategory::Grads)],
+              grads_before + 3 * 8);
+    sum(mul(x, 2.0)).backward();  // accumulates in place
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{5, 5, 5}));
+    if (kept_elsewhere) {
+      EXPECT_EQ(stash.to_vector(), (std::vector<double>{3, 3, 3}));
+    }
+  }
+}
+
 TEST(Autograd, NoGradGuardRecordsNothingAndDetachCutsHistory) {
   Tensor x = leaf({1, 2}, {2});
   {

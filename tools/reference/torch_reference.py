@@ -176,14 +176,17 @@ def main():
 
     torch.manual_seed(0)
     accelerator = Accelerator(mixed_precision="bf16")
-    if fields is None:
-        shape = shape_named(size)
-        tied = False
-        model = LlamaForCausalLM(hf_llama_config(shape))  # fp32 weights, initialised on the CPU
-    else:
-        shape = family_shape(fields, seq, micro_batch)
-        tied = bool(fields.get("tie_word_embeddings", False))
-        model = AutoModelForCausalLM.from_config(hf_family_config(fields))
+    # fp32 weights, initialised on the GPU itself: on the CPU, llama-8b's initialisation alone
+    # takes minutes of a device call.
+    with torch.device(accelerator.device):
+        if fields is None:
+            shape = shape_named(size)
+            tied = False
+            model = LlamaForCausalLM(hf_llama_config(shape))
+        else:
+            shape = family_shape(fields, seq, micro_batch)
+            tied = bool(fields.get("tie_word_embeddings", False))
+            model = AutoModelForCausalLM.from_config(hf_family_config(fields))
     num_params = sum(p.numel() for p in model.parameters())
     # Mixture of experts: MFU counts the parameters a token passes through (top_k of the
     # experts), as accel-train's DecoderConfig::flops_per_token does.
