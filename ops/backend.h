@@ -64,10 +64,12 @@ class Backend {
   virtual void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
                             const Tensor& grad_keepdim, int64_t dim) = 0;
 
-  // out[b] = alpha * op(a[b]) @ op(b[b]) + beta * out[b] over batch index b; a, b, out are 3-d
-  // [batch, rows, cols] and contiguous; batch of a or b may be 1 (broadcast).
+  // out[b] = alpha * op(a[b]) @ op(b[b]) + beta * c[b] over batch index b, rounded once, where c
+  // is `addend` when defined (out's shape and dtype, contiguous, only read: a linear's input
+  // gradient summed with the one that input already has) and out itself otherwise; a, b, out
+  // are 3-d [batch, rows, cols] and contiguous; batch of a or b may be 1 (broadcast).
   virtual void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
-                      bool trans_b, double alpha, double beta) = 0;
+                      bool trans_b, double alpha, double beta, const Tensor& addend) = 0;
 
   // Softmax along the last dim of contiguous x; log=true gives log_softmax.
   virtual void softmax(const Tensor& out, const Tensor& x, bool log) = 0;

@@ -606,7 +606,7 @@ Tensor hp_wgrad(const Tensor& a, const Tensor& b, DType w_dtype, const Tensor& a
   backend_for(acc.device())
       .matmul(acc.as_strided({1, acc.size(0), acc.size(1)}, {acc.numel(), acc.size(1), 1},
                              acc.offset()),
-              wide(a), wide(b), /*trans_a=*/true, /*trans_b=*/false, 1.0, 1.0);
+              wide(a), wide(b), /*trans_a=*/true, /*trans_b=*/false, 1.0, 1.0, Tensor());
   return Tensor();
 }
 

@@ -45,15 +45,15 @@ class DtypeLinear : public detail::ChunkedLinear {
     if (!logits_.defined())
       logits_ = Tensor::empty({n, V}, x2_.dtype(), x2_.device());  // 1st: largest
     Tensor l3 = rows3(logits_, 0, n);
-    be_.matmul(l3, rows3(x2_, r0, n), w3_, /*trans_a=*/false, /*trans_b=*/true, 1.0, 0.0);
+    be_.matmul(l3, rows3(x2_, r0, n), w3_, /*trans_a=*/false, /*trans_b=*/true, 1.0, 0.0, Tensor());
     return as2(l3);
   }
   void backward(int64_t r0, int64_t n, const Tensor& g, const Tensor& gx) override {
     Tensor g3 = rows3(g, 0, n);
-    if (gx.defined()) be_.matmul(rows3(gx, 0, n), g3, w3_, false, false, 1.0, 0.0);
+    if (gx.defined()) be_.matmul(rows3(gx, 0, n), g3, w3_, false, false, 1.0, 0.0, Tensor());
     if (gw_.defined())
       be_.matmul(rows3(gw_, 0, gw_.size(0)), g3, rows3(x2_, r0, n), true, false, 1.0,
-                 r0 == 0 ? 0.0 : 1.0);
+                 r0 == 0 ? 0.0 : 1.0, Tensor());
   }
   Tensor weight_grad() override { return gw_; }
 

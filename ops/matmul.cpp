@@ -65,7 +65,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     Tensor o = Tensor::empty(out_shape, a.dtype(), a.device());
     backend_for(a.device())
         .matmul(o.as_strided({nb, M, N}, {M * N, N, 1}, 0), ga.t, gb.t, ga.trans, gb.trans, 1.0,
-                0.0);
+                0.0, Tensor());
     return o;
   });
   bool need_a = a.requires_grad(), need_b = b.requires_grad();
@@ -86,6 +86,47 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   });
 }
 
+namespace {
+// y = x @ weight^T for contiguous x [.., in] and weight [out, in], as one node over {x, weight}
+// whose backward folds the gradient x already has into its input-gradient GEMM (C = that
+// gradient): the projections that share an input (q, k, v; gate, up) then sum their input
+// gradients inside the GEMMs instead of in separate additions.
+Tensor linear_contiguous(const Tensor& x, const Tensor& weight, const Shape& out_shape) {
+  const int64_t in = weight.size(1), out = weight.size(0),
+                rows = x.numel() / std::max<int64_t>(in, 1);
+  auto rows3 = [rows](const Tensor& t, int64_t cols) {
+    return t.as_strided({1, rows, cols}, {rows * cols, cols, 1}, t.offset());
+  };
+  const Tensor w3 = weight.as_strided({1, out, in}, {out * in, in, 1}, weight.offset());
+  Tensor y = keep_output("linear", [&] {
+    Tensor o = Tensor::empty(out_shape, x.dtype(), x.device());
+    backend_for(x.device())
+        .matmul(rows3(o, out), rows3(x, in), w3, false, true, 1.0, 0.0, Tensor());
+    return o;
+  });
+  const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
+  return record_folding(
+      "linear", y, {x, weight}, 0,
+      [x, weight, need_x, need_w, rows3, w3, in, out](const Tensor& g, const Tensor& pending) {
+        const Tensor gc = contiguous(g);
+        Backend& be = backend_for(gc.device());
+        Tensor gx, gw;
+        if (need_x) {
+          gx = Tensor::empty(x.shape(), x.dtype(), x.device());
+          const Tensor add = pending.defined() ? rows3(contiguous(pending), in) : Tensor();
+          be.matmul(rows3(gx, in), rows3(gc, out), w3.detach(), false, false, 1.0,
+                    add.defined() ? 1.0 : 0.0, add);
+        }
+        if (need_w) {
+          gw = Tensor::empty(weight.shape(), weight.dtype(), weight.device());
+          be.matmul(gw.as_strided({1, out, in}, {out * in, in, 1}, 0), rows3(gc, out),
+                    rows3(x.detach(), in), true, false, 1.0, 0.0, Tensor());
+        }
+        return std::vector<Tensor>{gx, gw};
+      });
+}
+}  // namespace
+
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   detail::check_defined("linear", x, "input");
   detail::check_defined("linear", weight, "weight");
@@ -96,10 +137,16 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
                            " of weight " + shape_str(weight.shape()));
   Shape out_shape = x.shape();
   out_shape.back() = weight.size(0);
-  Tensor x2 = reshape(x, {-1, weight.size(1)});
-  Tensor y = matmul(x2, transpose(weight, 0, 1));
-  if (bias.defined()) y = add(y, bias);
-  return reshape(y, out_shape);
+  Tensor y;
+  if (x.is_contiguous() && weight.is_contiguous()) {
+    detail::check_same_device("linear", x, weight);
+    detail::check_same_dtype("linear", x, weight);
+    detail::check_floating("linear", x);
+    y = linear_contiguous(x, weight, out_shape);
+  } else {
+    y = reshape(matmul(reshape(x, {-1, weight.size(1)}), transpose(weight, 0, 1)), out_shape);
+  }
+  return bias.defined() ? add(y, bias) : y;
 }
 
 }  // namespace accel

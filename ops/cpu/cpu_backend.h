@@ -26,7 +26,7 @@ class CpuBackend final : public Backend {
 
   // matmul.cpp
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
-              double alpha, double beta) override;
+              double alpha, double beta, const Tensor& addend) override;
 
   // softmax.cpp
   void softmax(const Tensor& out, const Tensor& x, bool log) override;

@@ -48,7 +48,7 @@ void CpuBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_sc
   cpu_backend().matmul(acc.as_strided({1, M, N}, {M * N, N, 1}, acc.offset()),
                        fa.as_strided({1, M, K}, {M * K, K, 1}, 0),
                        fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, alpha,
-                       accumulate ? 1.0 : 0.0);
+                       accumulate ? 1.0 : 0.0, Tensor());
   if (!acc.same(out)) out.copy_(acc);
 }
 

@@ -101,7 +101,7 @@ void scaled_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, 
   Tensor acc = out.dtype() == DType::F32 ? out : Tensor::empty({M, N}, DType::F32);
   cpu_backend().matmul(acc.as_strided({1, M, N}, {M * N, N, 1}, acc.offset()),
                        fa.as_strided({1, M, K}, {M * K, K, 1}, 0),
-                       fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, 1.0, 0.0);
+                       fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, 1.0, 0.0, Tensor());
   if (!acc.same(out)) out.copy_(acc);
 }
 

@@ -1,6 +1,7 @@
 // Batched GEMM through Eigen: f32 and f64 natively, the 16- and 8-bit floats through float copies
 // rounded back on store. Eigen threads each GEMM (OpenMP); many small GEMMs run one per thread.
 #include <Eigen/Core>
+#include <cstring>
 
 #include "ops/cpu/cpu_backend.h"
 #include "ops/cpu/cpu_common.h"
@@ -72,7 +73,7 @@ void gemm_batched(T* out, const T* a, const T* b, const GemmShape& s, bool ta, b
 }  // namespace
 
 void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
-                        bool trans_b, double alpha, double beta) {
+                        bool trans_b, double alpha, double beta, const Tensor& addend) {
   if (a.dim() != 3 || b.dim() != 3 || out.dim() != 3 || !a.is_contiguous() || !b.is_contiguous() ||
       !out.is_contiguous())
     throw std::logic_error("[matmul] CPU backend needs contiguous 3-d operands; got " + a.str() +
@@ -96,7 +97,16 @@ void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, boo
       (s.a_batch != s.batch && s.a_batch != 1) || (s.b_batch != s.batch && s.b_batch != 1))
     throw std::logic_error("[matmul] shapes do not line up: " + a.str() + (trans_a ? "^T" : "") +
                            " @ " + b.str() + (trans_b ? "^T" : "") + " -> " + out.str());
+  const bool add = addend.defined() && beta != 0.0;
+  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
+                           !addend.is_contiguous() || addend.device() != out.device()))
+    throw std::logic_error("[matmul] the addend " + addend.str() +
+                           " must be contiguous and match " + out.str());
   if (out.numel() == 0) return;
+  // f32 / f64 accumulate into out itself: the addend is copied there first (exactly).
+  const bool wide = a.dtype() == DType::F32 || a.dtype() == DType::F64;
+  if (add && wide && addend.data_ptr() != out.data_ptr())
+    std::memcpy(out.data_ptr(), addend.data_ptr(), out.nbytes());
   switch (a.dtype()) {
     case DType::F32:
       gemm_batched<float>(out.data<float>(), a.data<float>(), b.data<float>(), s, trans_a, trans_b,
@@ -109,8 +119,8 @@ void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, boo
     default: {
       if (!is_floating(a.dtype())) unsupported_dtype("matmul", a.dtype());
       std::vector<float> af = load_as<float>(a), bf = load_as<float>(b);
-      std::vector<float> of =
-          beta != 0.0 ? load_as<float>(out) : std::vector<float>(static_cast<size_t>(out.numel()));
+      std::vector<float> of = beta != 0.0 ? load_as<float>(add ? addend : out)
+                                          : std::vector<float>(static_cast<size_t>(out.numel()));
       gemm_batched<float>(of.data(), af.data(), bf.data(), s, trans_a, trans_b,
                           static_cast<float>(alpha), static_cast<float>(beta));
       store_from(out, of);

@@ -221,7 +221,7 @@ void CpuBackend::grouped_matmul(const std::vector<Tensor>& outs, const std::vect
             "grouped_linear",
             [&] { return "group " + std::to_string(g) + ": operands must be 2-d row-major"; });
     if (outs[g].numel() == 0) continue;
-    matmul(as3(outs[g]), as3(as[g]), as3(bs[g]), trans_a, trans_b, 1.0, 0.0);
+    matmul(as3(outs[g]), as3(as[g]), as3(bs[g]), trans_a, trans_b, 1.0, 0.0, Tensor());
   }
 }
 

@@ -23,7 +23,7 @@ class CudaBackend final : public Backend {
   void max_backward(const Tensor& grad_in, const Tensor& x, const Tensor& out_keepdim,
                     const Tensor& grad_keepdim, int64_t dim) override;
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
-              double alpha, double beta) override;
+              double alpha, double beta, const Tensor& addend) override;
   void softmax(const Tensor& out, const Tensor& x, bool log) override;
   void cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
                      const Tensor& targets, int64_t ignore_index) override;

@@ -125,7 +125,7 @@ bool allow_tf32() { return g_allow_tf32; }
 void CudaBackend::set_allow_tf32(bool allow) { cuda::set_allow_tf32(allow); }
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
-                         bool trans_b, double alpha, double beta) {
+                         bool trans_b, double alpha, double beta, const Tensor& addend) {
   using namespace cuda;
   if (!a.device().is_cuda() || !b.device().is_cuda() || a.device() != out.device() ||
       b.device() != out.device())
@@ -147,13 +147,19 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
       (b.shape()[0] != batch && b.shape()[0] != 1))
     throw std::logic_error("[matmul] shapes do not agree: " + a.str() + (trans_a ? "^T" : "") +
                            " @ " + b.str() + (trans_b ? "^T" : "") + " -> " + out.str());
+  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
+                           !addend.is_contiguous() || addend.device() != out.device()))
+    throw std::logic_error("[matmul] the addend " + addend.str() +
+                           " must be contiguous and match " + out.str());
+  // C: the addend, or out itself.
+  const Tensor& c = addend.defined() && beta != 0.0 ? addend : out;
   if (out.numel() == 0) return;
   DeviceGuard guard(out.device().index);
-  if (k == 0) {  // empty sum: out = beta * out
+  if (k == 0) {  // empty sum: out = beta * c
     if (beta == 0.0)
       kernels::cuda::fill(out, 0.0);
-    else if (beta != 1.0)
-      cuda_backend().mul_scalar(out, out, beta);
+    else if (beta != 1.0 || c.data_ptr() != out.data_ptr())
+      cuda_backend().mul_scalar(out, c, beta);
     return;
   }
   // A batch of row-major a against one shared b is one GEMM with batch * M rows.
@@ -169,12 +175,13 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
                   fold ? 1 : batch,
                   a.shape()[0] == 1 ? 0 : m * k,
                   b.shape()[0] == 1 ? 0 : k * n,
-                  lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr()})};
+                  lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr(), c.data_ptr()})};
   const int device = out.device().index;
   double al64 = alpha, be64 = beta;
   float al32 = static_cast<float>(alpha), be32 = static_cast<float>(beta);
   const bool f64 = a.dtype() == DType::F64;
   lt::Operands ops = lt::row_major_operands(a, b, out);
+  ops.c = c.data_ptr();
   ops.alpha = f64 ? static_cast<const void*>(&al64) : &al32;
   ops.beta = f64 ? static_cast<const void*>(&be64) : &be32;
   ops.beta_nonzero = p.beta_nonzero;

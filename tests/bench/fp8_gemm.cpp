@@ -48,7 +48,8 @@ void gemm_row(const char* what, int64_t M, int64_t N, int64_t K) {
       time_ms([&] { fp8_gemm(out32, g.data, g.scale_inv, b.data, b.scale_inv, false); });
   Tensor xa = randn({1, M, K}, DType::BF16), xb = randn({1, N, K}, DType::BF16);
   Tensor o16 = Tensor::empty({1, M, N}, DType::BF16, gpu);
-  const double bf16 = time_ms([&] { cuda_backend().matmul(o16, xa, xb, false, true, 1.0, 0.0); });
+  const double bf16 =
+      time_ms([&] { cuda_backend().matmul(o16, xa, xb, false, true, 1.0, 0.0, Tensor()); });
   std::printf(
       "%-26s M=%5lld N=%6lld K=%5lld | fp8 fast %7.1f | fp8 precise %7.1f | e5m2xe4m3 %7.1f | "
       "-> f32 %7.1f | bf16 %7.1f TFLOP/s | fp8/bf16 %.2fx\n",

@@ -102,7 +102,7 @@ void moe_rows(const char* what, int64_t experts, int64_t rows, int64_t n_out, in
   Tensor x3 = x.as_strided({1, rows, k_in}, {rows * k_in, k_in, 1}, x.offset());
   Tensor w3 = w[0].as_strided({1, n_out, k_in}, {n_out * k_in, k_in, 1}, w[0].offset());
   Tensor y3 = y.as_strided({1, rows, n_out}, {rows * n_out, n_out, 1}, y.offset());
-  const double dense = time_ms([&] { be.matmul(y3, x3, w3, false, true, 1.0, 0.0); });
+  const double dense = time_ms([&] { be.matmul(y3, x3, w3, false, true, 1.0, 0.0, Tensor()); });
   const double loop = time_ms([&] {
     for (int64_t e = 0; e < experts; ++e) {
       if (sizes[e] == 0) continue;
@@ -110,7 +110,7 @@ void moe_rows(const char* what, int64_t experts, int64_t rows, int64_t n_out, in
           ys[e].as_strided({1, sizes[e], n_out}, {sizes[e] * n_out, n_out, 1}, ys[e].offset()),
           xs[e].as_strided({1, sizes[e], k_in}, {sizes[e] * k_in, k_in, 1}, xs[e].offset()),
           w[e].as_strided({1, n_out, k_in}, {n_out * k_in, k_in, 1}, w[e].offset()), false, true,
-          1.0, 0.0);
+          1.0, 0.0, Tensor());
     }
   });
   const auto [mn, mx] = std::minmax_element(sizes.begin(), sizes.end());

@@ -300,9 +300,9 @@ TEST(CudaFp8, GemmTunedThenCachedThroughSharedContext) {
   Tensor x = random_tensor({1, M, K}, DType::BF16, rng),
          w = random_tensor({1, N, K}, DType::BF16, rng);
   Tensor want16 = cuda_test::cpu_out({1, M, N}, DType::BF16);
-  cpu_backend().matmul(want16, x, w, false, true, 1.0, 0.0);
+  cpu_backend().matmul(want16, x, w, false, true, 1.0, 0.0, Tensor());
   Tensor got16 = cuda_test::poisoned({1, M, N}, DType::BF16);
-  cuda_backend().matmul(got16, x.to(gpu()), w.to(gpu()), false, true, 1.0, 0.0);
+  cuda_backend().matmul(got16, x.to(gpu()), w.to(gpu()), false, true, 1.0, 0.0, Tensor());
   const accel::cuda::lt::TuningStats s3 = accel::cuda::lt::tuning_stats();
   EXPECT_EQ((s3.tuned + s3.heuristic_only) - (s2.tuned + s2.heuristic_only), 1);
   cuda_test::expect_matches(got16, want16, DType::BF16, "bf16 gemm after fp8", 4.0);

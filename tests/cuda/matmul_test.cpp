@@ -30,9 +30,9 @@ TEST_P(CudaMatmul, AllTransposesAndBatchBroadcast) {
           Tensor c0 = random_tensor({batch, m, n}, t, rng);
           for (double beta : {0.0, 0.5}) {
             Tensor want = c0.clone();
-            cpu_backend().matmul(want, a, b, ta, tb, 1.25, beta);
+            cpu_backend().matmul(want, a, b, ta, tb, 1.25, beta, Tensor());
             Tensor got = beta == 0.0 ? poisoned({batch, m, n}, t) : c0.to(gpu());
-            cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), ta, tb, 1.25, beta);
+            cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), ta, tb, 1.25, beta, Tensor());
             // Sums of 130 products: relative to the output scale.
             expect_close(got, want, tol_for(t).rtol, (t == DType::F32 ? 1e-5 : 1e-2) * rms(want),
                          "matmul ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
@@ -54,10 +54,10 @@ TEST(CudaMatmulTf32, CloseToFp32WhenAllowed) {
   Tensor a = random_tensor({1, 256, 512}, DType::F32, rng);
   Tensor b = random_tensor({1, 512, 128}, DType::F32, rng);
   Tensor want = cpu_out({1, 256, 128}, DType::F32);
-  cpu_backend().matmul(want, a, b, false, false, 1.0, 0.0);
+  cpu_backend().matmul(want, a, b, false, false, 1.0, 0.0, Tensor());
   cuda::set_allow_tf32(true);
   Tensor got = poisoned({1, 256, 128}, DType::F32);
-  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.0);
+  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.0, Tensor());
   cuda::set_allow_tf32(false);
   expect_close(got, want, 5e-3, 5e-3 * rms(want), "tf32 matmul");
 }
@@ -86,12 +86,12 @@ TEST(CudaMatmulTuning, AccumulateTunedThenCachedMatchesCpu) {
     Tensor b = random_tensor({batch, n, k}, t, rng);
     Tensor c0 = random_tensor({batch, m, n}, t, rng);
     Tensor want = c0.clone();
-    cpu_backend().matmul(want, a, b, false, true, 0.75, 1.0);
+    cpu_backend().matmul(want, a, b, false, true, 0.75, 1.0, Tensor());
     Tensor ga = a.to(gpu()), gb = b.to(gpu());
     const double atol = (t == DType::F32 ? 1e-5 : 1e-2) * rms(want);
     const cuda::lt::TuningStats s0 = cuda::lt::tuning_stats();
     Tensor first = c0.to(gpu());
-    cuda_backend().matmul(first, ga, gb, false, true, 0.75, 1.0);
+    cuda_backend().matmul(first, ga, gb, false, true, 0.75, 1.0, Tensor());
     const cuda::lt::TuningStats s1 = cuda::lt::tuning_stats();
     EXPECT_EQ(s1.tuned, s0.tuned + 1)
         << "the first call of a new problem should time the heuristic's candidates (heuristic_only "
@@ -99,7 +99,7 @@ TEST(CudaMatmulTuning, AccumulateTunedThenCachedMatchesCpu) {
         << "; only one candidate offered makes this test unable to catch double accumulation)";
     expect_close(first, want, tol_for(t).rtol, atol, "tuned accumulating matmul");
     Tensor second = c0.to(gpu());
-    cuda_backend().matmul(second, ga, gb, false, true, 0.75, 1.0);
+    cuda_backend().matmul(second, ga, gb, false, true, 0.75, 1.0, Tensor());
     const cuda::lt::TuningStats s2 = cuda::lt::tuning_stats();
     EXPECT_EQ(s2.tuned, s1.tuned);
     EXPECT_EQ(s2.heuristic_only, s1.heuristic_only);
@@ -107,10 +107,10 @@ TEST(CudaMatmulTuning, AccumulateTunedThenCachedMatchesCpu) {
     expect_close(second, want, tol_for(t).rtol, atol, "cached accumulating matmul");
     // beta = 0 (a different plan), tuned on the poisoned output itself, then cached.
     Tensor want0 = cpu_out({batch, m, n}, t);
-    cpu_backend().matmul(want0, a, b, false, true, 0.75, 0.0);
+    cpu_backend().matmul(want0, a, b, false, true, 0.75, 0.0, Tensor());
     for (int rep = 0; rep < 2; ++rep) {
       Tensor got = poisoned({batch, m, n}, t);
-      cuda_backend().matmul(got, ga, gb, false, true, 0.75, 0.0);
+      cuda_backend().matmul(got, ga, gb, false, true, 0.75, 0.0, Tensor());
       expect_close(got, want0, tol_for(t).rtol, atol, "beta 0 matmul, call " + std::to_string(rep));
     }
   }
@@ -126,10 +126,10 @@ TEST(CudaMatmulTuning, HeuristicOnlyWhenTuningOff) {
   Tensor b = random_tensor({1, 160, 224}, DType::BF16, rng);
   Tensor c0 = random_tensor({1, 96, 224}, DType::BF16, rng);
   Tensor want = c0.clone();
-  cpu_backend().matmul(want, a, b, false, false, 1.0, 0.5);
+  cpu_backend().matmul(want, a, b, false, false, 1.0, 0.5, Tensor());
   const cuda::lt::TuningStats s0 = cuda::lt::tuning_stats();
   Tensor got = c0.to(gpu());
-  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.5);
+  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, false, 1.0, 0.5, Tensor());
   const cuda::lt::TuningStats s1 = cuda::lt::tuning_stats();
   EXPECT_EQ(s1.tuned, s0.tuned);
   EXPECT_EQ(s1.heuristic_only, s0.heuristic_only + 1);
@@ -167,6 +167,49 @@ TEST(CudaMatmulOps, LinearWeightGradient) {
   EXPECT_TRUE(wg.grad().is_contiguous());
   EXPECT_EQ(wg.grad().shape(), w.shape());
   expect_matches(wg.grad(), wc.grad(), DType::F32, "linear weight grad", 8.0);
+}
+
+// C != D: out = a @ b^T + addend with the addend only read, bf16 rounded once as on the CPU; then
+// three projections of one input through the ops layer, whose input gradients the GEMMs sum.
+TEST(CudaMatmulOps, AddendIsReadNotWrittenAndSharedInputGradientsSum) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  Tensor a = random_tensor({1, 96, 160}, DType::BF16, rng);
+  Tensor b = random_tensor({1, 224, 160}, DType::BF16, rng);
+  Tensor c0 = random_tensor({1, 96, 224}, DType::BF16, rng);
+  Tensor want = cpu_out({1, 96, 224}, DType::BF16);
+  cpu_backend().matmul(want, a, b, false, true, 1.0, 1.0, c0);
+  Tensor in_place = c0.clone();
+  cpu_backend().matmul(in_place, a, b, false, true, 1.0, 1.0, Tensor());
+  EXPECT_EQ(want.to_vector(), in_place.to_vector()) << "the CPU's addend and in-place forms differ";
+  Tensor addend = c0.to(gpu());
+  Tensor got = poisoned({1, 96, 224}, DType::BF16);
+  cuda_backend().matmul(got, a.to(gpu()), b.to(gpu()), false, true, 1.0, 1.0, addend);
+  EXPECT_EQ(addend.to_vector(), c0.to_vector()) << "the addend was written";
+  expect_matches(got, want, DType::BF16, "matmul with an addend", 4.0);
+
+  Tensor x = random_tensor({2, 9, 64}, DType::F32, rng);
+  std::vector<Tensor> ws, gys;
+  for (int64_t out : {48, 16, 16}) {
+    ws.push_back(random_tensor({out, 64}, DType::F32, rng));
+    gys.push_back(random_tensor({2, 9, out}, DType::F32, rng));
+  }
+  Tensor want_gx;
+  for (size_t i = 0; i < ws.size(); ++i) {  // the unfused sum, from the CPU
+    Tensor gi = matmul(reshape(gys[i], {18, -1}), ws[i]);
+    want_gx = want_gx.defined() ? add(want_gx, gi) : gi;
+  }
+  Tensor xg = x.to(gpu());
+  xg.set_requires_grad(true);
+  Tensor loss;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    Tensor term = sum(mul(linear(xg, ws[i].to(gpu())), gys[i].to(gpu())));
+    loss = loss.defined() ? add(loss, term) : term;
+  }
+  loss.backward();
+  expect_matches(reshape(xg.grad(), {18, 64}), want_gx, DType::F32, "summed input gradient", 8.0);
 }
 
 }  // namespace

@@ -409,7 +409,7 @@ TEST(Forward, MatmulAllFloatDtypes) {
   Tensor at = randn({1, 5, 3}, 19), bt = randn({1, 4, 5}, 20);
   Tensor out = randn({1, 3, 4}, 21);
   auto ov = out.to_vector(), atv = at.to_vector(), btv = bt.to_vector();
-  cpu_backend().matmul(out, at, bt, true, true, 2.0, 0.5);
+  cpu_backend().matmul(out, at, bt, true, true, 2.0, 0.5, Tensor());
   std::vector<double> ref2(12);
   for (int i = 0; i < 3; ++i)
     for (int j = 0; j < 4; ++j) {

@@ -128,6 +128,16 @@ TEST(GradCheck, MatmulAndLinear) {
              {randn({2, 4, 3}, 30), randn({2, 5, 4}, 31)});
   grad_check("linear", [](const V& x) { return linear(x[0], x[1], x[2]); },
              {randn({2, 3, 4}, 32), randn({5, 4}, 33), randn({5}, 34)});
+  // Each linear's input-gradient GEMM adds what the shared input already has (folding).
+  grad_check(
+      "linears sharing their input",
+      [](const V& x) {
+        return add(add(linear(x[0], x[1]), mul(linear(x[0], x[2]), 2.0)), linear(x[0], x[3]));
+      },
+      {randn({2, 3, 4}, 70), randn({5, 4}, 71), randn({5, 4}, 72), randn({5, 4}, 73)});
+  grad_check("linear of a transposed input",
+             [](const V& x) { return linear(transpose(x[0], -1, -2), x[1]); },
+             {randn({2, 4, 3}, 74), randn({5, 4}, 75)});
 }
 
 TEST(GradCheck, SoftmaxFamily) {
