@@ -3,7 +3,7 @@
 
     CUDA_INJECTION64_PATH=build/lib/libaccel_kernel_trace.so ACCEL_TRACE_OUT=trace.csv \\
         build/bin/accel-train --config configs/llama-1b.yaml --set training.max_steps=12
-    python3 tools/reference/step_timeline.py trace.csv [--steps 5]
+    python3 tools/reference/step_timeline.py trace.csv [--steps 5] [--kernels 30]
 
 A step runs from one forward embedding lookup (`embedding_kernel`) to the next; the last
 --steps whole steps are read. For each step: the wall time, the time the GPU was running
@@ -15,13 +15,15 @@ something, and the time it was idle, split by why:
     had finished the previous one: the host is slower than the GPU there;
   - queued: the next work was launched before the GPU went idle; the gap is the GPU's own
     latency between launches.
-Then the kernel time by kind (step_kernels.py's kinds) and the largest idle gaps with the
-kernels on either side and the host call that preceded the late launch.
+Then the kernel time by kind (step_kernels.py's kinds), the largest idle gaps with the
+kernels on either side and the host call that preceded the late launch, and with --kernels N the
+N kernels (and copies) that take the most time, with their launches and mean time.
 """
 import bisect
 import csv
 import re
 import statistics
+import subprocess
 import sys
 from collections import defaultdict
 
@@ -34,18 +36,31 @@ WAITS = re.compile(r"Synchronize|cudaMemcpy(?!.*Async)|cuMemcpy[DH]to[DH](?!.*As
 GPU_KINDS = {"K", "C", "S"}
 
 
+def demangled(names):
+    """{mangled: readable} through c++filt when it is installed (binutils), else names as they are."""
+    names = sorted(set(names))
+    try:
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
+                             check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return {n: n for n in names}
+    return dict(zip(names, out)) if len(out) >= len(names) else {n: n for n in names}
+
+
 def read(path):
     gpu, api = [], []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             rec = (int(row["start_ns"]), int(row["end_ns"]), int(row["correlation"]), row["name"])
             (gpu if row["kind"] in GPU_KINDS else api).append(rec)
-    gpu.sort()
+    readable = demangled(g[3] for g in gpu)
+    gpu = sorted((s, e, c, readable[n]) for s, e, c, n in gpu)
     api.sort()
     return gpu, api
 
 
 def short(name):
+    name = re.sub(r"^void |\(anonymous namespace\)::", "", name)
     name = re.sub(r"\(.*", "", name)  # drop the parameter list
     name = re.sub(r"<.*", "", name)  # and template arguments
     return name.split("::")[-1][:48] or "?"
@@ -53,11 +68,15 @@ def short(name):
 
 def main():
     args = sys.argv[1:]
-    want = 5
-    if "--steps" in args:
-        i = args.index("--steps")
-        want = int(args[i + 1])
-        del args[i:i + 2]
+    want, top = 5, 0
+    for flag in ("--steps", "--kernels"):
+        if flag in args:
+            i = args.index(flag)
+            if flag == "--steps":
+                want = int(args[i + 1])
+            else:
+                top = int(args[i + 1])
+            del args[i:i + 2]
     if len(args) != 1:
         sys.exit(__doc__)
     gpu, api = read(args[0])
@@ -65,12 +84,13 @@ def main():
     for s, _, c, _ in api:
         launch.setdefault(c, s)
     api_starts = [x[0] for x in api]
-    starts = [i for i, g in enumerate(gpu) if re.search(r"(?<![A-Za-z_])embedding_kernel(?!_)", g[3])]
+    starts = [i for i, g in enumerate(gpu) if re.search(r"\bembedding_kernel\b", g[3])]
     if len(starts) < 2:
         sys.exit(f"need two forward embedding launches, found {len(starts)}: run more steps")
     bounds = list(zip(starts, starts[1:]))[-want:]
     waits = [(s, e, n) for s, e, _, n in api if WAITS.search(n)]
     rows, gaps, by_kind = [], defaultdict(float), defaultdict(float)
+    by_name = defaultdict(lambda: [0.0, 0.0])  # name -> [ns, launches] per step
     for a, b in bounds:
         t0, t1 = gpu[a][0], gpu[b][0]
         busy = late_wait = late_busy = queued = 0
@@ -97,6 +117,8 @@ def main():
             if i < b:
                 busy += max(0, e - max(s, end))
                 by_kind[kind_of(n)] += (e - s) / len(bounds)
+                by_name[n][0] += (e - s) / len(bounds)
+                by_name[n][1] += 1 / len(bounds)
             end = max(end, e)
         rows.append((t1 - t0, busy, late_wait, late_busy, queued))
 
@@ -116,6 +138,10 @@ def main():
     print("|---|---|")
     for (p, n, h), v in sorted(gaps.items(), key=lambda kv: -kv[1])[:15]:
         print(f"| {p} -> {n} ({h}) | {ms(v):.3f} |")
+    if top:
+        print("\n| kernel | ms per step | launches | us each |\n|---|---|---|---|")
+        for n, (t, k) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"| {short(n)} | {ms(t):.2f} | {k:.0f} | {t / k / 1e3:.1f} |")
 
 
 if __name__ == "__main__":
