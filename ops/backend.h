@@ -5,12 +5,29 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops/fp8.h"
 #include "ops/ops.h"
 
 namespace accel {
+
+// A backend's argument check: throws std::logic_error "[op] <backend><message>" when !ok. `msg` is
+// the message or a callable that builds it: a message built from tensor descriptions costs
+// microseconds of host time, which a check that passes should not spend on every launch.
+template <class Msg>
+void backend_require(bool ok, const char* op, const char* backend, Msg&& msg) {
+  if (ok) return;
+  std::string text;
+  if constexpr (std::is_invocable_v<Msg>)
+    text = msg();
+  else
+    text = msg;
+  throw std::logic_error(std::string("[") + op + "] " + backend + text);
+}
 
 enum class UnaryOp { Neg, Exp, Log, Sqrt, Rsqrt, Abs, Sigmoid, Silu, Gelu, Tanh, Square };
 enum class BinaryOp { Add, Sub, Mul, Div, Maximum, Greater, Equal };

@@ -7,8 +7,10 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "ops/backend.h"
 #include "ops/cpu/cpu_common.h"
 
 namespace accel::cpu {
@@ -17,17 +19,10 @@ namespace accel::cpu {
 template <class Tr>
 using AccOf = std::conditional_t<std::is_same_v<typename Tr::C, double>, double, float>;
 
-// `msg`: the message, or a callable that builds it: a message built from tensor descriptions
-// costs microseconds of host time, which a check that passes should not spend on every launch.
+// backend_require (ops/backend.h) for the CPU kernels.
 template <class Msg>
 void require(bool ok, const char* op, Msg&& msg) {
-  if (ok) return;
-  std::string text;
-  if constexpr (std::is_invocable_v<Msg>)
-    text = msg();
-  else
-    text = msg;
-  throw std::logic_error(std::string("[") + op + "] " + text);
+  backend_require(ok, op, "", std::forward<Msg>(msg));
 }
 
 // Work per row -> rows per thread chunk.

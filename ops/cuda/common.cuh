@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "ops/cuda/cuda_backend.h"
 #include "runtime/cuda/device_common.cuh"
@@ -45,17 +46,10 @@ __device__ __forceinline__ int chunk_owner(const int32_t* first_chunk, int count
   return lo;
 }
 
-// `msg`: the message, or a callable that builds it: a message built from tensor descriptions
-// costs microseconds of host time, which a check that passes should not spend on every launch.
+// backend_require (ops/backend.h) for the CUDA kernels.
 template <class Msg>
 void require(bool ok, const char* op, Msg&& msg) {
-  if (ok) return;
-  std::string text;
-  if constexpr (std::is_invocable_v<Msg>)
-    text = msg();
-  else
-    text = msg;
-  throw std::logic_error(std::string("[") + op + "] CUDA backend: " + text);
+  backend_require(ok, op, "CUDA backend: ", std::forward<Msg>(msg));
 }
 
 inline void require_cuda(const Tensor& t, const char* op, const char* what) {
