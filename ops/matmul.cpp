@@ -92,8 +92,9 @@ namespace {
 // gradient): the projections that share an input (q, k, v; gate, up) then sum their input
 // gradients inside the GEMMs instead of in separate additions.
 Tensor linear_contiguous(const Tensor& x, const Tensor& weight, const Shape& out_shape) {
-  const int64_t in = weight.size(1), out = weight.size(0),
-                rows = x.numel() / std::max<int64_t>(in, 1);
+  const int64_t in = weight.size(1), out = weight.size(0);
+  // The rows are x's leading dims (not numel / in: in_features may be 0).
+  const int64_t rows = shape_numel(Shape(x.shape().begin(), x.shape().end() - 1));
   auto rows3 = [rows](const Tensor& t, int64_t cols) {
     return t.as_strided({1, rows, cols}, {rows * cols, cols, 1}, t.offset());
   };

@@ -129,12 +129,12 @@ TEST(GradCheck, MatmulAndLinear) {
   grad_check("linear", [](const V& x) { return linear(x[0], x[1], x[2]); },
              {randn({2, 3, 4}, 32), randn({5, 4}, 33), randn({5}, 34)});
   // Each linear's input-gradient GEMM adds what the shared input already has (folding).
-  grad_check(
-      "linears sharing their input",
-      [](const V& x) {
-        return add(add(linear(x[0], x[1]), mul(linear(x[0], x[2]), 2.0)), linear(x[0], x[3]));
-      },
-      {randn({2, 3, 4}, 70), randn({5, 4}, 71), randn({5, 4}, 72), randn({5, 4}, 73)});
+  grad_check("linears sharing their input",
+             [](const V& x) {
+               return add(add(linear(x[0], x[1]), mul(linear(x[0], x[2]), 2.0)),
+                          linear(x[0], x[3]));
+             },
+             {randn({2, 3, 4}, 70), randn({5, 4}, 71), randn({5, 4}, 72), randn({5, 4}, 73)});
   grad_check("linear of a transposed input",
              [](const V& x) { return linear(transpose(x[0], -1, -2), x[1]); },
              {randn({2, 4, 3}, 74), randn({5, 4}, 75)});
@@ -241,6 +241,12 @@ TEST(GradCheck, EmptyDimensions) {
              {e, randn({4, 3}, 56)});
   grad_check("matmul empty K", [](const V& x) { return matmul(x[0], x[1]); },
              {randn({3, 0}, 57), randn({0, 2}, 58)});
+  grad_check("linear no rows", [](const V& x) { return linear(x[0], x[1]); },
+             {randn({0, 4}, 76), randn({3, 4}, 77)});
+  // No input features: the output is zeros (an empty sum), not uninitialised memory.
+  grad_check("linear no in_features", [](const V& x) { return linear(x[0], x[1]); },
+             {randn({2, 3, 0}, 78), randn({5, 0}, 79)});
+  EXPECT_EQ(linear(randn({2, 0}, 80), randn({3, 0}, 81)).to_vector(), std::vector<double>(6, 0.0));
   grad_check("softmax empty rows", [](const V& x) { return softmax(x[0], -1); }, {e});
   grad_check("rms_norm no rows", [](const V& x) { return rms_norm(x[0], x[1], 1e-5); },
              {e, randn({4}, 59)});

@@ -13,16 +13,18 @@ namespace accel {
 namespace {
 using namespace tool_test;
 
-// Three steps of 6.3 ms, in microseconds from the step's start: the embedding lookup (launched at
-// 0, runs 10..1000), a GEMM (launched at 20, runs 1000..5000), a host wait (30..5100) on the
-// GEMM, then AdamW launched late at 5300 (runs 5310..6000) and a copy launched late at 6100 (runs
-// 6110..6200); the next step's lookup is launched at 6300.
+// Three steps of 6.3 ms, in microseconds from the step's start, launched from thread 1: the
+// embedding lookup (launched at 0, runs 10..1000), a GEMM (launched at 20, runs 1000..5000), a
+// host wait (30..5100) on the GEMM, then AdamW launched late at 5300 (runs 5310..6000) and a copy
+// launched late at 6100 (runs 6110..6200); the next step's lookup is launched at 6300. Thread 2
+// waits 6000..6150: another thread's wait does not make thread 1's late launch "after a wait".
 std::string synthetic_trace() {
   std::ostringstream f;
-  f << "kind,start_ns,end_ns,correlation,stream,name\n";
-  auto row = [&](char kind, long start_us, long end_us, int corr, const char* name) {
-    f << kind << ',' << start_us * 1000 << ',' << end_us * 1000 << ',' << corr << ",7,\"" << name
-      << "\"\n";
+  f << "kind,start_ns,end_ns,correlation,stream_or_thread,name\n";
+  auto row = [&](char kind, long start_us, long end_us, int corr, const char* name,
+                 int thread = 1) {
+    f << kind << ',' << start_us * 1000 << ',' << end_us * 1000 << ',' << corr << ','
+      << (kind == 'K' ? 7 : thread) << ",\"" << name << "\"\n";
   };
   int c = 0;
   for (long t = 0; t < 3 * 6300; t += 6300) {
@@ -33,6 +35,7 @@ std::string synthetic_trace() {
     row('R', t + 30, t + 5100, 0, "cudaStreamSynchronize");
     row('R', t + 5300, t + 5305, ++c, "cudaLaunchKernel");
     row('K', t + 5310, t + 6000, c, "void accel::(anonymous namespace)::adamw_kernel(float*)");
+    row('R', t + 6000, t + 6150, 0, "cudaStreamSynchronize", 2);
     row('R', t + 6100, t + 6105, ++c, "cudaLaunchKernel");
     row('K', t + 6110, t + 6200, c, "copy_kernel");
   }
@@ -61,7 +64,7 @@ TEST(StepTimeline, SplitsIdleTimeByCauseAndNamesTheGaps) {
   EXPECT_NE(r.output.find("| nvjet_gemm | 4.00 | 1 | 4000.0 |"), std::string::npos) << r.output;
 
   // Too short a trace: a message that says so, and a failing exit.
-  std::ofstream(dir / "short.csv") << "kind,start_ns,end_ns,correlation,stream,name\n"
+  std::ofstream(dir / "short.csv") << "kind,start_ns,end_ns,correlation,stream_or_thread,name\n"
                                    << "K,0,10,1,7,\"embedding_kernel\"\n";
   const Result s = run_command("python3 " + std::string(ACCEL_SOURCE_DIR) +
                                "/tools/reference/step_timeline.py " + (dir / "short.csv").string());

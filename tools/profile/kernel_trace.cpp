@@ -1,12 +1,16 @@
 // A CUPTI activity tracer the CUDA driver loads into any program:
 //   CUDA_INJECTION64_PATH=build/lib/libaccel_kernel_trace.so ACCEL_TRACE_OUT=trace.csv prog ...
 // It records every kernel, copy and memset the GPU ran (start and end by the GPU's clock) and
-// every CUDA runtime and driver call the host made (start and end by the same clock), and writes
-// them as CSV when the program exits. tools/reference/step_timeline.py reads the file and says
-// where a step's GPU time goes and why the GPU was idle (the host late to launch, or a wait).
-// The machines we measure on have no Nsight Systems; this is the part of it we need.
+// every CUDA runtime and driver call the host made (start and end by the same clock, with the
+// calling thread), and writes them as CSV when the program exits. "%p" in ACCEL_TRACE_OUT becomes
+// the process id: several processes (ranks) need it, or they write the same file.
+// tools/reference/step_timeline.py reads the file and says where a step's GPU time goes and why the
+// GPU was idle (the host late to launch, or a wait). The machines we measure on have no Nsight
+// Systems; this is the part of it we need.
 #include <cupti.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,12 +24,14 @@ namespace {
 struct Record {
   char kind;  // 'K' kernel, 'C' copy, 'S' memset, 'R' runtime call, 'D' driver call
   uint64_t start, end;
-  uint32_t correlation, stream;
+  uint32_t correlation, stream;  // stream: the GPU's stream, or the host thread of a call
   std::string name;
 };
 
 std::mutex g_mutex;
-std::vector<Record> g_records;
+// Never freed: CUPTI may still deliver buffers while static destructors run after write_trace.
+std::vector<Record>& g_records = *new std::vector<Record>;
+std::atomic<bool> g_written{false};  // after write_trace, late buffers are dropped
 constexpr size_t kBufferBytes = 8u << 20;
 
 void check(CUptiResult r, const char* what) {
@@ -76,7 +82,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       case CUPTI_ACTIVITY_KIND_DRIVER: {
         const auto* r = reinterpret_cast<const CUpti_ActivityAPI*>(a);
         const bool runtime = a->kind == CUPTI_ACTIVITY_KIND_RUNTIME;
-        got.push_back({runtime ? 'R' : 'D', r->start, r->end, r->correlationId, 0,
+        got.push_back({runtime ? 'R' : 'D', r->start, r->end, r->correlationId, r->threadId,
                        api_name(runtime ? CUPTI_CB_DOMAIN_RUNTIME_API : CUPTI_CB_DOMAIN_DRIVER_API,
                                 r->cbid)});
         break;
@@ -90,20 +96,35 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   if (dropped) std::fprintf(stderr, "kernel_trace: %zu records dropped\n", dropped);
   std::free(buffer);
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_records.insert(g_records.end(), got.begin(), got.end());
+  if (!g_written) g_records.insert(g_records.end(), got.begin(), got.end());
+}
+
+const CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL,
+                                     CUPTI_ACTIVITY_KIND_MEMCPY, CUPTI_ACTIVITY_KIND_MEMSET,
+                                     CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_ACTIVITY_KIND_DRIVER};
+
+// ACCEL_TRACE_OUT (default kernel_trace.csv) with "%p" replaced by the process id.
+std::string trace_path() {
+  const char* env = std::getenv("ACCEL_TRACE_OUT");
+  std::string path = env && *env ? env : "kernel_trace.csv";
+  for (size_t at = path.find("%p"); at != std::string::npos; at = path.find("%p"))
+    path.replace(at, 2, std::to_string(getpid()));
+  return path;
 }
 
 // Kernel names can hold commas (templates): the name is the last field and is quoted.
 void write_trace() {
+  for (CUpti_ActivityKind k : kKinds) cuptiActivityDisable(k);
   cuptiActivityFlushAll(1);
-  const char* path = std::getenv("ACCEL_TRACE_OUT");
-  std::FILE* f = std::fopen(path && *path ? path : "kernel_trace.csv", "w");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_written = true;
+  const std::string path = trace_path();
+  std::FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
-    std::fprintf(stderr, "kernel_trace: cannot write %s\n", path ? path : "kernel_trace.csv");
+    std::fprintf(stderr, "kernel_trace: cannot write %s\n", path.c_str());
     return;
   }
-  std::lock_guard<std::mutex> lock(g_mutex);
-  std::fprintf(f, "kind,start_ns,end_ns,correlation,stream,name\n");
+  std::fprintf(f, "kind,start_ns,end_ns,correlation,stream_or_thread,name\n");
   for (const Record& r : g_records) {
     std::string name = r.name;
     for (char& c : name)
@@ -112,7 +133,7 @@ void write_trace() {
                  static_cast<unsigned long long>(r.end), r.correlation, r.stream, name.c_str());
   }
   std::fclose(f);
-  std::fprintf(stderr, "kernel_trace: %zu records written\n", g_records.size());
+  std::fprintf(stderr, "kernel_trace: %zu records written to %s\n", g_records.size(), path.c_str());
 }
 
 }  // namespace
@@ -120,11 +141,7 @@ void write_trace() {
 // Called by the CUDA driver when CUDA_INJECTION64_PATH names this library.
 extern "C" int InitializeInjection() {
   check(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "register callbacks");
-  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels");
-  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable copies");
-  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memsets");
-  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enable runtime calls");
-  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER), "enable driver calls");
+  for (CUpti_ActivityKind k : kKinds) check(cuptiActivityEnable(k), "enable an activity kind");
   // Delivered every half second too: a program whose contexts are gone by exit loses at most
   // its last half second.
   check(cuptiActivityFlushPeriod(500), "flush period");

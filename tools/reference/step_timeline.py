@@ -6,11 +6,13 @@
     python3 tools/reference/step_timeline.py trace.csv [--steps 5] [--kernels 30]
 
 A step runs from one forward embedding lookup (`embedding_kernel`) to the next; the last
---steps whole steps are read. For each step: the wall time, the time the GPU was running
+--steps whole steps are read (with gradient accumulation, or evaluation in the window, these are
+micro-batches or evaluation batches: trace plain steps). For each step: the wall time, the time the GPU was running
 something, and the time it was idle, split by why:
-  - host late, after a wait: the GPU ran dry while the host was blocked in a synchronizing call
-    (a stream synchronize, a blocking copy: a loss or norm read) and had not launched the next
-    work yet;
+  - host late, after a wait: the GPU ran dry while the launching thread was blocked in a
+    synchronizing call (a stream synchronize, a blocking copy: a loss or norm read) and had not
+    launched the next work yet (a wait that polls, as the NCCL process group's does, counts as
+    launching);
   - host late, launching: the host was busy (no wait) and launched the next work after the GPU
     had finished the previous one: the host is slower than the GPU there;
   - queued: the next work was launched before the GPU went idle; the gap is the GPU's own
@@ -30,9 +32,7 @@ from collections import defaultdict
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from step_kernels import kind_of  # noqa: E402
 
-WAITS = re.compile(r"Synchronize|cudaMemcpy(?!.*Async)|cuMemcpy[DH]to[DH](?!.*Async)|"
-                   r"cudaStreamWaitEvent|cudaEventSynchronize|cuStreamSynchronize|"
-                   r"cuCtxSynchronize|cuEventSynchronize")
+WAITS = re.compile(r"Synchronize|cudaMemcpy(?!.*Async)|cuMemcpy[DH]to[DH](?!.*Async)")
 GPU_KINDS = {"K", "C", "S"}
 
 
@@ -48,11 +48,16 @@ def demangled(names):
 
 
 def read(path):
+    """-> GPU records (start, end, correlation, name) and host calls (start, end, correlation,
+    name, thread), each sorted by start."""
     gpu, api = [], []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             rec = (int(row["start_ns"]), int(row["end_ns"]), int(row["correlation"]), row["name"])
-            (gpu if row["kind"] in GPU_KINDS else api).append(rec)
+            if row["kind"] in GPU_KINDS:
+                gpu.append(rec)
+            else:  # older traces have no thread: one thread
+                api.append(rec + (int(row.get("stream_or_thread") or 0),))
     readable = demangled(g[3] for g in gpu)
     gpu = sorted((s, e, c, readable[n]) for s, e, c, n in gpu)
     api.sort()
@@ -80,15 +85,27 @@ def main():
     if len(args) != 1:
         sys.exit(__doc__)
     gpu, api = read(args[0])
-    launch = {}  # correlation -> start of the host call that launched it
-    for s, _, c, _ in api:
-        launch.setdefault(c, s)
-    api_starts = [x[0] for x in api]
-    starts = [i for i, g in enumerate(gpu) if re.search(r"\bembedding_kernel\b", g[3])]
+    launch = {}  # correlation -> (start, thread) of the host call that launched it
+    calls, waits = defaultdict(list), defaultdict(list)  # thread -> its calls / its waits
+    for s, e, c, n, th in api:
+        launch.setdefault(c, (s, th))
+        calls[th].append((s, n))
+        if WAITS.search(n):
+            waits[th].append((e, s))  # by end: one thread's waits do not overlap
+    wait_ends = {th: [w[0] for w in ws] for th, ws in waits.items()}
+    call_starts = {th: [x[0] for x in xs] for th, xs in calls.items()}
+
+    def waited(th, idle_from, issued):
+        """Whether thread th was blocked in a wait between the GPU going idle and the launch."""
+        k = bisect.bisect_right(wait_ends.get(th, []), idle_from)
+        return k < len(waits[th]) and waits[th][k][1] < issued
+
+    # The lookup's name, mangled (no c++filt) or not: "...16embedding_kernelI..." or
+    # "void accel::...::embedding_kernel<...>(...)"; never embedding_backward_kernel.
+    starts = [i for i, g in enumerate(gpu) if re.search(r"(?<![A-Za-z_])embedding_kernel(?!_)", g[3])]
     if len(starts) < 2:
         sys.exit(f"need two forward embedding launches, found {len(starts)}: run more steps")
     bounds = list(zip(starts, starts[1:]))[-want:]
-    waits = [(s, e, n) for s, e, _, n in api if WAITS.search(n)]
     rows, gaps, by_kind = [], defaultdict(float), defaultdict(float)
     by_name = defaultdict(lambda: [0.0, 0.0])  # name -> [ns, launches] per step
     for a, b in bounds:
@@ -99,17 +116,18 @@ def main():
             s, e, c, n = gpu[i]
             gap = s - end
             if gap > 0:
-                issued = launch.get(c, s)
+                issued, th = launch.get(c, (end, None))  # no launch record: counted as queued
                 if issued > end:  # the host launched it after the GPU had gone idle
-                    waited = any(ws < issued and we > end for ws, we, _ in waits)
-                    if waited:
+                    blocked = waited(th, end, issued)
+                    if blocked:
                         late_wait += min(gap, issued - end)
                     else:
                         late_busy += min(gap, issued - end)
                     queued += max(0, gap - (issued - end))
-                    at = bisect.bisect_left(api_starts, issued) - 1  # the call before the launch
-                    host = short(api[at][3]) if at >= 0 else "?"
-                    key = (short(gpu[i - 1][3]), short(n), "after a wait" if waited else host)
+                    # The launching thread's call before the launch.
+                    at = bisect.bisect_left(call_starts[th], issued) - 1
+                    host = short(calls[th][at][1]) if at >= 0 else "?"
+                    key = (short(gpu[i - 1][3]), short(n), "after a wait" if blocked else host)
                 else:
                     queued += gap
                     key = (short(gpu[i - 1][3]), short(n), "queued")
