@@ -15,6 +15,17 @@
 
 namespace accel {
 
+// What both backends' rope takes: x and out contiguous [B, S, H, D] of one shape and dtype, D even,
+// D/2 frequencies.
+inline bool rope_layout_ok(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs) {
+  return x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
+         out.dtype() == x.dtype() && x.shape()[3] % 2 == 0 &&
+         static_cast<int64_t>(freqs.inv_freq.size()) * 2 == x.shape()[3];
+}
+inline std::string rope_layout_error(const Tensor& x) {
+  return "needs contiguous [B, S, H, D] x and out with D even and D/2 frequencies, got " + x.str();
+}
+
 // A backend's argument check: throws std::logic_error "[op] <backend><message>" when !ok. `msg` is
 // the message or a callable that builds it: a message built from tensor descriptions costs
 // microseconds of host time, which a check that passes should not spend on every launch.

@@ -34,13 +34,7 @@ void rope_table(const std::vector<int64_t>& positions, const RopeFrequencies& f,
 
 void CpuBackend::rope(const Tensor& out, const Tensor& x, const RopeFrequencies& freqs,
                       int64_t position_offset, const Tensor& position_ids, bool inverse) {
-  require(x.dim() == 4 && x.is_contiguous() && out.is_contiguous() && out.shape() == x.shape() &&
-              out.dtype() == x.dtype() && x.shape()[3] % 2 == 0 &&
-              static_cast<int64_t>(freqs.inv_freq.size()) * 2 == x.shape()[3],
-          "rope", [&] {
-            return "needs contiguous [B, S, H, D] x and out with D even and D/2 frequencies, got " +
-                   x.str();
-          });
+  require(rope_layout_ok(out, x, freqs), "rope", [&] { return rope_layout_error(x); });
   const int64_t b_len = x.shape()[0], s_len = x.shape()[1], h_len = x.shape()[2], d = x.shape()[3],
                 half = d / 2;
   if (x.numel() == 0) return;
