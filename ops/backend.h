@@ -26,6 +26,15 @@ inline std::string rope_layout_error(const Tensor& x) {
   return "needs contiguous [B, S, H, D] x and out with D even and D/2 frequencies, got " + x.str();
 }
 
+// What both backends' matmul takes as an addend: none, or a contiguous tensor of out's shape,
+// dtype and device.
+inline void check_matmul_addend(const Tensor& out, const Tensor& addend) {
+  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
+                           !addend.is_contiguous() || addend.device() != out.device()))
+    throw std::logic_error("[matmul] the addend " + addend.str() +
+                           " must be contiguous and match " + out.str());
+}
+
 // A backend's argument check: throws std::logic_error "[op] <backend><message>" when !ok. `msg` is
 // the message or a callable that builds it: a message built from tensor descriptions costs
 // microseconds of host time, which a check that passes should not spend on every launch.

@@ -98,10 +98,7 @@ void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, boo
     throw std::logic_error("[matmul] shapes do not line up: " + a.str() + (trans_a ? "^T" : "") +
                            " @ " + b.str() + (trans_b ? "^T" : "") + " -> " + out.str());
   const bool add = addend.defined() && beta != 0.0;
-  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
-                           !addend.is_contiguous() || addend.device() != out.device()))
-    throw std::logic_error("[matmul] the addend " + addend.str() +
-                           " must be contiguous and match " + out.str());
+  check_matmul_addend(out, addend);
   if (out.numel() == 0) return;
   // f32 / f64 accumulate into out itself: the addend is copied there first (exactly).
   const bool wide = a.dtype() == DType::F32 || a.dtype() == DType::F64;

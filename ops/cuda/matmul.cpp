@@ -147,10 +147,7 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
       (b.shape()[0] != batch && b.shape()[0] != 1))
     throw std::logic_error("[matmul] shapes do not agree: " + a.str() + (trans_a ? "^T" : "") +
                            " @ " + b.str() + (trans_b ? "^T" : "") + " -> " + out.str());
-  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
-                           !addend.is_contiguous() || addend.device() != out.device()))
-    throw std::logic_error("[matmul] the addend " + addend.str() +
-                           " must be contiguous and match " + out.str());
+  check_matmul_addend(out, addend);
   // C: the addend, or out itself.
   const Tensor& c = addend.defined() && beta != 0.0 ? addend : out;
   if (out.numel() == 0) return;
