@@ -32,6 +32,12 @@ KINDS = [
 ]
 
 
+# A step's first kernel, the forward embedding lookup, by its name mangled or not:
+# "...16embedding_kernelI..." or "void accel::...::embedding_kernel<...>(...)"; never
+# embedding_backward_kernel.
+STEP_START = re.compile(r"(?<![A-Za-z_])embedding_kernel(?!_)")
+
+
 def kind_of(name):
     low = name.lower()
     for kind, pattern in KINDS:
@@ -53,7 +59,7 @@ def read_kernels(path):
 
 
 def one_step(kernels):
-    starts = [i for i, (name, _) in enumerate(kernels) if re.search(r"\bembedding_kernel\b", name)]
+    starts = [i for i, (name, _) in enumerate(kernels) if STEP_START.search(name)]
     if len(starts) < 2:
         sys.exit(f"need two forward embedding launches in the window, found {len(starts)}: "
                  "widen --launch-count")

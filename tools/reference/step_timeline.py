@@ -30,7 +30,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from step_kernels import kind_of  # noqa: E402
+from step_kernels import STEP_START, kind_of  # noqa: E402
 
 WAITS = re.compile(r"Synchronize|cudaMemcpy(?!.*Async)|cuMemcpy[DH]to[DH](?!.*Async)")
 GPU_KINDS = {"K", "C", "S"}
@@ -100,9 +100,7 @@ def main():
         k = bisect.bisect_right(wait_ends.get(th, []), idle_from)
         return k < len(waits[th]) and waits[th][k][1] < issued
 
-    # The lookup's name, mangled (no c++filt) or not: "...16embedding_kernelI..." or
-    # "void accel::...::embedding_kernel<...>(...)"; never embedding_backward_kernel.
-    starts = [i for i, g in enumerate(gpu) if re.search(r"(?<![A-Za-z_])embedding_kernel(?!_)", g[3])]
+    starts = [i for i, g in enumerate(gpu) if STEP_START.search(g[3])]
     if len(starts) < 2:
         sys.exit(f"need two forward embedding launches, found {len(starts)}: run more steps")
     bounds = list(zip(starts, starts[1:]))[-want:]
