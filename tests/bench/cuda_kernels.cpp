@@ -40,12 +40,63 @@ void row_flops(const char* name, double ms, double flops) {
   std::printf("%-34s %9.3f ms %9.1f TFLOP/s\n", name, ms, flops / (ms * 1e-3) / 1e12);
 }
 
+// Projections that read one input (q/k/v, gate/up): the three GEMMs of a training step for each
+// as it runs now (forward; input gradient folded into the next GEMM's addend; weight gradient)
+// against one GEMM per pass over the weights packed along their output dim.
+void project_rows(const char* name, int64_t n, int64_t in, const std::vector<int64_t>& outs) {
+  Backend& be = cuda_backend();
+  const DType bf = DType::BF16;
+  int64_t total = 0;
+  for (int64_t o : outs) total += o;
+  const Tensor x = randn({1, n, in}, bf, 0.02), wp = randn({1, total, in}, bf, 0.02),
+               dyp = randn({1, n, total}, bf, 0.02);
+  std::vector<Tensor> ws, dys, ys, dws;
+  for (int64_t o : outs) {
+    ws.push_back(randn({1, o, in}, bf, 0.02));
+    dys.push_back(randn({1, n, o}, bf, 0.02));
+    ys.push_back(Tensor::empty({1, n, o}, bf, Device::cuda(0)));
+    dws.push_back(Tensor::empty({1, o, in}, bf, Device::cuda(0)));
+  }
+  const Tensor yp = Tensor::empty({1, n, total}, bf, Device::cuda(0)),
+               dwp = Tensor::empty({1, total, in}, bf, Device::cuda(0));
+  const Tensor dx0 = Tensor::empty({1, n, in}, bf, Device::cuda(0)),
+               dx1 = Tensor::empty({1, n, in}, bf, Device::cuda(0));
+  const double flops = 2.0 * n * in * total;
+  auto sep_fwd = [&] {
+    for (size_t i = 0; i < outs.size(); ++i)
+      be.matmul(ys[i], x, ws[i], false, true, 1.0, 0.0, Tensor());
+  };
+  auto sep_dgrad = [&] {  // the fold: each GEMM adds the sum so far as its addend
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const Tensor& out = i % 2 ? dx1 : dx0;
+      const Tensor add = i == 0 ? Tensor() : (i % 2 ? dx0 : dx1);
+      be.matmul(out, dys[i], ws[i], false, false, 1.0, i == 0 ? 0.0 : 1.0, add);
+    }
+  };
+  auto sep_wgrad = [&] {
+    for (size_t i = 0; i < outs.size(); ++i)
+      be.matmul(dws[i], dys[i], x, true, false, 1.0, 0.0, Tensor());
+  };
+  const double sf = time_ms(sep_fwd), sd = time_ms(sep_dgrad), sw = time_ms(sep_wgrad);
+  const double pf = time_ms([&] { be.matmul(yp, x, wp, false, true, 1.0, 0.0, Tensor()); });
+  const double pd = time_ms([&] { be.matmul(dx0, dyp, wp, false, false, 1.0, 0.0, Tensor()); });
+  const double pw = time_ms([&] { be.matmul(dwp, dyp, x, true, false, 1.0, 0.0, Tensor()); });
+  std::printf("%-20s separate fwd %7.1f dgrad %7.1f wgrad %7.1f = %7.1f us | packed %7.1f %7.1f "
+              "%7.1f = %7.1f us (%.0f / %.0f TFLOP/s)\n",
+              name, sf * 1e3, sd * 1e3, sw * 1e3, (sf + sd + sw) * 1e3, pf * 1e3, pd * 1e3,
+              pw * 1e3, (pf + pd + pw) * 1e3, 3 * flops / ((sf + sd + sw) * 1e9),
+              3 * flops / ((pf + pd + pw) * 1e9));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool attn_only = false;  // --attention-only: just the tensor-core attention rows
-  for (int i = 1; i < argc; ++i)
+  bool attn_only = false;    // --attention-only: just the tensor-core attention rows
+  bool projections = false;  // --projections: just the separate-against-packed projection rows
+  for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--attention-only")) attn_only = true;
+    if (!std::strcmp(argv[i], "--projections")) projections = true;
+  }
   for (int i = 1; i + 1 < argc; ++i) {
     if (!std::strcmp(argv[i], "--bw")) g_bw = std::atof(argv[i + 1]) * 1e12;
     if (!std::strcmp(argv[i], "--iters")) g_iters = std::atoi(argv[i + 1]);
@@ -61,6 +112,13 @@ int main(int argc, char** argv) {
   const int64_t B = 4, S = 2048, N = B * S, H = 2048, I = 8192, HQ = 32, HKV = 8, D = 64;
   const int64_t V = 128256, VCHUNK = 1024;  // cross-entropy rows per chunk
   const DType bf = DType::BF16;
+  if (projections) {
+    project_rows("llama-1b q/k/v", N, H, {H, HKV * D, HKV * D});
+    project_rows("llama-1b gate/up", N, H, {I, I});
+    project_rows("llama-125m q/k/v", 16 * 1024, 768, {768, 768, 768});
+    project_rows("llama-125m gate/up", 16 * 1024, 768, {2048, 2048});
+    return 0;
+  }
   if (!attn_only) {
     std::printf("\n-- memory-bound kernels (bf16 activations, N=%lld tokens) --\n", (long long)N);
     Tensor a = randn({N, I}, bf), b = Tensor::empty({N, I}, bf, Device::cuda(0));
