@@ -198,11 +198,12 @@ class Backend {
   // scale = fp8_scale_for_amax(amax, fp8_max, margin, 1), scale_inv = 1 / scale (all f32 [1]).
   virtual void fp8_scale_from_amax(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
                                    float fp8_max, int margin) = 0;
-  // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv, or out += that product
-  // when accumulate (out f32).
+  // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv (+ addend), the sum in
+  // fp32 and rounded once; addend (checked by ops/fp8.cpp): out's shape and dtype, contiguous,
+  // only read, or out itself (accumulate into out).
   virtual void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
                         const Tensor& b, const Tensor& b_scale_inv, bool fast_accum,
-                        bool accumulate) = 0;
+                        const Tensor& addend) = 0;
   // data_t [C, R] = data [R, C]^T, one-byte elements.
   virtual void fp8_transpose(const Tensor& data_t, const Tensor& data) = 0;
   // history [L, n], scale / scale_inv / fp8_max [n] f32: see Fp8DelayedScaling::update.

@@ -74,6 +74,20 @@ Tensor unpad(const Tensor& t, int64_t rows, int64_t cols) {
   return contiguous(narrow(narrow(t, 0, 0, rows), 1, 0, cols));
 }
 
+// An input gradient dX [M, K] in `dtype` = g [M_p, N_p] . w_t [K_p, N_p]^T from padded fp8
+// operands, plus `addend` ([M, K], contiguous, only read) where defined: inside the GEMM (summed in
+// fp32, rounded once) when nothing is padded, else added after.
+Tensor fp8_dgrad(const Tensor& g, const Tensor& g_si, const Tensor& w_t, const Tensor& w_si,
+                 DType dtype, int64_t M, int64_t K, const Tensor& addend) {
+  if (addend.defined() && g.size(0) == M && w_t.size(0) == K) {
+    Tensor dx = Tensor::empty({M, K}, dtype, g.device());
+    fp8_gemm(dx, g, g_si, w_t, w_si, false, addend);
+    return dx;
+  }
+  Tensor dx = unpad(fp8_gemm(g, g_si, w_t, w_si, dtype, false), M, K);
+  return addend.defined() ? add(dx, addend) : dx;
+}
+
 }  // namespace
 
 // ---- recipe -----------------------------------------------------------------------------------
@@ -265,7 +279,7 @@ Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
 // ---- GEMM -------------------------------------------------------------------------------------
 
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, bool fast_accum, bool accumulate) {
+              const Tensor& b_scale_inv, bool fast_accum, const Tensor& addend) {
   const char* op = "fp8_gemm";
   detail::check_defined(op, a, "a");
   detail::check_defined(op, b, "b");
@@ -279,8 +293,9 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
     op_error(op, "e5m2 x e5m2 is not a supported fp8 GEMM (one operand must be e4m3)");
   if (!is_compute_float(out.dtype()))
     op_error(op, std::string("out must be f32, bf16 or f16, got ") + dtype_name(out.dtype()));
-  if (accumulate && out.dtype() != DType::F32)
-    op_error(op, "accumulating into out needs an f32 out, got " + out.str());
+  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
+                           !addend.is_contiguous() || addend.device() != out.device()))
+    op_error(op, "the addend " + addend.str() + " must be contiguous and match out " + out.str());
   if (a.size(1) != b.size(1))
     op_error(op, "contraction dims differ: a " + shape_str(a.shape()) + ", b " +
                      shape_str(b.shape()) + " (both operands are [rows, K])");
@@ -301,7 +316,7 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
                "scale_inv tensors must start on 16-byte boundaries (a view at an offset into "
                "a vector of scales is not; give each scale its own 16 bytes)");
   if (out.numel() == 0) return;
-  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum, accumulate);
+  backend_for(a.device()).fp8_gemm(out, a, a_scale_inv, b, b_scale_inv, fast_accum, addend);
 }
 
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
@@ -573,8 +588,11 @@ struct Fp8RowsPass {
   // g2 [M, N] (contiguous) -> {dx2 [M, K] in x's dtype, dw [N, K] in the weight's dtype}, each
   // undefined where not wanted; null when no gradient is wanted. With dw_acc (an f32 weight
   // gradient accumulator, Fp8WgradSum) the weight gradient is added into it, before any rounding,
-  // and dw is undefined.
-  std::function<std::pair<Tensor, Tensor>(const Tensor& g2, const Tensor& dw_acc)> backward;
+  // and dw is undefined. With dx_add ([M, K] in x's dtype, contiguous, only read: the gradient x
+  // already has) dx2 includes it, added inside the dgrad GEMM where its operands are unpadded.
+  std::function<std::pair<Tensor, Tensor>(const Tensor& g2, const Tensor& dw_acc,
+                                          const Tensor& dx_add)>
+      backward;
 };
 
 // The GEMMs in high precision, in x's dtype: those override_linear_precision keeps out of fp8, and
@@ -663,13 +681,14 @@ Fp8RowsPass scaled_linear_rows(const Tensor& x2, const Tensor& w, const LinearSh
     else  // x^T [K, M]: scaled along M
       qx_t = fp8_cast_scaled(x2, fwd, act, true, pow2);
   }
-  p.backward = [=](const Tensor& g2, const Tensor& dw_acc) {
+  p.backward = [=](const Tensor& g2, const Tensor& dw_acc, const Tensor& dx_add) {
     if (dw_acc.defined())
       throw std::logic_error("[fp8_linear] " + r.str() + " does not sum weight gradients");
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
       Fp8ScaledTensor qg = fp8_cast_scaled(g2, bwd, act, false, pow2);
       dx = unpad(fp8_gemm_scaled(qg, qw_t, s.x_dtype, false), s.M, s.K);
+      if (dx_add.defined()) dx = add(dx, dx_add);
     }
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
       if (r.hp_wgrad) {
@@ -846,22 +865,24 @@ Fp8RowsPass fp8_rows_pass(const Tensor& x, const Tensor& x2, const Fp8WeightOper
     wd.dgrad = w.dgrad;
   }
   const int slot_g = ctx.slot_grad_output;
-  p.backward = [=](const Tensor& g2, const Tensor& dw_acc) {
+  p.backward = [=](const Tensor& g2, const Tensor& dw_acc, const Tensor& dx_add) {
     const bool dx_fp8 = want_dx && !dgrad_in_hp(r), dw_fp8 = want_dw && !wgrad_in_hp(r);
     Fp8Tensor qg = fp8_quantize(ctx, record_amax, g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
-      if (dgrad_in_hp(r))
+      if (dgrad_in_hp(r)) {
         dx = matmul(hp_operand(g2, r, r.hp_dgrad, r.backward_dtype, 1), wd.dgrad_hp(r, g2.dtype()));
-      else
-        dx = unpad(fp8_gemm(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, false), s.M, s.K);
+        if (dx_add.defined()) dx = add(dx, dx_add);
+      } else {
+        dx = fp8_dgrad(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, s.M, s.K, dx_add);
+      }
     }
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
       if (wgrad_in_hp(r)) {
         dw = hp_wgrad(hp_operand(g2, r, r.hp_wgrad, r.backward_dtype, 0),
                       hp_operand(x_hp, r, r.hp_wgrad, r.forward_dtype, 0), s.w_dtype, dw_acc);
       } else if (dw_acc.defined()) {
-        fp8_gemm(dw_acc, qg.data_t, qg.scale_inv, x_t, x_si, false, /*accumulate=*/true);
+        fp8_gemm(dw_acc, qg.data_t, qg.scale_inv, x_t, x_si, false, /*addend=*/dw_acc);
       } else {
         // The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight
         // receives the fp32 product itself, a 16-bit weight that product rounded once by the
@@ -930,10 +951,15 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   out_shape.back() = s.N;
   Tensor y = with_shape(p.y2, out_shape);
   if (p.backward)
-    y = record(op, y, {x, weight}, [backward = p.backward, x_shape, N = s.N](const Tensor& g) {
-      auto [dx2, dw] = backward(contiguous(reshape(g, {-1, N})), Tensor());
-      return std::vector<Tensor>{dx2.defined() ? with_shape(dx2, x_shape) : Tensor(), dw};
-    });
+    // The input gradient folds in the one x already has (q/k/v read one input): one GEMM adds it.
+    y = record_folding(
+        op, y, {x, weight}, 0,
+        [backward = p.backward, x_shape, N = s.N, K = s.K](const Tensor& g, const Tensor& pending) {
+          auto [dx2, dw] =
+              backward(contiguous(reshape(g, {-1, N})), Tensor(),
+                       pending.defined() ? contiguous(reshape(pending, {-1, K})) : Tensor());
+          return std::vector<Tensor>{dx2.defined() ? with_shape(dx2, x_shape) : Tensor(), dw};
+        });
   if (bias.defined()) y = add(y, bias.dtype() == y.dtype() ? bias : cast(bias, y.dtype()));
   return y;
 }
@@ -1153,7 +1179,7 @@ Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
     for (size_t e = 0; e < passes.size(); ++e) {
       const int64_t rows = group_sizes[e];
       if (rows > 0) {
-        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows), Tensor());
+        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows), Tensor(), Tensor());
         if (want_dx) row_block(grads[0], first, rows).copy_(dx2);
         grads[1 + e] = dw;
       } else if (want_dw[e]) {
@@ -1212,7 +1238,7 @@ class Fp8ChunkedLinear : public detail::ChunkedLinear {
     return pass_.y2;
   }
   void backward(int64_t, int64_t, const Tensor& g, const Tensor& gx) override {
-    auto [dx, dw] = pass_.backward(g, sum_ ? sum_->acc : Tensor());
+    auto [dx, dw] = pass_.backward(g, sum_ ? sum_->acc : Tensor(), Tensor());
     if (gx.defined()) gx.copy_(dx);
   }
   Tensor weight_grad() override { return sum_ ? sum_->result(s_) : Tensor(); }
@@ -1350,49 +1376,51 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   const int slot_gg = gate.slot_grad_output, slot_gu = up.slot_grad_output,
             slot_gd = down.slot_grad_output;
   auto state = gate.delayed;
-  return record(op, y, {x, w_gate, w_up, w_down}, [=](const Tensor& gy) {
-    Fp8DelayedScaling& ds = *state;
-    auto amax_b = [&](int slot) { return record_amax ? ds.amax(slot) : Tensor(); };
-    Tensor gy2 = contiguous(reshape(gy, {-1, H}));
-    Fp8Tensor qgy = fp8_cast(gy2, bwd, ds.scale(slot_gd), amax_b(slot_gd),
-                             Fp8CastOptions{want_dh, want_dwd, 16});
-    Tensor dx, dwg, dwu, dwd;
-    if (want_dwd)
-      dwd = unpad(fp8_gemm(qgy.data_t, qgy.scale_inv, h_t, h_si, wd_dtype, false), H, F);
-    if (want_dh) {
-      Tensor dh = unpad(fp8_gemm(qgy.data, qgy.scale_inv, wd_t, wd_si, act, false), M, F);
-      const Fp8CastOptions g_opts{want_dx, want_dwg, 16}, u_opts{want_dx, want_dwu, 16};
-      Fp8Tensor qdg, qdu;
-      const bool both =
-          (g_opts.rowwise || g_opts.columnwise) && (u_opts.rowwise || u_opts.columnwise);
-      if (both && backend_for(g.device()).fp8_fused_cast_layout({&dh, &g, &u}, F)) {
-        auto [q1, t1] = fused_target(g, bwd, g_opts, ds.scale(slot_gg), amax_b(slot_gg));
-        auto [q2, t2] = fused_target(u, bwd, u_opts, ds.scale(slot_gu), amax_b(slot_gu));
-        backend_for(g.device()).fp8_swiglu_backward_cast(dh, g, u, t1, t2);
-        qdg = q1;
-        qdu = q2;
-      } else {
-        Tensor dg = Tensor::empty(g.shape(), act, g.device());
-        Tensor du = Tensor::empty(u.shape(), act, u.device());
-        backend_for(g.device()).swiglu_backward(dg, du, dh, contiguous(g), contiguous(u));
-        if (g_opts.rowwise || g_opts.columnwise)
-          qdg = fp8_cast(dg, bwd, ds.scale(slot_gg), amax_b(slot_gg), g_opts);
-        if (u_opts.rowwise || u_opts.columnwise)
-          qdu = fp8_cast(du, bwd, ds.scale(slot_gu), amax_b(slot_gu), u_opts);
-      }
-      if (want_dx) {
-        Tensor a = fp8_gemm(qdg.data, qdg.scale_inv, wg_t, wg_si, act, false);
-        Tensor b = fp8_gemm(qdu.data, qdu.scale_inv, wu_t, wu_si, act, false);
-        Tensor dx2 = unpad(add(a, b), M, K);
-        dx = with_shape(dx2, x_shape);
-      }
-      if (want_dwg)
-        dwg = unpad(fp8_gemm(qdg.data_t, qdg.scale_inv, x_t, x_si, wg_dtype, false), F, K);
-      if (want_dwu)
-        dwu = unpad(fp8_gemm(qdu.data_t, qdu.scale_inv, x_t, x_si, wu_dtype, false), F, K);
-    }
-    return std::vector<Tensor>{dx, dwg, dwu, dwd};
-  });
+  return record_folding(
+      op, y, {x, w_gate, w_up, w_down}, 0, [=](const Tensor& gy, const Tensor& pending) {
+        Fp8DelayedScaling& ds = *state;
+        auto amax_b = [&](int slot) { return record_amax ? ds.amax(slot) : Tensor(); };
+        Tensor gy2 = contiguous(reshape(gy, {-1, H}));
+        Fp8Tensor qgy = fp8_cast(gy2, bwd, ds.scale(slot_gd), amax_b(slot_gd),
+                                 Fp8CastOptions{want_dh, want_dwd, 16});
+        Tensor dx, dwg, dwu, dwd;
+        if (want_dwd)
+          dwd = unpad(fp8_gemm(qgy.data_t, qgy.scale_inv, h_t, h_si, wd_dtype, false), H, F);
+        if (want_dh) {
+          Tensor dh = unpad(fp8_gemm(qgy.data, qgy.scale_inv, wd_t, wd_si, act, false), M, F);
+          const Fp8CastOptions g_opts{want_dx, want_dwg, 16}, u_opts{want_dx, want_dwu, 16};
+          Fp8Tensor qdg, qdu;
+          const bool both =
+              (g_opts.rowwise || g_opts.columnwise) && (u_opts.rowwise || u_opts.columnwise);
+          if (both && backend_for(g.device()).fp8_fused_cast_layout({&dh, &g, &u}, F)) {
+            auto [q1, t1] = fused_target(g, bwd, g_opts, ds.scale(slot_gg), amax_b(slot_gg));
+            auto [q2, t2] = fused_target(u, bwd, u_opts, ds.scale(slot_gu), amax_b(slot_gu));
+            backend_for(g.device()).fp8_swiglu_backward_cast(dh, g, u, t1, t2);
+            qdg = q1;
+            qdu = q2;
+          } else {
+            Tensor dg = Tensor::empty(g.shape(), act, g.device());
+            Tensor du = Tensor::empty(u.shape(), act, u.device());
+            backend_for(g.device()).swiglu_backward(dg, du, dh, contiguous(g), contiguous(u));
+            if (g_opts.rowwise || g_opts.columnwise)
+              qdg = fp8_cast(dg, bwd, ds.scale(slot_gg), amax_b(slot_gg), g_opts);
+            if (u_opts.rowwise || u_opts.columnwise)
+              qdu = fp8_cast(du, bwd, ds.scale(slot_gu), amax_b(slot_gu), u_opts);
+          }
+          if (want_dx) {  // folded as the layers one by one fold them: up's first, then gate's
+            const Tensor add_x =
+                pending.defined() ? contiguous(reshape(pending, {-1, K})) : Tensor();
+            const Tensor dx_up = fp8_dgrad(qdu.data, qdu.scale_inv, wu_t, wu_si, act, M, K, add_x);
+            dx = with_shape(fp8_dgrad(qdg.data, qdg.scale_inv, wg_t, wg_si, act, M, K, dx_up),
+                            x_shape);
+          }
+          if (want_dwg)
+            dwg = unpad(fp8_gemm(qdg.data_t, qdg.scale_inv, x_t, x_si, wg_dtype, false), F, K);
+          if (want_dwu)
+            dwu = unpad(fp8_gemm(qdu.data_t, qdu.scale_inv, x_t, x_si, wu_dtype, false), F, K);
+        }
+        return std::vector<Tensor>{dx, dwg, dwu, dwd};
+      });
 }
 
 }  // namespace accel

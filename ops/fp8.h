@@ -170,10 +170,12 @@ Fp8GroupedTensor fp8_cast_grouped(const std::vector<Tensor>& xs, DType fmt,
 // The fp8 GEMM in the one layout Hopper runs ("TN"): both operands contraction-contiguous.
 // out [M, N] = (a [M, K] . b [N, K]^T) * a_scale_inv * b_scale_inv, accumulated in fp32; a and b
 // fp8 (not both e5m2), out f32/bf16/f16. On CUDA K % 16 == 0 and N % 8 == 0 (pad the operands).
-// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do). accumulate: out +=
-// the product instead (out f32), e.g. a weight gradient summed over row chunks in fp32.
+// fast_accum: cuBLASLt's fast accumulation (fprop only, as TE and torchao do). addend: out = the
+// product + addend, summed in fp32 and rounded once (addend out's shape and dtype, contiguous, only
+// read): an input gradient folded into the one its input already has; out itself accumulates into
+// out, e.g. an f32 weight gradient summed over row chunks.
 void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, bool fast_accum, bool accumulate = false);
+              const Tensor& b_scale_inv, bool fast_accum, const Tensor& addend = Tensor());
 Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
                 const Tensor& b_scale_inv, DType out_dtype, bool fast_accum);
 
@@ -364,6 +366,8 @@ class Fp8SharedInputCast {
 // rounded once to the weight's dtype for a 16-bit one (autograd keeps a gradient in its
 // parameter's dtype).
 // The fp8 transposed copies of x and weight are made in the forward cast and saved for backward.
+// As linear does, the dgrad GEMM adds the gradient x already has in this backward (layers sharing
+// an input, q/k/v or gate/up, sum their input gradients inside their GEMMs, rounded once each).
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Fp8LinearContext& ctx);
 

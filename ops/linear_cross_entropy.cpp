@@ -31,14 +31,17 @@ Tensor as2(const Tensor& m3) {
 }
 
 // The GEMMs in x's dtype. The weight's gradient accumulates over the chunks in its dtype (one
-// rounding per chunk in 16 bits).
+// rounding per chunk in 16 bits), the first chunk's GEMM writing it.
 class DtypeLinear : public detail::ChunkedLinear {
  public:
   DtypeLinear(const Tensor& x2, const Tensor& w, bool need_w)
       : be_(backend_for(x2.device())),
         x2_(x2),
         w3_(w.as_strided({1, w.size(0), w.size(1)}, {w.numel(), w.size(1), 1}, w.offset())) {
-    if (need_w) gw_ = Tensor::zeros(w.shape(), w.dtype(), w.device());
+    // The first chunk's GEMM writes it (beta 0); only no rows at all leave the zeros.
+    if (need_w)
+      gw_ = x2.size(0) > 0 ? Tensor::empty(w.shape(), w.dtype(), w.device())
+                           : Tensor::zeros(w.shape(), w.dtype(), w.device());
   }
   Tensor logits(int64_t r0, int64_t n) override {
     const int64_t V = w3_.size(1);

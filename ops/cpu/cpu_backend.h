@@ -123,7 +123,7 @@ class CpuBackend final : public Backend {
 
   // fp8_gemm.cpp
   void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-                const Tensor& b_scale_inv, bool fast_accum, bool accumulate) override;
+                const Tensor& b_scale_inv, bool fast_accum, const Tensor& addend) override;
 };
 
 }  // namespace accel

@@ -29,7 +29,7 @@ uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 void CpuBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
                           const Tensor& b, const Tensor& b_scale_inv, bool fast_accum,
-                          bool accumulate) {
+                          const Tensor& addend) {
   (void)fast_accum;  // fp32 accumulation either way
   auto decode = [](const Tensor& q) {
     Tensor f = Tensor::empty(q.shape(), DType::F32);
@@ -41,14 +41,17 @@ void CpuBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_sc
   };
   Tensor fa = decode(a), fb = decode(b);
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
-  // accumulate comes with an f32 out (ops/fp8.cpp checks), which is then the accumulator.
+  // The sum is made in fp32 and rounded once to out's dtype, as cuBLASLt's epilogue does: an f32
+  // out accumulates in place, a 16-bit one through an f32 buffer.
   Tensor acc = out.dtype() == DType::F32 ? out : Tensor::empty({M, N}, DType::F32);
-  // cuBLASLt scales the accumulated product: D = (scale_a * scale_b) * (A . B).
+  const bool add = addend.defined();
+  if (add && addend.data_ptr() != acc.data_ptr()) acc.copy_(addend);  // exact in f32
+  // cuBLASLt scales the accumulated product: D = (scale_a * scale_b) * (A . B) + C.
   const float alpha = *f32(a_scale_inv) * *f32(b_scale_inv);
   cpu_backend().matmul(acc.as_strided({1, M, N}, {M * N, N, 1}, acc.offset()),
                        fa.as_strided({1, M, K}, {M * K, K, 1}, 0),
                        fb.as_strided({1, N, K}, {N * K, K, 1}, 0), false, true, alpha,
-                       accumulate ? 1.0 : 0.0, Tensor());
+                       add ? 1.0 : 0.0, Tensor());
   if (!acc.same(out)) out.copy_(acc);
 }
 

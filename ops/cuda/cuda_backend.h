@@ -108,7 +108,7 @@ class CudaBackend final : public Backend {
                       const std::vector<Tensor>& bs, bool trans_a, bool trans_b) override;
   // fp8_gemm.cpp
   void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-                const Tensor& b_scale_inv, bool fast_accum, bool accumulate) override;
+                const Tensor& b_scale_inv, bool fast_accum, const Tensor& addend) override;
 };
 
 namespace cuda {

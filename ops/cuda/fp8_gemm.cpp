@@ -6,9 +6,10 @@
 // passed by device pointer (A_SCALE_POINTER / B_SCALE_POINTER), so scales never visit the host.
 // Fast accumulation (no periodic promotion of tensor-core partial sums) is chosen by the caller:
 // fprop only, as TE and torchao do. Output types: bf16/f16 for fprop and dgrad, fp32 (C and D
-// fp32, a supported fp8 configuration) for the weight gradient (ops/fp8.cpp's wgrad). With
-// `accumulate` the GEMM adds into out (beta 1, C = D = out, fp32): the chunked LM head sums its
-// weight gradient over row chunks in fp32 that way.
+// fp32, a supported fp8 configuration) for the weight gradient (ops/fp8.cpp's wgrad). With an
+// addend the GEMM adds it (beta 1, C = the addend, of D's type): an input gradient folds the one
+// its input already has, and the chunked LM head sums its weight gradient over row chunks in fp32
+// (C = D = out).
 //
 // The handle, workspace, plan cache and the timed algorithm choice are shared with
 // ops/cuda/matmul.cpp (ops/cuda/cublaslt.h).
@@ -33,7 +34,7 @@ constexpr int64_t kScalePerTensor = 0;  // the one scale mode: an f32 scalar per
 struct Problem {
   DType a, b, out;
   int64_t m, n, k;
-  bool fast, accumulate;
+  bool fast, add;
   uint32_t align;
   lt::Key to_key() const {
     return {kFp8Tag,
@@ -48,7 +49,7 @@ struct Problem {
             kScalePerTensor,
             static_cast<int64_t>(align),
             static_cast<int64_t>(CUBLASLT_EPILOGUE_DEFAULT),
-            accumulate};
+            add};
   }
 };
 
@@ -73,7 +74,7 @@ std::string problem(const Problem& p) {
   return std::string("[fp8_gemm] ") + dtype_name(p.a) + " a [" + std::to_string(p.m) + ", " +
          std::to_string(p.k) + "] x " + dtype_name(p.b) + " b [" + std::to_string(p.n) + ", " +
          std::to_string(p.k) + "]^T -> " + dtype_name(p.out) +
-         (p.fast ? " (fast accumulation)" : "") + (p.accumulate ? " (added into out)" : "");
+         (p.fast ? " (fast accumulation)" : "") + (p.add ? " (plus an addend)" : "");
 }
 
 std::unique_ptr<lt::Plan> make_plan(const Problem& p) {
@@ -107,7 +108,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 void CudaBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv,
                            const Tensor& b, const Tensor& b_scale_inv, bool fast_accum,
-                           bool accumulate) {
+                           const Tensor& addend) {
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   if (K % 16 != 0)
     throw std::invalid_argument("[fp8_gemm] the contraction dimension K=" + std::to_string(K) +
@@ -117,19 +118,28 @@ void CudaBackend::fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_s
                                 dtype_name(out.dtype()) +
                                 " output are not 16-byte aligned (pad N to a multiple of " +
                                 std::to_string(16 / out.element_size()) + ")");
-  if (!aligned16(a.data_ptr()) || !aligned16(b.data_ptr()) || !aligned16(out.data_ptr()))
+  const bool add = addend.defined();
+  const Tensor& c = add ? addend : out;
+  if (!aligned16(a.data_ptr()) || !aligned16(b.data_ptr()) || !aligned16(out.data_ptr()) ||
+      !aligned16(c.data_ptr()))
     throw std::invalid_argument("[fp8_gemm] operands must start on 16-byte boundaries");
   DeviceGuard guard(out.device().index);
   const int device = out.device().index;
-  const Problem p{
-      a.dtype(),  b.dtype(),  out.dtype(),
-      M,          N,          K,
-      fast_accum, accumulate, lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr()})};
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const Problem p{a.dtype(),
+                  b.dtype(),
+                  out.dtype(),
+                  M,
+                  N,
+                  K,
+                  fast_accum,
+                  add,
+                  lt::alignment_of({a.data_ptr(), b.data_ptr(), out.data_ptr(), c.data_ptr()})};
+  const float alpha = 1.0f, beta = add ? 1.0f : 0.0f;
   lt::Operands ops = lt::row_major_operands(a, b, out);
+  ops.c = c.data_ptr();
   ops.alpha = &alpha;
   ops.beta = &beta;
-  ops.beta_nonzero = accumulate;
+  ops.beta_nonzero = add;
   auto lock = lt::lock();
   lt::Plan& plan = lt::plan_for(device, p.to_key(), [&] { return make_plan(p); });
   const void* sa = b_scale_inv.data_ptr();  // library A is our b, library B our a

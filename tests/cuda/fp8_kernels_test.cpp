@@ -153,7 +153,7 @@ TEST(CudaFp8, DynamicCastAndTransposeMatchCpu) {
 TEST(CudaFp8, DelayedUpdateMatchesCpu) {
   ACCEL_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(3);
-  for (int64_t L : {1, 2, 5, 1024}) {
+  for (int64_t L : {1, 2, 5, 130, 131, 300, 1024}) {
     for (bool use_max : {false, true}) {
       Fp8Recipe r;
       r.amax_history_len = L;

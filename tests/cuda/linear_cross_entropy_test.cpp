@@ -132,8 +132,8 @@ TEST(CudaFp8LinearCrossEntropy, MatchesCpuAndTheUnfusedHead) {
   }
 }
 
-// The accumulating fp8 GEMM (beta 1 into an f32 out: the fused head's weight gradient) adds the
-// product to what out holds, as the CPU emulation does.
+// The fp8 GEMM with an addend: into an f32 out itself (the fused head's weight gradient, beta 1),
+// and a separate bf16 one (an input gradient's fold), each as the CPU emulation.
 TEST(CudaFp8LinearCrossEntropy, Fp8GemmAccumulatesIntoF32Out) {
   ACCEL_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(12);
@@ -141,16 +141,25 @@ TEST(CudaFp8LinearCrossEntropy, Fp8GemmAccumulatesIntoF32Out) {
   Fp8Tensor qa = fp8_cast_dynamic(a, DType::E5M2), qb = fp8_cast_dynamic(b, DType::E4M3);
   const Tensor start = random_tensor({96, 48}, DType::F32, rng);
   Tensor want = start.clone();
-  fp8_gemm(want, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true);
+  fp8_gemm(want, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, want);
   Tensor got = start.to(gpu());
   fp8_gemm(got, qa.data.to(gpu()), qa.scale_inv.to(gpu()), qb.data.to(gpu()),
-           qb.scale_inv.to(gpu()), false, true);
+           qb.scale_inv.to(gpu()), false, got);
   cuda_test::expect_matches(got.to(Device::cpu()), want, DType::F32, "accumulated fp8 gemm", 100.0);
   // Twice: the second call adds the product again.
   fp8_gemm(got, qa.data.to(gpu()), qa.scale_inv.to(gpu()), qb.data.to(gpu()),
-           qb.scale_inv.to(gpu()), false, true);
-  fp8_gemm(want, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true);
+           qb.scale_inv.to(gpu()), false, got);
+  fp8_gemm(want, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, want);
   cuda_test::expect_matches(got.to(Device::cpu()), want, DType::F32, "twice", 100.0);
+  // A separate bf16 addend (an input gradient's fold): the GPU as the CPU emulation, and only read.
+  const Tensor addend = cast(start, DType::BF16), addend_gpu = addend.to(gpu());
+  Tensor want_bf = Tensor::empty({96, 48}, DType::BF16);
+  fp8_gemm(want_bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, addend);
+  Tensor got_bf = Tensor::empty({96, 48}, DType::BF16, gpu());
+  fp8_gemm(got_bf, qa.data.to(gpu()), qa.scale_inv.to(gpu()), qb.data.to(gpu()),
+           qb.scale_inv.to(gpu()), false, addend_gpu);
+  cuda_test::expect_matches(got_bf.to(Device::cpu()), want_bf, DType::BF16, "bf16 addend", 100.0);
+  EXPECT_EQ(addend_gpu.to(Device::cpu()).to_vector(), addend.to_vector()) << "addend written";
 }
 
 }  // namespace

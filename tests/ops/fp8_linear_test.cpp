@@ -323,6 +323,41 @@ TEST(Fp8Linear, SharedInputCastServesLayersReadingTheSameTensor) {
   EXPECT_GT(amax[static_cast<size_t>(b3.slot_input)], 1.0);
 }
 
+// Layers reading one input (q/k/v) fold the gradient it already has into their dgrad GEMM: the
+// input's gradient is the sum of each layer's own, up to one rounding per layer. Rows a multiple of
+// 16 fold inside the GEMM, others (padded operands) add after it; both must keep the earlier
+// layers' part (a fold that dropped it would leave only the last layer's).
+TEST(Fp8Linear, LayersReadingOneInputSumTheirInputGradients) {
+  for (const Shape& x_shape : {Shape{2, 16, 64}, Shape{37, 72}}) {
+    SCOPED_TRACE(shape_str(x_shape));
+    const int64_t in = x_shape.back();
+    const Tensor x0 = test::randn(x_shape, 21, DType::BF16);
+    std::vector<Tensor> ws;
+    for (int64_t out : {48, 16, 32})
+      ws.push_back(test::randn({out, in}, 22 + out, DType::BF16, 0.125));
+    // x's gradient through the layers in `which`, each layer's output weighted differently.
+    auto grad_through = [&](const std::vector<size_t>& which) {
+      Tensor x = x0.clone().set_requires_grad(true);
+      Tensor loss;
+      for (size_t i : which) {
+        Tensor y = fp8_linear(x, ws[i], Tensor(), dynamic_ctx());
+        Tensor term = sum(mul(y, static_cast<double>(i + 1)));
+        loss = loss.defined() ? add(loss, term) : term;
+      }
+      loss.backward();
+      return cast(x.grad(), DType::F32);
+    };
+    const Tensor together = grad_through({0, 1, 2});
+    const Tensor apart = add(add(grad_through({0}), grad_through({1})), grad_through({2}));
+    test::expect_close(together, apart, 2e-2, 2e-2, "summed input gradient");
+    // Not one layer's alone: each contributes.
+    std::vector<double> t = together.to_vector(), one = grad_through({0}).to_vector();
+    double most = 0;
+    for (size_t i = 0; i < t.size(); ++i) most = std::max(most, std::abs(t[i] - one[i]));
+    EXPECT_GT(most, 1.0);
+  }
+}
+
 // The fused fp8 Llama MLP (CPU emulation) against its three projections layer by layer: rows not
 // a multiple of 16 and an intermediate size not a multiple of 16 exercise the padding.
 TEST(Fp8Linear, SwigluMlpMatchesLayerByLayer) {

@@ -225,21 +225,32 @@ TEST(Fp8Gemm, RejectsBadOperands) {
                std::invalid_argument);  // not fp8
 }
 
-// accumulate adds the product into an f32 out (the fused LM head sums its weight gradient over
-// chunks so): start + product, in two calls the product twice; a 16-bit out is refused.
-TEST(Fp8Gemm, AccumulatesIntoAnF32Out) {
+// The addend is summed with the product in fp32 and the sum rounded once: out itself accumulates
+// into an f32 out (the fused head sums its weight gradient over chunks so), a separate bf16 addend
+// (an input gradient folding the one its input has) is only read.
+TEST(Fp8Gemm, AddsTheAddendBeforeTheOneRounding) {
   Tensor a = test::randn({24, 32}, 13, DType::F32), b = test::randn({16, 32}, 14, DType::F32);
   Fp8Tensor qa = fp8_cast_dynamic(a, DType::E5M2), qb = fp8_cast_dynamic(b, DType::E4M3);
   const Tensor product = fp8_gemm(qa.data, qa.scale_inv, qb.data, qb.scale_inv, DType::F32, false);
   const Tensor start = test::randn({24, 16}, 15, DType::F32);
   Tensor out = start.clone();
-  fp8_gemm(out, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, /*accumulate=*/true);
+  fp8_gemm(out, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, /*addend=*/out);
   test::expect_close(out, add(start, product), 1e-6, 1e-6, "start + product");
-  fp8_gemm(out, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true);
+  fp8_gemm(out, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, out);
   test::expect_close(out, add(start, mul(product, 2.0)), 1e-6, 1e-6, "start + 2 x product");
-  Tensor bf = Tensor::zeros({24, 16}, DType::BF16);
-  EXPECT_THROW(fp8_gemm(bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, true),
+
+  const Tensor addend = cast(start, DType::BF16), kept = addend.clone();
+  Tensor bf = Tensor::empty({24, 16}, DType::BF16);
+  fp8_gemm(bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, addend);
+  EXPECT_EQ(addend.to_vector(), kept.to_vector()) << "the addend is only read";
+  // The f32 sum rounded to bf16 (within that one rounding).
+  test::expect_close(bf, add(product, cast(addend, DType::F32)), 1.0 / 256, 1e-6,
+                     "product + addend");
+  Tensor wrong = Tensor::zeros({16, 24}, DType::BF16);
+  EXPECT_THROW(fp8_gemm(bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, wrong),
                std::invalid_argument);
+  EXPECT_THROW(fp8_gemm(bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, start),
+               std::invalid_argument);  // f32 addend for a bf16 out
 }
 
 // ---- delayed scaling --------------------------------------------------------------------------
