@@ -582,15 +582,17 @@ struct LinearShapes {
 
 // One fp8 linear over 2-d rows, outside autograd: fp8_linear's numbers for x2 [M, K] (detached)
 // and a weight [N, K] (detached), and the backward that fp8_linear and fp8_grouped_linear record
+struct Fp8WgradSum;
+
 // (and the chunked LM head runs per chunk).
 struct Fp8RowsPass {
   Tensor y2;  // [M, N] in x's dtype
   // g2 [M, N] (contiguous) -> {dx2 [M, K] in x's dtype, dw [N, K] in the weight's dtype}, each
-  // undefined where not wanted; null when no gradient is wanted. With dw_acc (an f32 weight
-  // gradient accumulator, Fp8WgradSum) the weight gradient is added into it, before any rounding,
-  // and dw is undefined. With dx_add ([M, K] in x's dtype, contiguous, only read: the gradient x
+  // undefined where not wanted; null when no gradient is wanted. With dw_sum (an f32 weight
+  // gradient summed over row blocks) the weight gradient goes into it, before any rounding, and dw
+  // is undefined. With dx_add ([M, K] in x's dtype, contiguous, only read: the gradient x
   // already has) dx2 includes it, added inside the dgrad GEMM where its operands are unpadded.
-  std::function<std::pair<Tensor, Tensor>(const Tensor& g2, const Tensor& dw_acc,
+  std::function<std::pair<Tensor, Tensor>(const Tensor& g2, Fp8WgradSum* dw_sum,
                                           const Tensor& dx_add)>
       backward;
 };
@@ -609,11 +611,39 @@ Tensor hp_operand(const Tensor& t, const Fp8Recipe& r, bool overridden, DType fm
   return r.scaling == Fp8Scaling::MxBlock && !overridden ? fp8_mx_fake_quant(t, fmt, block_dim) : t;
 }
 
+// A weight gradient summed in fp32 over row blocks (the chunked LM head's chunks), so that it is
+// rounded once as fp8_linear's one wgrad GEMM rounds it: [N_p, K_p] for the fp8 GEMM (padded as
+// its operands), [N, K] for a high-precision one. The first block's GEMM writes it (no zeroing
+// pass over the weight-sized buffer), the others add into it.
+struct Fp8WgradSum {
+  Tensor acc;
+  bool hp = false;
+  bool written = false;
+  Fp8WgradSum(const LinearShapes& s, const Fp8Recipe& r, Device device) : hp(wgrad_in_hp(r)) {
+    acc = hp ? Tensor::empty({s.N, s.K}, DType::F32, device)
+             : Tensor::empty({round_up(s.N, 16), round_up(s.K, 16)}, DType::F32, device);
+  }
+  // What a GEMM into acc adds to: nothing for the first (it writes acc), acc after.
+  Tensor addend() {
+    const bool first = !written;
+    written = true;
+    return first ? Tensor() : acc;
+  }
+  // The sum rounded as the one GEMM's output would be: to the weight's dtype from the fp8 GEMM,
+  // to x's dtype (then the weight's) from a high-precision one; zeros when no rows came.
+  Tensor result(const LinearShapes& s) {
+    if (!written) acc.fill_(0.0);
+    Tensor dw = unpad(acc, s.N, s.K);
+    if (hp && dw.dtype() != s.x_dtype) dw = cast(dw, s.x_dtype);
+    return dw.dtype() == s.w_dtype ? dw : cast(dw, s.w_dtype);
+  }
+};
+
 // The weight gradient of a high-precision wgrad GEMM, dW [N, K] = a^T . b for a [M, N] and
 // b [M, K] in x's dtype: the GEMM's output in that dtype, then the weight's (as fp8_linear always
-// did), or, with an accumulator, the fp32 product added into it (the operands widened exactly).
-Tensor hp_wgrad(const Tensor& a, const Tensor& b, DType w_dtype, const Tensor& acc) {
-  if (!acc.defined()) {
+// did), or, with a sum, the fp32 product into it (the operands widened exactly).
+Tensor hp_wgrad(const Tensor& a, const Tensor& b, DType w_dtype, Fp8WgradSum* sum) {
+  if (!sum) {
     Tensor dw = matmul(transpose(a, 0, 1), b);
     return dw.dtype() == w_dtype ? dw : cast(dw, w_dtype);
   }
@@ -621,31 +651,15 @@ Tensor hp_wgrad(const Tensor& a, const Tensor& b, DType w_dtype, const Tensor& a
     Tensor f = t.dtype() == DType::F32 ? contiguous(t) : cast(t, DType::F32);
     return f.as_strided({1, f.size(0), f.size(1)}, {f.numel(), f.size(1), 1}, f.offset());
   };
+  const Tensor& acc = sum->acc;
+  const Tensor add = sum->addend();
   backend_for(acc.device())
       .matmul(acc.as_strided({1, acc.size(0), acc.size(1)}, {acc.numel(), acc.size(1), 1},
                              acc.offset()),
-              wide(a), wide(b), /*trans_a=*/true, /*trans_b=*/false, 1.0, 1.0, Tensor());
+              wide(a), wide(b), /*trans_a=*/true, /*trans_b=*/false, 1.0, add.defined() ? 1.0 : 0.0,
+              Tensor());
   return Tensor();
 }
-
-// A weight gradient summed in fp32 over row blocks (the chunked LM head's chunks), so that it is
-// rounded once as fp8_linear's one wgrad GEMM rounds it: [N_p, K_p] for the fp8 GEMM (padded as
-// its operands), [N, K] for a high-precision one.
-struct Fp8WgradSum {
-  Tensor acc;
-  bool hp = false;
-  Fp8WgradSum(const LinearShapes& s, const Fp8Recipe& r, Device device) : hp(wgrad_in_hp(r)) {
-    acc = hp ? Tensor::zeros({s.N, s.K}, DType::F32, device)
-             : Tensor::zeros({round_up(s.N, 16), round_up(s.K, 16)}, DType::F32, device);
-  }
-  // The sum rounded as the one GEMM's output would be: to the weight's dtype from the fp8 GEMM,
-  // to x's dtype (then the weight's) from a high-precision one.
-  Tensor result(const LinearShapes& s) const {
-    Tensor dw = unpad(acc, s.N, s.K);
-    if (hp && dw.dtype() != s.x_dtype) dw = cast(dw, s.x_dtype);
-    return dw.dtype() == s.w_dtype ? dw : cast(dw, s.w_dtype);
-  }
-};
 
 // The rowwise and blockwise recipes: every GEMM operand is cast from the high-precision tensor with
 // scales along that GEMM's contraction dimension (a row- or tile-scaled tensor cannot be
@@ -681,8 +695,8 @@ Fp8RowsPass scaled_linear_rows(const Tensor& x2, const Tensor& w, const LinearSh
     else  // x^T [K, M]: scaled along M
       qx_t = fp8_cast_scaled(x2, fwd, act, true, pow2);
   }
-  p.backward = [=](const Tensor& g2, const Tensor& dw_acc, const Tensor& dx_add) {
-    if (dw_acc.defined())
+  p.backward = [=](const Tensor& g2, Fp8WgradSum* dw_sum, const Tensor& dx_add) {
+    if (dw_sum)
       throw std::logic_error("[fp8_linear] " + r.str() + " does not sum weight gradients");
     Tensor dx, dw;
     if (want_dx) {  // dX [M, K] = dY [M, N] . W [N, K]: contraction over N
@@ -865,7 +879,7 @@ Fp8RowsPass fp8_rows_pass(const Tensor& x, const Tensor& x2, const Fp8WeightOper
     wd.dgrad = w.dgrad;
   }
   const int slot_g = ctx.slot_grad_output;
-  p.backward = [=](const Tensor& g2, const Tensor& dw_acc, const Tensor& dx_add) {
+  p.backward = [=](const Tensor& g2, Fp8WgradSum* dw_sum, const Tensor& dx_add) {
     const bool dx_fp8 = want_dx && !dgrad_in_hp(r), dw_fp8 = want_dw && !wgrad_in_hp(r);
     Fp8Tensor qg = fp8_quantize(ctx, record_amax, g2, r.backward_dtype, slot_g, dx_fp8, dw_fp8);
     Tensor dx, dw;
@@ -880,9 +894,9 @@ Fp8RowsPass fp8_rows_pass(const Tensor& x, const Tensor& x2, const Fp8WeightOper
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
       if (wgrad_in_hp(r)) {
         dw = hp_wgrad(hp_operand(g2, r, r.hp_wgrad, r.backward_dtype, 0),
-                      hp_operand(x_hp, r, r.hp_wgrad, r.forward_dtype, 0), s.w_dtype, dw_acc);
-      } else if (dw_acc.defined()) {
-        fp8_gemm(dw_acc, qg.data_t, qg.scale_inv, x_t, x_si, false, /*addend=*/dw_acc);
+                      hp_operand(x_hp, r, r.hp_wgrad, r.forward_dtype, 0), s.w_dtype, dw_sum);
+      } else if (dw_sum) {
+        fp8_gemm(dw_sum->acc, qg.data_t, qg.scale_inv, x_t, x_si, false, dw_sum->addend());
       } else {
         // The wgrad GEMM accumulates in fp32 and writes the weight's dtype: an fp32 weight
         // receives the fp32 product itself, a 16-bit weight that product rounded once by the
@@ -956,7 +970,7 @@ Tensor fp8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
         op, y, {x, weight}, 0,
         [backward = p.backward, x_shape, N = s.N, K = s.K](const Tensor& g, const Tensor& pending) {
           auto [dx2, dw] =
-              backward(contiguous(reshape(g, {-1, N})), Tensor(),
+              backward(contiguous(reshape(g, {-1, N})), nullptr,
                        pending.defined() ? contiguous(reshape(pending, {-1, K})) : Tensor());
           return std::vector<Tensor>{dx2.defined() ? with_shape(dx2, x_shape) : Tensor(), dw};
         });
@@ -1179,7 +1193,7 @@ Tensor fp8_grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
     for (size_t e = 0; e < passes.size(); ++e) {
       const int64_t rows = group_sizes[e];
       if (rows > 0) {
-        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows), Tensor(), Tensor());
+        auto [dx2, dw] = passes[e].backward(row_block(gc, first, rows), nullptr, Tensor());
         if (want_dx) row_block(grads[0], first, rows).copy_(dx2);
         grads[1 + e] = dw;
       } else if (want_dw[e]) {
@@ -1238,7 +1252,7 @@ class Fp8ChunkedLinear : public detail::ChunkedLinear {
     return pass_.y2;
   }
   void backward(int64_t, int64_t, const Tensor& g, const Tensor& gx) override {
-    auto [dx, dw] = pass_.backward(g, sum_ ? sum_->acc : Tensor(), Tensor());
+    auto [dx, dw] = pass_.backward(g, sum_.get(), Tensor());
     if (gx.defined()) gx.copy_(dx);
   }
   Tensor weight_grad() override { return sum_ ? sum_->result(s_) : Tensor(); }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ops/common.h"
@@ -134,9 +135,14 @@ Tensor detail::chunked_linear_cross_entropy(const char* op, const Tensor& x, con
   no_grad.reset();
   if (!want_grad) return loss;
   const Shape x_shape = x.shape();
-  return record(op, loss, {x, weight}, [gx, gw, x_shape, expected](const Tensor& g) {
-    // The gradients were made for an upstream gradient of grad_scale: this factor is exactly 1
-    // when g is that (the trainer's case), so they stay as made.
+  return record(op, loss, {x, weight}, [gx, gw, x_shape, expected, grad_scale](const Tensor& g) {
+    // The gradients were made for an upstream gradient of grad_scale. The trainer's seed of that
+    // number (backward_with_seed) takes them as made: no pass over them, no second weight-sized
+    // buffer (the engine frees this closure before the weight takes its gradient, so that one is
+    // kept without a copy). Any other upstream gradient multiplies by g / grad_scale on the device.
+    const std::optional<double> seed = backward_seed_value(g);
+    if (seed && *seed == grad_scale)
+      return std::vector<Tensor>{gx.defined() ? reshape(gx, x_shape) : Tensor(), gw};
     Tensor factor = div(cast(g, expected.dtype()), expected);
     Tensor gx_out, gw_out;
     if (gx.defined()) gx_out = reshape(mul(gx, cast(factor, gx.dtype())), x_shape);

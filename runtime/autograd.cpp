@@ -84,7 +84,51 @@ Tensor record_folding(const char* name, Tensor out, std::vector<Tensor> inputs, 
   return attach(std::move(out), std::move(node));
 }
 
+namespace {
+// The seed of the backward pass running on this thread when given as a number; empty otherwise,
+// including inside a nested pass (a checkpoint's recomputation).
+struct SeedNote {
+  const TensorImpl* impl = nullptr;
+  double value = 0;
+};
+thread_local SeedNote t_seed;
+
+class SeedScope {
+ public:
+  explicit SeedScope(SeedNote note) : prev_(t_seed) { t_seed = note; }
+  ~SeedScope() { t_seed = prev_; }
+  SeedScope(const SeedScope&) = delete;
+  SeedScope& operator=(const SeedScope&) = delete;
+
+ private:
+  SeedNote prev_;
+};
+
+void backward_pass(const Tensor& root, const Tensor& grad_output, bool retain_graph);
+}  // namespace
+
 void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_graph) {
+  SeedScope none(SeedNote{});
+  backward_pass(root, grad_output, retain_graph);
+}
+
+void backward_with_seed(const Tensor& root, double seed) {
+  if (root.numel() != 1)
+    throw std::invalid_argument(
+        "[backward] a number as the gradient needs a one-element tensor, got " +
+        shape_str(root.shape()));
+  const Tensor s = Tensor::full(root.shape(), seed, root.dtype(), root.device());
+  SeedScope note(SeedNote{s.impl(), seed});
+  backward_pass(root, s, false);
+}
+
+std::optional<double> backward_seed_value(const Tensor& g) {
+  if (!g.defined() || !t_seed.impl || g.impl() != t_seed.impl) return std::nullopt;
+  return t_seed.value;
+}
+
+namespace {
+void backward_pass(const Tensor& root, const Tensor& grad_output, bool retain_graph) {
   if (!root.requires_grad())
     throw std::invalid_argument("[backward] tensor does not require grad and has no history");
   Tensor seed = grad_output;
@@ -192,6 +236,7 @@ void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_gra
     }
   }
 }
+}  // namespace
 
 namespace {
 // The outputs a selective checkpoint's forward kept, in call order, with the op names (string

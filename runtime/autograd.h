@@ -8,6 +8,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "runtime/tensor.h"
@@ -65,6 +66,17 @@ Tensor record_folding(const char* name, Tensor out, std::vector<Tensor> inputs, 
 
 // The engine behind Tensor::backward.
 void run_backward(const Tensor& root, const Tensor& grad_output, bool retain_graph);
+
+// root.backward() with a number as the one-element root's gradient (the trainer's loss scale):
+// the same gradients as root.backward(full(seed)), and while the pass runs, the root's op can read
+// that number on the host through backward_seed_value.
+void backward_with_seed(const Tensor& root, double seed);
+
+// The number given to backward_with_seed when `g` is that pass's seed tensor itself (the upstream
+// gradient of the root's own op), else nothing (another pass, a nested one, any other tensor). A
+// loss op that made its gradients for an expected factor in forward (linear_cross_entropy) thus
+// knows without a device read that the factor was exact.
+std::optional<double> backward_seed_value(const Tensor& g);
 
 // What a checkpoint recomputes in backward.
 enum class CheckpointMode {

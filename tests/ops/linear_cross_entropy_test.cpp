@@ -20,15 +20,19 @@ struct Result {
 };
 
 // loss * factor backpropagated; fused picks the op under test (chunk_rows, grad_scale) or the
-// two-op definition.
+// two-op definition; seeded backpropagates the loss with factor as a number (backward_with_seed,
+// as the trainer does), which the fused op takes as is when it equals grad_scale.
 Result run(const Tensor& x0, const Tensor& w0, const Tensor& t, bool fused, int64_t chunk_rows,
-           double factor, double grad_scale = 1.0) {
+           double factor, double grad_scale = 1.0, bool seeded = false) {
   Tensor x = x0.clone(), w = w0.clone();
   x.set_requires_grad(true);
   w.set_requires_grad(true);
   Tensor loss = fused ? linear_cross_entropy(x, w, t, -100, chunk_rows, grad_scale)
                       : cross_entropy(reshape(linear(x, w), {-1, w.size(0)}), reshape(t, {-1}));
-  mul(loss, factor).backward();
+  if (seeded)
+    backward_with_seed(loss, factor);
+  else
+    mul(loss, factor).backward();
   return {loss.item(), x.grad(), w.grad()};
 }
 
@@ -42,16 +46,18 @@ TEST(LinearCrossEntropy, EqualsLinearThenCrossEntropy) {
     const double tol = dt == DType::F64 ? 1e-12 : 2e-5;
     Result want = run(cast(x, dt), cast(w, dt), t, false, 0, 2.5);
     for (int64_t chunk : {0, 1, 4, 15, 100}) {
-      // grad_scale 1: the factor applied in backward; 2.5: expected, made in forward.
-      for (double grad_scale : {1.0, 2.5}) {
-        SCOPED_TRACE("chunk_rows " + std::to_string(chunk) + " " + dtype_name(dt) + " grad_scale " +
-                     std::to_string(grad_scale));
-        Result got = run(cast(x, dt), cast(w, dt), t, true, chunk, 2.5, grad_scale);
-        EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss));
-        ASSERT_EQ(got.gx.shape(), x.shape());
-        expect_close(got.gx, want.gx, tol, tol, "grad x");
-        expect_close(got.gw, want.gw, tol, tol, "grad w");
-      }
+      // grad_scale 1: the factor applied in backward; 2.5: expected, made in forward (seeded with
+      // 2.5 the gradients are taken as made, with 1 they are multiplied by 2.5).
+      for (double grad_scale : {1.0, 2.5})
+        for (bool seeded : {false, true}) {
+          SCOPED_TRACE("chunk_rows " + std::to_string(chunk) + " " + dtype_name(dt) +
+                       " grad_scale " + std::to_string(grad_scale) + (seeded ? " seeded" : ""));
+          Result got = run(cast(x, dt), cast(w, dt), t, true, chunk, 2.5, grad_scale, seeded);
+          EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss));
+          ASSERT_EQ(got.gx.shape(), x.shape());
+          expect_close(got.gx, want.gx, tol, tol, "grad x");
+          expect_close(got.gw, want.gw, tol, tol, "grad w");
+        }
     }
   }
 }

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 
 #include "models/decoder.h"
 #include "ops/ops.h"
@@ -197,6 +198,38 @@ TEST(Autograd, FirstGradientIsKeptWithoutACopyOnlyWhenNothingElseHoldsIt) {
       EXPECT_EQ(stash.to_vector(), (std::vector<double>{3, 3, 3}));
     }
   }
+}
+
+// backward_with_seed: the gradients of root.backward(full(seed)); the root's own op (and only it,
+// only in that pass) reads the seed as a number.
+TEST(Autograd, ASeedGivenAsANumberIsVisibleToTheRootsOpOnly) {
+  std::vector<std::optional<double>> seen_root, seen_inner;
+  auto graph = [&](const Tensor& x) {
+    Tensor inner = record("inner", mul(x.detach(), 2.0), {x}, [&](const Tensor& g) {
+      seen_inner.push_back(backward_seed_value(g));
+      return std::vector<Tensor>{mul(g, 2.0)};
+    });
+    return record("root", sum(inner.detach()), {inner}, [&, inner](const Tensor& g) {
+      seen_root.push_back(backward_seed_value(g));
+      return std::vector<Tensor>{mul(Tensor::ones(inner.shape(), inner.dtype()), g)};
+    });
+  };
+  Tensor x = leaf({1, 2, 3}, {3});
+  backward_with_seed(graph(x), 1.5);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 3, 3}));
+  ASSERT_EQ(seen_root.size(), 1u);
+  ASSERT_TRUE(seen_root[0].has_value());
+  EXPECT_EQ(*seen_root[0], 1.5);
+  ASSERT_EQ(seen_inner.size(), 1u);
+  EXPECT_FALSE(seen_inner[0].has_value()) << "not the seed tensor";
+  // A tensor seed, or no pass at all: nothing.
+  Tensor y = leaf({1, 2, 3}, {3});
+  graph(y).backward(Tensor::full({}, 1.5, DType::F64));
+  EXPECT_EQ(y.grad().to_vector(), (std::vector<double>{3, 3, 3}));
+  ASSERT_EQ(seen_root.size(), 2u);
+  EXPECT_FALSE(seen_root[1].has_value());
+  EXPECT_FALSE(backward_seed_value(Tensor::full({}, 1.5)).has_value());
+  EXPECT_THROW(backward_with_seed(mul(x, 1.0), 1.0), std::invalid_argument);  // not one element
 }
 
 TEST(Autograd, NoGradGuardRecordsNothingAndDetachCutsHistory) {

@@ -44,22 +44,24 @@ enum class Poison { None, Loss, Gradients };
 // micro-batches, not over trained tokens.
 Tensor forward_backward(Run& run, const Batch& b, double scale, double aux_scale, Poison poison,
                         HostTimes& t, Tensor& aux) {
-  Tensor loss, scaled;
+  Tensor loss, root;
+  double seed = scale;  // root's gradient
   t.time(HostTimes::kForward, [&] {
-    // The LM loss is backpropagated with `scale`: the fused head makes its gradients for it.
+    // The LM loss is backpropagated with `scale`: the fused head makes its gradients for it, and
+    // takes them as made when the backward's seed is that number (backward_with_seed).
     loss = batch_loss(run, b, scale);
     aux = run.model->router_aux_loss();
     if (poison == Poison::Loss) loss = mul(loss, NAN);
+    root = loss;
     const DecoderConfig& mc = run.model->config;
     if (aux.defined() && mc.output_router_logits && aux_scale != scale) {
       Tensor term = mul(cast(aux, loss.dtype()), mc.router_aux_loss_coef);
-      scaled = add(mul(sub(loss, term), scale), mul(term, aux_scale));
-    } else {
-      scaled = mul(loss, scale);
+      root = add(mul(sub(loss, term), scale), mul(term, aux_scale));
+      seed = 1.0;
     }
-    if (poison == Poison::Gradients) scaled = mul(scaled, NAN);
+    if (poison == Poison::Gradients) root = mul(root, NAN);
   });
-  t.time(HostTimes::kBackward, [&] { scaled.backward(); });
+  t.time(HostTimes::kBackward, [&] { backward_with_seed(root, seed); });
   // The values only: the graph is freed here, while the GPU still runs the backward, and not
   // after the caller's loss read has drained it (about a millisecond of host time at 1B).
   if (aux.defined()) aux = aux.detach();
