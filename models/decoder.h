@@ -340,9 +340,10 @@ class CausalLM : public Module {
   // its head_loss_fn, e.g. fp8), which saves two B x S x vocab tensors (4 GiB in bf16 at 8k tokens
   // and a 128k vocabulary). A head converted without a head_loss_fn (linear_fn or tied_head_fn
   // only) computes its logits and then the plain loss. grad_scale: the factor the caller
-  // backpropagates this loss with ((loss * grad_scale).backward(), as the trainer's loss scale and
-  // micro-batch weight): the fused head makes its gradients in forward, exactly as the unfused
-  // head would for that factor (linear_cross_entropy).
+  // backpropagates this loss with (the trainer's loss scale and micro-batch weight, as the seed of
+  // backward_with_seed): the fused head makes its gradients in forward, exactly as the unfused
+  // head would for that factor, and takes them as made when the seed is that number
+  // (linear_cross_entropy).
   Tensor forward_loss(const Tensor& ids, const Tensor& targets, const TokenLayout& layout = {},
                       double grad_scale = 1.0);
   // Mean next-token cross-entropy of logits [B, S, V] against targets [B, S] (already aligned:

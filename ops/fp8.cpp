@@ -76,10 +76,12 @@ Tensor unpad(const Tensor& t, int64_t rows, int64_t cols) {
 
 // An input gradient dX [M, K] in `dtype` = g [M_p, N_p] . w_t [K_p, N_p]^T from padded fp8
 // operands, plus `addend` ([M, K], contiguous, only read) where defined: inside the GEMM (summed in
-// fp32, rounded once) when nothing is padded, else added after.
+// fp32, rounded once) when nothing is padded and it starts on 16 bytes (cuBLASLt's rule for every
+// operand), else added after.
 Tensor fp8_dgrad(const Tensor& g, const Tensor& g_si, const Tensor& w_t, const Tensor& w_si,
                  DType dtype, int64_t M, int64_t K, const Tensor& addend) {
-  if (addend.defined() && g.size(0) == M && w_t.size(0) == K) {
+  if (addend.defined() && g.size(0) == M && w_t.size(0) == K &&
+      reinterpret_cast<uintptr_t>(addend.data_ptr()) % 16 == 0) {
     Tensor dx = Tensor::empty({M, K}, dtype, g.device());
     fp8_gemm(dx, g, g_si, w_t, w_si, false, addend);
     return dx;
