@@ -246,6 +246,22 @@ TEST(Fp8Gemm, AddsTheAddendBeforeTheOneRounding) {
   // The f32 sum rounded to bf16 (within that one rounding).
   test::expect_close(bf, add(product, cast(addend, DType::F32)), 1.0 / 256, 1e-6,
                      "product + addend");
+  // Decisive: product 2^-8 (1 + 2^-9) plus 1. Rounded once, 1 + 2^-8 + 2^-17 (exact in f32 in any
+  // order) lies above the midpoint of 1 and 1 + 2^-7 and rounds up; rounded twice, the product
+  // becomes 2^-8 first and 1 + 2^-8 is a tie that rounds to even, 1.
+  {
+    std::vector<double> av(16 * 16, 0.0), bv(16 * 16, 0.0);
+    av[0] = av[1] = std::ldexp(1.0, -8);       // e5m2: exact
+    bv[0] = 1.0, bv[1] = std::ldexp(1.0, -9);  // e4m3: exact (2^-9 its least subnormal)
+    const Tensor one = Tensor::full({1}, 1.0);
+    Fp8Tensor qa1 = fp8_cast(Tensor::from_vector(av, {16, 16}), DType::E5M2, one);
+    Fp8Tensor qb1 = fp8_cast(Tensor::from_vector(bv, {16, 16}), DType::E4M3, one);
+    Tensor sum = Tensor::empty({16, 16}, DType::BF16);
+    fp8_gemm(sum, qa1.data, qa1.scale_inv, qb1.data, qb1.scale_inv, false,
+             Tensor::full({16, 16}, 1.0, DType::BF16));
+    EXPECT_EQ(sum.to_vector()[0], 1.0 + std::ldexp(1.0, -7)) << "the sum was rounded twice";
+    EXPECT_EQ(sum.to_vector()[1], 1.0);
+  }
   Tensor wrong = Tensor::zeros({16, 24}, DType::BF16);
   EXPECT_THROW(fp8_gemm(bf, qa.data, qa.scale_inv, qb.data, qb.scale_inv, false, wrong),
                std::invalid_argument);
