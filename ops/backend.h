@@ -26,11 +26,14 @@ inline std::string rope_layout_error(const Tensor& x) {
   return "needs contiguous [B, S, H, D] x and out with D even and D/2 frequencies, got " + x.str();
 }
 
-// What both backends' matmul takes as an addend: none, or a contiguous tensor of out's shape,
-// dtype and device.
+// What the backends' matmul and fp8_gemm take as an addend: none, or a contiguous tensor of out's
+// shape, dtype and device.
+inline bool addend_fits(const Tensor& out, const Tensor& addend) {
+  return !addend.defined() || (addend.shape() == out.shape() && addend.dtype() == out.dtype() &&
+                               addend.is_contiguous() && addend.device() == out.device());
+}
 inline void check_matmul_addend(const Tensor& out, const Tensor& addend) {
-  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
-                           !addend.is_contiguous() || addend.device() != out.device()))
+  if (!addend_fits(out, addend))
     throw std::logic_error("[matmul] the addend " + addend.str() +
                            " must be contiguous and match " + out.str());
 }

@@ -295,8 +295,7 @@ void fp8_gemm(const Tensor& out, const Tensor& a, const Tensor& a_scale_inv, con
     op_error(op, "e5m2 x e5m2 is not a supported fp8 GEMM (one operand must be e4m3)");
   if (!is_compute_float(out.dtype()))
     op_error(op, std::string("out must be f32, bf16 or f16, got ") + dtype_name(out.dtype()));
-  if (addend.defined() && (addend.shape() != out.shape() || addend.dtype() != out.dtype() ||
-                           !addend.is_contiguous() || addend.device() != out.device()))
+  if (!addend_fits(out, addend))
     op_error(op, "the addend " + addend.str() + " must be contiguous and match out " + out.str());
   if (a.size(1) != b.size(1))
     op_error(op, "contraction dims differ: a " + shape_str(a.shape()) + ", b " +
@@ -582,10 +581,10 @@ struct LinearShapes {
   DType x_dtype, w_dtype;
 };
 
-// One fp8 linear over 2-d rows, outside autograd: fp8_linear's numbers for x2 [M, K] (detached)
-// and a weight [N, K] (detached), and the backward that fp8_linear and fp8_grouped_linear record
 struct Fp8WgradSum;
 
+// One fp8 linear over 2-d rows, outside autograd: fp8_linear's numbers for x2 [M, K] (detached)
+// and a weight [N, K] (detached), and the backward that fp8_linear and fp8_grouped_linear record
 // (and the chunked LM head runs per chunk).
 struct Fp8RowsPass {
   Tensor y2;  // [M, N] in x's dtype
