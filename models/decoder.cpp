@@ -602,11 +602,12 @@ Linear::Linear(int64_t in, int64_t out, DType dtype, Device device, bool with_bi
     : weight(register_parameter("weight", new_param({out, in}, dtype, device))) {
   if (with_bias) bias = &register_parameter("bias", new_param({out}, dtype, device));
 }
-Tensor Linear::forward(const Tensor& x) {
+Tensor Linear::forward(const Tensor& x, const Tensor& residual) {
   return with_forward_hooks(*this, [&] {
-    if (!linear_fn) return linear(x, weight.value, bias ? bias->value : Tensor());
+    if (!linear_fn) return linear(x, weight.value, bias ? bias->value : Tensor(), residual);
     Tensor y = linear_fn(x, weight.value);
-    return bias ? add(y, bias->value) : y;
+    if (bias) y = add(y, bias->value);
+    return residual.defined() ? add(residual, y) : y;
   });
 }
 
@@ -758,10 +759,10 @@ GatedMLP::GatedMLP(const DecoderConfig& c, int64_t intermediate_size, DType dtyp
           names[2], std::make_unique<Linear>(intermediate_size, c.hidden_size, dtype, device))),
       type_name_(std::move(type_name)) {}
 
-Tensor GatedMLP::forward(const Tensor& x) {
+Tensor GatedMLP::forward(const Tensor& x, const Tensor& residual) {
   return with_forward_hooks(*this, [&] {
     if (fused_fn) {
-      Tensor y = fused_fn(x);
+      Tensor y = fused_fn(x, residual);
       if (y.defined()) return y;
     }
     Tensor gate, up;
@@ -773,7 +774,7 @@ Tensor GatedMLP::forward(const Tensor& x) {
       shared_input(x, project);
     else
       project();
-    return down_proj.forward(swiglu(gate, up));
+    return down_proj.forward(swiglu(gate, up), residual);
   });
 }
 
@@ -905,10 +906,11 @@ DecoderLayer::DecoderLayer(const DecoderConfig& c, int64_t layer_index, DType dt
 Tensor DecoderLayer::forward(const Tensor& x, KVCache::Layer* cache, const TokenLayout& layout,
                              RouterStats* router_stats) {
   return with_forward_hooks(*this, [&] {
-    // h = x + attn(norm(x)); the residual add is fused into the post-attention norm.
+    // h = x + attn(norm(x)); the residual add is fused into the post-attention norm, and the
+    // MLP's into its down projection.
     auto [h, normed] = post_attention_layernorm.add_forward(
         x, self_attn.forward(input_layernorm.forward(x), cache, layout));
-    return add(h, moe ? moe->forward(normed, router_stats) : mlp->forward(normed));
+    return moe ? add(h, moe->forward(normed, router_stats)) : mlp->forward(normed, h);
   });
 }
 

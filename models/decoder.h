@@ -126,7 +126,9 @@ class Linear : public Module {
  public:
   Linear(int64_t in, int64_t out, DType dtype, Device device, bool bias = false);
   std::string type_name() const override { return "Linear"; }
-  Tensor forward(const Tensor& x);
+  // residual + x @ weight^T (+ bias): a residual connection around the projection, summed in its
+  // GEMM where the linear op can (ops.h) and added after linear_fn otherwise.
+  Tensor forward(const Tensor& x, const Tensor& residual = Tensor());
   Parameter& weight;
   Parameter* bias = nullptr;  // [out], added after linear_fn when present
   // When set, forward computes linear_fn(x, weight) instead of linear(x, weight): a conversion
@@ -210,11 +212,14 @@ class GatedMLP : public Module {
   GatedMLP(const DecoderConfig& c, int64_t intermediate_size, DType dtype, Device device,
            const std::array<const char*, 3>& names, std::string type_name);
   std::string type_name() const override { return type_name_; }
-  Tensor forward(const Tensor& x);
+  // residual + down(swiglu(gate(x), up(x))): the decoder layer's residual connection rides on the
+  // down projection (its GEMM's addend where the projection can take one).
+  Tensor forward(const Tensor& x, const Tensor& residual = Tensor());
   Linear &gate_proj, &up_proj, &down_proj;
-  // When set, forward first tries fused_fn(x); an undefined result means the projections run one
-  // by one. A conversion of the layers installs one (fp8_swiglu_mlp, models/fp8_linear.h).
-  std::function<Tensor(const Tensor& x)> fused_fn;
+  // When set, forward first tries fused_fn(x, residual) (residual possibly undefined); an
+  // undefined result means the projections run one by one. A conversion of the layers installs
+  // one (fp8_swiglu_mlp, models/fp8_linear.h).
+  std::function<Tensor(const Tensor& x, const Tensor& residual)> fused_fn;
   // When set, the projections that read x together run inside shared_input(x, run): a
   // conversion of the linear layers may share work on their common input (models/fp8_linear.h
   // casts x once for all of them).

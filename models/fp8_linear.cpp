@@ -260,12 +260,13 @@ Fp8Training::Fp8Training(Module& model, const Fp8Config& cfg, Device device)
     for (int i = 0; i < 3; ++i)
       if (auto it = contexts_.find(name + parts[i]); it != contexts_.end()) ctx[i] = it->second;
     if (!ctx[0] || !ctx[1] || !ctx[2]) continue;
-    mlp->fused_fn = [mlp, g = ctx[0], u = ctx[1], d = ctx[2]](const Tensor& x) {
+    mlp->fused_fn = [mlp, g = ctx[0], u = ctx[1], d = ctx[2]](const Tensor& x,
+                                                              const Tensor& residual) {
       if (mlp->gate_proj.has_forward_hooks() || mlp->up_proj.has_forward_hooks() ||
           mlp->down_proj.has_forward_hooks())
         return Tensor();
       return fp8_swiglu_mlp(x, mlp->gate_proj.weight.value, mlp->up_proj.weight.value,
-                            mlp->down_proj.weight.value, *g, *u, *d);
+                            mlp->down_proj.weight.value, *g, *u, *d, residual);
     };
   }
 }

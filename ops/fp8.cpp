@@ -74,20 +74,19 @@ Tensor unpad(const Tensor& t, int64_t rows, int64_t cols) {
   return contiguous(narrow(narrow(t, 0, 0, rows), 1, 0, cols));
 }
 
-// An input gradient dX [M, K] in `dtype` = g [M_p, N_p] . w_t [K_p, N_p]^T from padded fp8
-// operands, plus `addend` ([M, K], contiguous, only read) where defined: inside the GEMM (summed in
-// fp32, rounded once) when nothing is padded and it starts on 16 bytes (cuBLASLt's rule for every
-// operand), else added after.
-Tensor fp8_dgrad(const Tensor& g, const Tensor& g_si, const Tensor& w_t, const Tensor& w_si,
-                 DType dtype, int64_t M, int64_t K, const Tensor& addend) {
-  if (addend.defined() && g.size(0) == M && w_t.size(0) == K &&
-      reinterpret_cast<uintptr_t>(addend.data_ptr()) % 16 == 0) {
-    Tensor dx = Tensor::empty({M, K}, dtype, g.device());
-    fp8_gemm(dx, g, g_si, w_t, w_si, false, addend);
-    return dx;
-  }
-  Tensor dx = unpad(fp8_gemm(g, g_si, w_t, w_si, dtype, false), M, K);
-  return addend.defined() ? add(dx, addend) : dx;
+// [M, N] in `dtype` = a [M_p, K_p] . b [N_p, K_p]^T from padded fp8 operands, plus `addend`
+// ([M, N], contiguous, only read) where defined: inside the GEMM (summed in fp32, rounded once)
+// when nothing is padded and it starts on 16 bytes (cuBLASLt's rule for every operand), else
+// added after. Folds an input gradient into the one its input already has (dgrad), and a
+// residual connection into the projection before it (the fused MLP's down projection).
+Tensor fp8_gemm_add(const Tensor& a, const Tensor& a_si, const Tensor& b, const Tensor& b_si,
+                    DType dtype, int64_t M, int64_t N, bool fast_accum, const Tensor& addend) {
+  const bool fold = addend.defined() && a.size(0) == M && b.size(0) == N &&
+                    reinterpret_cast<uintptr_t>(addend.data_ptr()) % 16 == 0;
+  Tensor out = Tensor::empty({a.size(0), b.size(0)}, dtype, a.device());
+  fp8_gemm(out, a, a_si, b, b_si, fast_accum, fold ? addend : Tensor());
+  Tensor y = unpad(out, M, N);
+  return addend.defined() && !fold ? add(y, addend) : y;
 }
 
 }  // namespace
@@ -889,7 +888,7 @@ Fp8RowsPass fp8_rows_pass(const Tensor& x, const Tensor& x2, const Fp8WeightOper
         dx = matmul(hp_operand(g2, r, r.hp_dgrad, r.backward_dtype, 1), wd.dgrad_hp(r, g2.dtype()));
         if (dx_add.defined()) dx = add(dx, dx_add);
       } else {
-        dx = fp8_dgrad(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, s.M, s.K, dx_add);
+        dx = fp8_gemm_add(qg.data, qg.scale_inv, w_t, w_si, s.x_dtype, s.M, s.K, false, dx_add);
       }
     }
     if (want_dw) {  // dW [N, K] = dY^T [N, M] . X [M, K]: contraction over M
@@ -1320,7 +1319,8 @@ bool fused_mlp_applies(const Fp8LinearContext& c, const Fp8LinearContext& first)
 
 Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
                       const Tensor& w_down, const Fp8LinearContext& gate,
-                      const Fp8LinearContext& up, const Fp8LinearContext& down) {
+                      const Fp8LinearContext& up, const Fp8LinearContext& down,
+                      const Tensor& residual) {
   const char* op = "fp8_swiglu_mlp";
   if (!fused_mlp_applies(gate, gate) || !fused_mlp_applies(up, gate) ||
       !fused_mlp_applies(down, gate))
@@ -1337,6 +1337,16 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   detail::check_same_device(op, x, w_gate);
   detail::check_same_device(op, x, w_up);
   detail::check_same_device(op, x, w_down);
+  Shape out_shape = x.shape();
+  out_shape.back() = H;
+  // A residual of another dtype or device is added after, as an op of its own.
+  if (residual.defined() && (residual.dtype() != x.dtype() || residual.device() != x.device())) {
+    Tensor y = fp8_swiglu_mlp(x, w_gate, w_up, w_down, gate, up, down);
+    return y.defined() ? add(residual, y) : y;
+  }
+  if (residual.defined() && residual.shape() != out_shape)
+    op_error(
+        op, "residual " + residual.str() + " must have the output's shape " + shape_str(out_shape));
 
   Fp8DelayedScaling& d = *gate.delayed;
   const Fp8Recipe& r = gate.recipe;
@@ -1376,11 +1386,15 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
     NoGradGuard no_grad;
     qh = cast_with(swiglu(g, u), fwd, down.slot_input, true, want_dwd);
   }
-  Tensor y2 = unpad(fp8_gemm(qh.data, qh.scale_inv, qwd.data, qwd.scale_inv, act, true), M, H);
-  Shape out_shape = x.shape();
-  out_shape.back() = H;
+  // The residual rides on the down GEMM (its addend), kept as the GEMM's output under selective
+  // checkpointing.
+  const Tensor r2 = residual.defined() ? contiguous(reshape(residual.detach(), {M, H})) : Tensor();
+  Tensor y2 = keep_output("fp8_gemm", [&] {
+    return fp8_gemm_add(qh.data, qh.scale_inv, qwd.data, qwd.scale_inv, act, M, H, true, r2);
+  });
   Tensor y = with_shape(y2, out_shape);
-  if (!(want_dh || want_dwd)) return y;
+  const bool want_dr = grad_enabled() && residual.defined() && residual.requires_grad();
+  if (!(want_dh || want_dwd || want_dr)) return y;
 
   // Saved for backward: the transposed fp8 copies (and swiglu's inputs), not the row-major ones.
   const Shape x_shape = x.shape();
@@ -1391,51 +1405,56 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   const int slot_gg = gate.slot_grad_output, slot_gu = up.slot_grad_output,
             slot_gd = down.slot_grad_output;
   auto state = gate.delayed;
-  return record_folding(
-      op, y, {x, w_gate, w_up, w_down}, 0, [=](const Tensor& gy, const Tensor& pending) {
-        Fp8DelayedScaling& ds = *state;
-        auto amax_b = [&](int slot) { return record_amax ? ds.amax(slot) : Tensor(); };
-        Tensor gy2 = contiguous(reshape(gy, {-1, H}));
-        Fp8Tensor qgy = fp8_cast(gy2, bwd, ds.scale(slot_gd), amax_b(slot_gd),
-                                 Fp8CastOptions{want_dh, want_dwd, 16});
-        Tensor dx, dwg, dwu, dwd;
-        if (want_dwd)
-          dwd = unpad(fp8_gemm(qgy.data_t, qgy.scale_inv, h_t, h_si, wd_dtype, false), H, F);
-        if (want_dh) {
-          Tensor dh = unpad(fp8_gemm(qgy.data, qgy.scale_inv, wd_t, wd_si, act, false), M, F);
-          const Fp8CastOptions g_opts{want_dx, want_dwg, 16}, u_opts{want_dx, want_dwu, 16};
-          Fp8Tensor qdg, qdu;
-          const bool both =
-              (g_opts.rowwise || g_opts.columnwise) && (u_opts.rowwise || u_opts.columnwise);
-          if (both && backend_for(g.device()).fp8_fused_cast_layout({&dh, &g, &u}, F)) {
-            auto [q1, t1] = fused_target(g, bwd, g_opts, ds.scale(slot_gg), amax_b(slot_gg));
-            auto [q2, t2] = fused_target(u, bwd, u_opts, ds.scale(slot_gu), amax_b(slot_gu));
-            backend_for(g.device()).fp8_swiglu_backward_cast(dh, g, u, t1, t2);
-            qdg = q1;
-            qdu = q2;
-          } else {
-            Tensor dg = Tensor::empty(g.shape(), act, g.device());
-            Tensor du = Tensor::empty(u.shape(), act, u.device());
-            backend_for(g.device()).swiglu_backward(dg, du, dh, contiguous(g), contiguous(u));
-            if (g_opts.rowwise || g_opts.columnwise)
-              qdg = fp8_cast(dg, bwd, ds.scale(slot_gg), amax_b(slot_gg), g_opts);
-            if (u_opts.rowwise || u_opts.columnwise)
-              qdu = fp8_cast(du, bwd, ds.scale(slot_gu), amax_b(slot_gu), u_opts);
-          }
-          if (want_dx) {  // folded as the layers one by one fold them: up's first, then gate's
-            const Tensor add_x =
-                pending.defined() ? contiguous(reshape(pending, {-1, K})) : Tensor();
-            const Tensor dx_up = fp8_dgrad(qdu.data, qdu.scale_inv, wu_t, wu_si, act, M, K, add_x);
-            dx = with_shape(fp8_dgrad(qdg.data, qdg.scale_inv, wg_t, wg_si, act, M, K, dx_up),
-                            x_shape);
-          }
-          if (want_dwg)
-            dwg = unpad(fp8_gemm(qdg.data_t, qdg.scale_inv, x_t, x_si, wg_dtype, false), F, K);
-          if (want_dwu)
-            dwu = unpad(fp8_gemm(qdu.data_t, qdu.scale_inv, x_t, x_si, wu_dtype, false), F, K);
-        }
-        return std::vector<Tensor>{dx, dwg, dwu, dwd};
-      });
+  std::vector<Tensor> inputs{x, w_gate, w_up, w_down};
+  if (residual.defined()) inputs.push_back(residual);
+  return record_folding(op, y, std::move(inputs), 0, [=](const Tensor& gy, const Tensor& pending) {
+    Fp8DelayedScaling& ds = *state;
+    auto amax_b = [&](int slot) { return record_amax ? ds.amax(slot) : Tensor(); };
+    Tensor gy2 = contiguous(reshape(gy, {-1, H}));
+    Fp8Tensor qgy;  // none when only the residual wants a gradient
+    if (want_dh || want_dwd)
+      qgy = fp8_cast(gy2, bwd, ds.scale(slot_gd), amax_b(slot_gd),
+                     Fp8CastOptions{want_dh, want_dwd, 16});
+    Tensor dx, dwg, dwu, dwd;
+    if (want_dwd)
+      dwd = unpad(fp8_gemm(qgy.data_t, qgy.scale_inv, h_t, h_si, wd_dtype, false), H, F);
+    if (want_dh) {
+      Tensor dh = unpad(fp8_gemm(qgy.data, qgy.scale_inv, wd_t, wd_si, act, false), M, F);
+      const Fp8CastOptions g_opts{want_dx, want_dwg, 16}, u_opts{want_dx, want_dwu, 16};
+      Fp8Tensor qdg, qdu;
+      const bool both =
+          (g_opts.rowwise || g_opts.columnwise) && (u_opts.rowwise || u_opts.columnwise);
+      if (both && backend_for(g.device()).fp8_fused_cast_layout({&dh, &g, &u}, F)) {
+        auto [q1, t1] = fused_target(g, bwd, g_opts, ds.scale(slot_gg), amax_b(slot_gg));
+        auto [q2, t2] = fused_target(u, bwd, u_opts, ds.scale(slot_gu), amax_b(slot_gu));
+        backend_for(g.device()).fp8_swiglu_backward_cast(dh, g, u, t1, t2);
+        qdg = q1;
+        qdu = q2;
+      } else {
+        Tensor dg = Tensor::empty(g.shape(), act, g.device());
+        Tensor du = Tensor::empty(u.shape(), act, u.device());
+        backend_for(g.device()).swiglu_backward(dg, du, dh, contiguous(g), contiguous(u));
+        if (g_opts.rowwise || g_opts.columnwise)
+          qdg = fp8_cast(dg, bwd, ds.scale(slot_gg), amax_b(slot_gg), g_opts);
+        if (u_opts.rowwise || u_opts.columnwise)
+          qdu = fp8_cast(du, bwd, ds.scale(slot_gu), amax_b(slot_gu), u_opts);
+      }
+      if (want_dx) {  // folded as the layers one by one fold them: up's first, then gate's
+        const Tensor add_x = pending.defined() ? contiguous(reshape(pending, {-1, K})) : Tensor();
+        const Tensor dx_up =
+            fp8_gemm_add(qdu.data, qdu.scale_inv, wu_t, wu_si, act, M, K, false, add_x);
+        dx = with_shape(fp8_gemm_add(qdg.data, qdg.scale_inv, wg_t, wg_si, act, M, K, false, dx_up),
+                        x_shape);
+      }
+      if (want_dwg)
+        dwg = unpad(fp8_gemm(qdg.data_t, qdg.scale_inv, x_t, x_si, wg_dtype, false), F, K);
+      if (want_dwu)
+        dwu = unpad(fp8_gemm(qdu.data_t, qdu.scale_inv, x_t, x_si, wu_dtype, false), F, K);
+    }
+    std::vector<Tensor> grads{dx, dwg, dwu, dwd};
+    if (residual.defined()) grads.push_back(want_dr ? gy : Tensor());
+    return grads;
+  });
 }
 
 }  // namespace accel

@@ -87,11 +87,13 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 namespace {
-// y = x @ weight^T for contiguous x [.., in] and weight [out, in], as one node over {x, weight}
-// whose backward folds the gradient x already has into its input-gradient GEMM (C = that
-// gradient): the projections that share an input (q, k, v; gate, up) then sum their input
-// gradients inside the GEMMs instead of in separate additions.
-Tensor linear_contiguous(const Tensor& x, const Tensor& weight, const Shape& out_shape) {
+// y = x @ weight^T (+ residual) for contiguous x [.., in] and weight [out, in], as one node over
+// {x, weight} (and the residual) whose backward folds the gradient x already has into its
+// input-gradient GEMM (C = that gradient): the projections that share an input (q, k, v; gate,
+// up) then sum their input gradients inside the GEMMs instead of in separate additions. A
+// residual (contiguous, of y's shape and dtype) is the forward GEMM's C.
+Tensor linear_contiguous(const Tensor& x, const Tensor& weight, const Shape& out_shape,
+                         const Tensor& residual) {
   const int64_t in = weight.size(1), out = weight.size(0);
   // The rows are x's leading dims (not numel / in: in_features may be 0).
   const int64_t rows = shape_numel(Shape(x.shape().begin(), x.shape().end() - 1));
@@ -99,16 +101,21 @@ Tensor linear_contiguous(const Tensor& x, const Tensor& weight, const Shape& out
     return t.as_strided({1, rows, cols}, {rows * cols, cols, 1}, t.offset());
   };
   const Tensor w3 = weight.as_strided({1, out, in}, {out * in, in, 1}, weight.offset());
+  const bool with_residual = residual.defined();
   Tensor y = keep_output("linear", [&] {
     Tensor o = Tensor::empty(out_shape, x.dtype(), x.device());
+    const Tensor c = with_residual ? rows3(residual, out) : Tensor();
     backend_for(x.device())
-        .matmul(rows3(o, out), rows3(x, in), w3, false, true, 1.0, 0.0, Tensor());
+        .matmul(rows3(o, out), rows3(x, in), w3, false, true, 1.0, with_residual ? 1.0 : 0.0, c);
     return o;
   });
   const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
+  std::vector<Tensor> inputs{x, weight};
+  if (with_residual) inputs.push_back(residual);
   return record_folding(
-      "linear", y, {x, weight}, 0,
-      [x, weight, need_x, need_w, rows3, w3, in, out](const Tensor& g, const Tensor& pending) {
+      "linear", y, std::move(inputs), 0,
+      [x, weight, need_x, need_w, with_residual, rows3, w3, in, out](const Tensor& g,
+                                                                     const Tensor& pending) {
         const Tensor gc = contiguous(g);
         Backend& be = backend_for(gc.device());
         Tensor gx, gw;
@@ -123,12 +130,14 @@ Tensor linear_contiguous(const Tensor& x, const Tensor& weight, const Shape& out
           be.matmul(gw.as_strided({1, out, in}, {out * in, in, 1}, 0), rows3(gc, out),
                     rows3(x.detach(), in), true, false, 1.0, 0.0, Tensor());
         }
-        return std::vector<Tensor>{gx, gw};
+        std::vector<Tensor> grads{gx, gw};
+        if (with_residual) grads.push_back(g);  // y = residual + ...: the same gradient
+        return grads;
       });
 }
 }  // namespace
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& residual) {
   detail::check_defined("linear", x, "input");
   detail::check_defined("linear", weight, "weight");
   if (weight.dim() != 2) op_error("linear", "weight must be 2-d [out, in], got " + weight.str());
@@ -138,16 +147,25 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
                            " of weight " + shape_str(weight.shape()));
   Shape out_shape = x.shape();
   out_shape.back() = weight.size(0);
+  if (residual.defined() && residual.shape() != out_shape)
+    op_error("linear", "residual " + residual.str() + " must have the output's shape " +
+                           shape_str(out_shape));
   Tensor y;
   if (x.is_contiguous() && weight.is_contiguous()) {
     detail::check_same_device("linear", x, weight);
     detail::check_same_dtype("linear", x, weight);
     detail::check_floating("linear", x);
-    y = linear_contiguous(x, weight, out_shape);
+    // A bias comes after the product, so a residual then cannot be the GEMM's C (the sum's
+    // order would differ from the definition's); nor can one of another dtype or device.
+    const bool fold = residual.defined() && !bias.defined() && residual.dtype() == x.dtype() &&
+                      residual.device() == x.device();
+    y = linear_contiguous(x, weight, out_shape, fold ? contiguous(residual) : Tensor());
+    if (fold) return y;
   } else {
     y = reshape(matmul(reshape(x, {-1, weight.size(1)}), transpose(weight, 0, 1)), out_shape);
   }
-  return bias.defined() ? add(y, bias) : y;
+  if (bias.defined()) y = add(y, bias);
+  return residual.defined() ? add(residual, y) : y;
 }
 
 }  // namespace accel

@@ -73,8 +73,11 @@ Tensor sum_to_shape(const Tensor& x, const Shape& shape);
 // ---- linear algebra ---------------------------------------------------------------------------
 // a [..., M, K] @ b [..., K, N]; batch dims broadcast.
 Tensor matmul(const Tensor& a, const Tensor& b);
-// x [..., in] @ weight[out, in]^T (+ bias[out]).
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// x [..., in] @ weight[out, in]^T (+ bias[out]) (+ residual [..., out]). A residual of the
+// output's dtype is the GEMM's addend (summed with the product in fp32 and rounded once, where
+// a separate add would round twice); its gradient is the output's.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              const Tensor& residual = Tensor());
 
 // ---- neural-network ops -------------------------------------------------------------------------
 Tensor softmax(const Tensor& x, int64_t dim);

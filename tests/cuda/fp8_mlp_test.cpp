@@ -10,9 +10,12 @@ namespace {
 
 TEST(CudaFp8Mlp, FusedMatchesLayerByLayer) {
   ACCEL_SKIP_WITHOUT_CUDA();
-  test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 256, 128, 256);
-  test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 74, 64, 72);    // padded rows and cols
-  test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 300, 64, 520);  // several tiles
+  for (bool residual : {false, true}) {
+    test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 256, 128, 256, residual);
+    // padded rows and cols
+    test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 74, 64, 72, residual);
+    test::expect_fused_mlp_matches_layers(cuda_test::gpu(), 300, 64, 520, residual);  // tiles
+  }
 }
 
 }  // namespace

@@ -212,5 +212,33 @@ TEST(CudaMatmulOps, AddendIsReadNotWrittenAndSharedInputGradientsSum) {
   expect_matches(reshape(xg.grad(), {18, 64}), want_gx, DType::F32, "summed input gradient", 8.0);
 }
 
+// linear with a residual on the GPU: the residual is the GEMM's addend (the sum rounded once, the
+// decisive case of LinearResidual.RoundsTheSumOnce), bf16 against the CPU, and the residual's
+// gradient is the output's.
+TEST(CudaMatmulOps, LinearWithAResidualRoundsTheSumOnce) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType bf = DType::BF16;
+  const Tensor x = Tensor::from_vector(std::vector<double>{1.0, 1.0}, {1, 2}, bf, gpu());
+  const Tensor w = Tensor::from_vector(
+      std::vector<double>{std::ldexp(1.0, -8), -std::ldexp(1.0, -20)}, {1, 2}, bf, gpu());
+  const Tensor r =
+      Tensor::from_vector(std::vector<double>{1.0 + std::ldexp(1.0, -7)}, {1, 1}, bf, gpu());
+  EXPECT_EQ(linear(x, w, Tensor(), r).item(), 1.0 + std::ldexp(1.0, -7));
+  EXPECT_EQ(add(r, linear(x, w)).item(), 1.0 + std::ldexp(1.0, -6));
+
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  const Tensor xs = random_tensor({2, 40, 64}, bf, rng), ws = random_tensor({48, 64}, bf, rng);
+  const Tensor rs = random_tensor({2, 40, 48}, bf, rng), gy = random_tensor({2, 40, 48}, bf, rng);
+  const Tensor want = linear(xs, ws, Tensor(), rs);
+  Tensor rg = rs.to(gpu());
+  rg.set_requires_grad(true);
+  Tensor got = linear(xs.to(gpu()), ws.to(gpu()), Tensor(), rg);
+  expect_matches(got, want, bf, "linear with a residual", 2.0);
+  got.backward(gy.to(gpu()));
+  EXPECT_EQ(rg.grad().to(Device::cpu()).to_vector(), gy.to_vector());
+}
+
 }  // namespace
 }  // namespace accel

@@ -15,7 +15,8 @@ namespace {
 
 // The decoder stack as it was written before the fusion: add, then rms_norm, each norm reading a
 // copy (x * 1, exact) so that its backward has nothing pending to fold and the engine sums the
-// residual gradients separately, as it used to.
+// residual gradients separately, as it used to. (The MLP's residual stays in its down projection,
+// as the model has it: that fold is linear's, tested in tests/ops/linear_residual_test.cpp.)
 Tensor unfused_forward(CausalLM& m, const Tensor& ids) {
   auto norm = [](RMSNorm& n, const Tensor& x) {
     return rms_norm(mul(x, 1.0), n.weight.value, n.eps);
@@ -23,7 +24,7 @@ Tensor unfused_forward(CausalLM& m, const Tensor& ids) {
   Tensor x = m.model.embed_tokens.forward(ids);
   for (DecoderLayer* l : m.model.layers) {
     Tensor h = add(x, l->self_attn.forward(norm(l->input_layernorm, x)));
-    x = add(h, l->mlp->forward(norm(l->post_attention_layernorm, h)));
+    x = l->mlp->forward(norm(l->post_attention_layernorm, h), h);
   }
   x = norm(m.model.norm, x);
   return m.lm_head ? m.lm_head->forward(x) : linear(x, m.model.embed_tokens.weight.value);

@@ -120,13 +120,14 @@ ActivationBytes activation_bytes(const DecoderConfig& c, ActivationCheckpointing
   return out;
 }
 
-// What a selective llama layer keeps beyond its input (fp32, N tokens): the q, k, v, o, gate, up
-// and down projections' outputs, and attention's output with its log-sum-exp.
+// What a selective llama layer keeps beyond its input (fp32, N tokens): the q, k, v, o, gate and
+// up projections' outputs, and attention's output with its log-sum-exp. The down projection's
+// output, the MLP's residual summed in, is the layer's output: the next layer's input, which full
+// checkpointing keeps too.
 int64_t kept_bytes_per_layer(const DecoderConfig& c, int64_t rows, int64_t seq) {
   const int64_t N = rows * seq, q = c.num_attention_heads * c.head_dim,
                 kv = c.num_key_value_heads * c.head_dim;
-  const int64_t projections =
-      N * (q + 2 * kv + c.hidden_size + 2 * c.intermediate_size + c.hidden_size);
+  const int64_t projections = N * (q + 2 * kv + c.hidden_size + 2 * c.intermediate_size);
   const int64_t attention = N * q + rows * c.num_attention_heads * seq;
   return 4 * (projections + attention);
 }

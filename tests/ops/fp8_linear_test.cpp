@@ -361,8 +361,10 @@ TEST(Fp8Linear, LayersReadingOneInputSumTheirInputGradients) {
 // The fused fp8 Llama MLP (CPU emulation) against its three projections layer by layer: rows not
 // a multiple of 16 and an intermediate size not a multiple of 16 exercise the padding.
 TEST(Fp8Linear, SwigluMlpMatchesLayerByLayer) {
-  test::expect_fused_mlp_matches_layers(Device::cpu(), 32, 64, 128);
-  test::expect_fused_mlp_matches_layers(Device::cpu(), 74, 64, 72);
+  for (bool residual : {false, true}) {
+    test::expect_fused_mlp_matches_layers(Device::cpu(), 32, 64, 128, residual);
+    test::expect_fused_mlp_matches_layers(Device::cpu(), 74, 64, 72, residual);
+  }
 }
 
 // Where the fused form does not apply it declines (the caller runs the layers one by one).

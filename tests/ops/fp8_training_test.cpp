@@ -243,8 +243,8 @@ TEST(Fp8Training, FusedMlpTrainsLikeLayerByLayer) {
       for (auto& [name, mod] : m.named_modules())
         if (auto* mlp = dynamic_cast<GatedMLP*>(mod)) {
           ASSERT_TRUE(mlp->fused_fn) << name;
-          mlp->fused_fn = [&, f = mlp->fused_fn](const Tensor& x) {
-            Tensor y = f(x);
+          mlp->fused_fn = [&, f = mlp->fused_fn](const Tensor& x, const Tensor& residual) {
+            Tensor y = f(x, residual);
             ++calls;
             taken += y.defined();
             return y;
@@ -257,7 +257,12 @@ TEST(Fp8Training, FusedMlpTrainsLikeLayerByLayer) {
     };
     const std::vector<double> fused = testing::fp8_train_losses(train_config(), &cfg, 4, count),
                               plain = testing::fp8_train_losses(train_config(), &cfg, 4, layers);
-    EXPECT_EQ(fused, plain) << name_of(cfg.backend);
+    // The fused MLP makes the residual add in its down GEMM (rounded once; the layers round the
+    // projection, then the sum): the losses agree to about 1e-5, not bit for bit
+    // (tests/ops/fp8_mlp_check.h compares the two exactly, up to that one rounding).
+    ASSERT_EQ(fused.size(), plain.size());
+    for (size_t i = 0; i < fused.size(); ++i)
+      EXPECT_NEAR(fused[i], plain[i], 2e-4 * std::fabs(plain[i])) << name_of(cfg.backend);
     EXPECT_EQ(calls, 4 * 2) << name_of(cfg.backend);  // 2 layers x 4 steps
     EXPECT_EQ(taken, cfg.backend == Fp8Backend::TE ? calls : 0) << name_of(cfg.backend);
   }
