@@ -123,6 +123,13 @@ class Backend {
   virtual void cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits,
                                       const Tensor& lse, const Tensor& targets,
                                       int64_t ignore_index, const Tensor& scale) = 0;
+  // cross_entropy (loss_per_row, lse) and cross_entropy_backward (grad_logits) in one call, with
+  // the same numbers; grad_logits may be logits itself (overwritten by its gradient). The
+  // default calls the two; the CUDA backend reads each row once from memory for both.
+  virtual void cross_entropy_with_grad(const Tensor& loss_per_row, const Tensor& lse,
+                                       const Tensor& grad_logits, const Tensor& logits,
+                                       const Tensor& targets, int64_t ignore_index,
+                                       const Tensor& scale);
   virtual void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) = 0;
   // grad_weight (zeroed by the caller) += scatter of grad_out rows by ids.
   virtual void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,

@@ -39,10 +39,12 @@ class ChunkedLinear {
   virtual ~ChunkedLinear() = default;
   // Every chunk but the last holds a multiple of this many rows.
   virtual int64_t row_multiple() const { return 1; }
-  // The logits [n, V] (x's dtype, contiguous) of rows [r0, r0 + n), valid until the next call.
+  // The logits [n, V] (x's dtype, contiguous) of rows [r0, r0 + n), valid until the next call;
+  // the caller may overwrite them (with their gradient).
   virtual Tensor logits(int64_t r0, int64_t n) = 0;
-  // For the gradient g [n, V] of the latest logits: their rows' x gradient into gx ([n, D],
-  // undefined when x needs none), and the weight's part of its gradient kept.
+  // For the gradient g [n, V] of the latest logits (possibly in their buffer): their rows' x
+  // gradient into gx ([n, D], undefined when x needs none), and the weight's part of its
+  // gradient kept.
   virtual void backward(int64_t r0, int64_t n, const Tensor& g, const Tensor& gx) = 0;
   // After the last chunk: the weight's gradient in its dtype (undefined when it needs none).
   virtual Tensor weight_grad() = 0;

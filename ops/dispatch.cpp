@@ -6,6 +6,15 @@ Backend& backend_for(Device d) { return d.is_cpu() ? cpu_backend() : cuda_backen
 
 void set_allow_tf32(Device device, bool allow) { backend_for(device).set_allow_tf32(allow); }
 
+void Backend::cross_entropy_with_grad(const Tensor& loss_per_row, const Tensor& lse,
+                                      const Tensor& grad_logits, const Tensor& logits,
+                                      const Tensor& targets, int64_t ignore_index,
+                                      const Tensor& scale) {
+  cross_entropy(loss_per_row, lse, logits, targets, ignore_index);
+  // Each gradient element is made from its own logit only: grad_logits may be logits.
+  cross_entropy_backward(grad_logits, logits, lse, targets, ignore_index, scale);
+}
+
 // Backends without fused fp8 kernels never accept a layout in fp8_fused_cast_layout, so ops/fp8.cpp
 // never calls these there.
 void Backend::fp8_swiglu_cast(const Tensor&, const Tensor&, const Fp8CastTarget&) {

@@ -1,12 +1,12 @@
 // linear_cross_entropy: cross_entropy(linear(x, weight), targets) without ever holding the [N, V]
-// logits. Rows go through in chunks: each chunk's logits, its loss and its logits gradient live
-// in two [chunk, V] buffers, and the gradients of x and of the weight are made right there, in the
-// forward (the loss is the end of the graph, so its upstream gradient is only a scalar factor,
-// expected to be grad_scale and applied in backward relative to it). At a 128k vocabulary this
-// saves the two N x V tensors (4 GiB at 8k tokens in bf16) and their memory traffic. The chunk
-// loop (chunked_linear_cross_entropy) takes its GEMMs from a ChunkedLinear: here the backend's
-// matmuls in the compute dtype; fp8_linear_cross_entropy (ops/fp8.cpp) gives fp8_linear's.
-// Kernels: the GEMMs' and the backend's cross_entropy(_backward).
+// logits. Rows go through in chunks: each chunk's logits live in one [chunk, V] buffer, which
+// its logits gradient then overwrites, and the gradients of x and of the weight are made right
+// there, in the forward (the loss is the end of the graph, so its upstream gradient is only a
+// scalar factor, expected to be grad_scale and applied in backward relative to it). At a 128k
+// vocabulary this saves the two N x V tensors (4 GiB at 8k tokens in bf16) and their memory
+// traffic. The chunk loop (chunked_linear_cross_entropy) takes its GEMMs from a ChunkedLinear: here
+// the backend's matmuls in the compute dtype; fp8_linear_cross_entropy (ops/fp8.cpp) gives
+// fp8_linear's. Kernels: the GEMMs' and the backend's cross_entropy_with_grad.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -117,17 +117,18 @@ Tensor detail::chunked_linear_cross_entropy(const char* op, const Tensor& x, con
   chunk = std::max<int64_t>(1, std::min<int64_t>(N, (chunk + multiple - 1) / multiple * multiple));
   Tensor loss_rows = Tensor::zeros({N}, acc, dev);
   Tensor lse = Tensor::empty({N}, acc, dev);
-  Tensor grad_logits = want_grad ? Tensor::empty({std::min(chunk, N), V}, dt, dev) : Tensor();
   Tensor gx = need_x ? Tensor::empty({N, D}, dt, dev) : Tensor();
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t n = std::min(chunk, N - r0);
     Tensor l2 = gemms->logits(r0, n);
-    Tensor lse_c = rows1(lse, r0, n), t_c = rows1(tc, r0, n);
-    be.cross_entropy(rows1(loss_rows, r0, n), lse_c, l2, t_c, ignore_index);
-    if (!want_grad) continue;
-    Tensor g2 = as2(rows3(grad_logits, 0, n));
-    be.cross_entropy_backward(g2, l2, lse_c, t_c, ignore_index, scale);
-    gemms->backward(r0, n, g2, need_x ? as2(rows3(gx, r0, n)) : Tensor());
+    Tensor loss_c = rows1(loss_rows, r0, n), lse_c = rows1(lse, r0, n), t_c = rows1(tc, r0, n);
+    if (!want_grad) {
+      be.cross_entropy(loss_c, lse_c, l2, t_c, ignore_index);
+      continue;
+    }
+    // The logits' gradient replaces them (one read of each row for both, no second buffer).
+    be.cross_entropy_with_grad(loss_c, lse_c, l2, l2, t_c, ignore_index, scale);
+    gemms->backward(r0, n, l2, need_x ? as2(rows3(gx, r0, n)) : Tensor());
   }
   Tensor gw = gemms->weight_grad();
   gemms.reset();

@@ -1,6 +1,7 @@
 // Chunk-free cross-entropy: one pass for the row statistics (softmax.cuh), one for the gradient;
 // never an fp32 copy of the logits.
 #include <string>
+#include <type_traits>
 
 #include "ops/cuda/softmax.cuh"
 
@@ -34,43 +35,100 @@ __global__ void cross_entropy_kernel(float* __restrict__ loss, float* __restrict
   }
 }
 
-// grad = (exp(x - lse) - onehot) * scale[0]; 0 on ignored rows, NaN on rows with a bad target.
+// One row's gradient, block-wide: grad = (exp(x - lse) - onehot(t)) * k, 0 on an ignored row,
+// NaN on a row with a bad target. The row is walked from its end, so that after a statistics
+// pass over it (cross_entropy_with_grad_kernel) the part read last, the likeliest still in L2,
+// is read first. Each element is read and then written by one thread, so gr may be xr.
+template <class T>
+__device__ __forceinline__ void row_gradient(T* gr, const T* xr, int64_t len, float lse, int64_t t,
+                                             bool ignored, bool bad, float k) {
+  constexpr int N = 16 / sizeof(T);
+  auto value = [&](float x, int64_t i) {
+    if (ignored) return 0.0f;
+    float p = exp_for<T>(x - lse);
+    if (i == t) p -= 1.0f;
+    return bad ? NAN : p * k;
+  };
+  const bool vec = ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(gr)) & 15) == 0;
+  const int64_t nv = vec ? len / N : 0;
+  for (int64_t i = len - 1 - threadIdx.x; i >= nv * N; i -= blockDim.x)
+    gr[i] = from_f<T>(value(to_f(xr[i]), i));
+  // kLoads chunks loaded before any is written (gr may alias xr, so the compiler cannot move a
+  // load above an earlier store by itself).
+  constexpr int kLoads = 4;
+  const int64_t stride = blockDim.x;
+  const uint4* in = reinterpret_cast<const uint4*>(xr);
+  uint4* out = reinterpret_cast<uint4*>(gr);
+  int64_t i = nv - 1 - threadIdx.x;
+  for (; i - (kLoads - 1) * stride >= 0; i -= kLoads * stride) {
+    uint4 raw[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) raw[u] = in[i - u * stride];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      T* buf = reinterpret_cast<T*>(&raw[u]);
+#pragma unroll
+      for (int e = 0; e < N; ++e) buf[e] = from_f<T>(value(to_f(buf[e]), (i - u * stride) * N + e));
+      out[i - u * stride] = raw[u];
+    }
+  }
+  for (; i >= 0; i -= stride) {
+    uint4 raw = in[i];
+    T* buf = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int e = 0; e < N; ++e) buf[e] = from_f<T>(value(to_f(buf[e]), i * N + e));
+    out[i] = raw;
+  }
+}
+
+// grad = (exp(x - lse) - onehot) * scale[0] from the forward's lse, one block per row.
 template <class T, class I>
 __global__ void cross_entropy_backward_kernel(T* __restrict__ grad, const T* __restrict__ logits,
                                               const float* __restrict__ lse_in,
                                               const I* __restrict__ targets,
                                               const float* __restrict__ scale, int64_t rows,
                                               int64_t len, int64_t ignore_index) {
-  constexpr int N = 16 / sizeof(T);
+  const float k = *scale;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t t = static_cast<int64_t>(targets[r]);
+    const bool ignored = t == ignore_index, bad = !ignored && (t < 0 || t >= len);
+    row_gradient(grad + r * len, logits + r * len, len, lse_in[r], t, ignored, bad, k);
+  }
+}
+
+// Both in one launch, a block per row at a time: the statistics (loss, lse) as
+// cross_entropy_kernel, then the gradient as cross_entropy_backward_kernel, the row re-read from
+// its end (the part read last is the likeliest still in L2). grad may be logits.
+template <class T, class I>
+__global__ void __launch_bounds__(512, 2)
+    cross_entropy_with_grad_kernel(float* __restrict__ loss, float* __restrict__ lse_out, T* grad,
+                                   const T* logits, const I* __restrict__ targets,
+                                   const float* __restrict__ scale, int64_t rows, int64_t len,
+                                   int64_t ignore_index) {
   const float k = *scale;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = logits + r * len;
-    T* gr = grad + r * len;
     const int64_t t = static_cast<int64_t>(targets[r]);
     const bool ignored = t == ignore_index, bad = !ignored && (t < 0 || t >= len);
-    const float lse = lse_in[r];
-    auto value = [&](float x, int64_t i) {
-      if (ignored) return 0.0f;
-      float p = exp_for<T>(x - lse);
-      if (i == t) p -= 1.0f;
-      return bad ? NAN : p * k;
-    };
-    const bool vec =
-        ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(gr)) & 15) == 0;
-    int64_t done = 0;
-    if (vec) {
-      const int64_t nv = len / N;
-      for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-        T buf[N];
-        *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(xr)[i];
-#pragma unroll
-        for (int e = 0; e < N; ++e) buf[e] = from_f<T>(value(to_f(buf[e]), i * N + e));
-        reinterpret_cast<uint4*>(gr)[i] = *reinterpret_cast<uint4*>(buf);
-      }
-      done = nv * N;
+    __shared__ float row_lse;
+    if (!ignored) {
+      const MaxSum ms = row_max_sum(xr, len);
+      // Thread 0's statistics for every thread: the merges' rounding may differ between lanes,
+      // and the gradient must use the lse stored for the row (as the backward kernel does).
+      if (threadIdx.x == 0) row_lse = ms.m + logf(ms.s);
+    } else if (threadIdx.x == 0) {
+      row_lse = 0.0f;
     }
-    for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x)
-      gr[i] = from_f<T>(value(to_f(xr[i]), i));
+    __syncthreads();
+    const float lse = row_lse;
+    if (threadIdx.x == 0) {
+      loss[r] = ignored ? 0.0f : bad ? NAN : lse - to_f(xr[t]);
+      lse_out[r] = lse;
+    }
+    // Thread 0 reads xr[t] above, and row_lse is rewritten by the next row: no thread goes on
+    // before all are past both.
+    __syncthreads();
+    row_gradient(grad + r * len, xr, len, lse, t, ignored, bad, k);
   }
 }
 
@@ -95,6 +153,20 @@ void check_ce_rows(const Tensor& logits, const Tensor& targets, const Tensor& pe
 }
 
 int ce_threads(int64_t v) { return v >= 4096 ? 512 : 128; }
+
+// Blocks of cross_entropy_with_grad_kernel: what is resident at once (at most one per row). Fewer
+// rows in flight, to keep each in L2 for its second read, measured slower on an H200 (session 15:
+// the passes are then too few to hide the memory latency).
+template <class K>
+int rows_in_flight(K kernel, int threads, int64_t rows) {
+  const int dev = current_device();
+  static thread_local int cached_dev = -1, per_sm = 0;
+  if (cached_dev != dev) {
+    ACCEL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    cached_dev = dev;
+  }
+  return static_cast<int>(std::min<int64_t>(rows, std::max(1, per_sm) * int64_t{sm_count(dev)}));
+}
 }  // namespace
 
 void CudaBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& lse, const Tensor& logits,
@@ -147,6 +219,46 @@ void CudaBackend::cross_entropy_backward(const Tensor& grad_logits, const Tensor
           g, x, l, static_cast<const int32_t*>(targets.data_ptr()), k, n, v, ignore_index);
   });
   ACCEL_CUDA_CHECK_LAUNCH("cross_entropy_backward");
+}
+
+void CudaBackend::cross_entropy_with_grad(const Tensor& loss_per_row, const Tensor& lse,
+                                          const Tensor& grad_logits, const Tensor& logits,
+                                          const Tensor& targets, int64_t ignore_index,
+                                          const Tensor& scale) {
+  check_ce_rows(logits, targets, loss_per_row, "loss");
+  require(lse.defined() && lse.numel() == loss_per_row.numel() && lse.is_contiguous() &&
+              lse.dtype() == DType::F32,
+          "cross_entropy", "lse must be contiguous f32 [N]");
+  require(grad_logits.shape() == logits.shape() && grad_logits.is_contiguous() &&
+              grad_logits.dtype() == logits.dtype(),
+          "cross_entropy", "grad_logits must be contiguous and match logits");
+  const char* g = static_cast<const char*>(grad_logits.data_ptr());
+  const char* x = static_cast<const char*>(logits.data_ptr());
+  const int64_t bytes = logits.nbytes();
+  require(g == x || g + bytes <= x || x + bytes <= g, "cross_entropy",
+          "grad_logits must be logits itself or not overlap it");
+  require(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == logits.device(),
+          "cross_entropy", "scale must be one f32 element on the logits' device");
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  if (n == 0) return;
+  OpScope sc(logits);
+  dispatch_float(logits.dtype(), "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    auto launch = [&](auto* tg) {
+      using I = std::remove_const_t<std::remove_pointer_t<decltype(tg)>>;
+      auto kernel = cross_entropy_with_grad_kernel<T, I>;
+      const int threads = ce_threads(v);
+      kernel<<<rows_in_flight(kernel, threads, n), threads, 0, sc.stream>>>(
+          static_cast<float*>(loss_per_row.data_ptr()), static_cast<float*>(lse.data_ptr()),
+          static_cast<T*>(grad_logits.data_ptr()), static_cast<const T*>(logits.data_ptr()), tg,
+          static_cast<const float*>(scale.data_ptr()), n, v, ignore_index);
+    };
+    if (targets.dtype() == DType::I64)
+      launch(static_cast<const int64_t*>(targets.data_ptr()));
+    else
+      launch(static_cast<const int32_t*>(targets.data_ptr()));
+  });
+  ACCEL_CUDA_CHECK_LAUNCH("cross_entropy_with_grad");
 }
 
 }  // namespace accel

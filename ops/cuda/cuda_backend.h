@@ -30,6 +30,10 @@ class CudaBackend final : public Backend {
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& logits, const Tensor& lse,
                               const Tensor& targets, int64_t ignore_index,
                               const Tensor& scale) override;
+  void cross_entropy_with_grad(const Tensor& loss_per_row, const Tensor& lse,
+                               const Tensor& grad_logits, const Tensor& logits,
+                               const Tensor& targets, int64_t ignore_index,
+                               const Tensor& scale) override;
   void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) override;
   void embedding_backward(const Tensor& grad_weight, const Tensor& grad_out,
                           const Tensor& ids) override;

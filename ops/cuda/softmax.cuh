@@ -36,18 +36,31 @@ __device__ MaxSum row_max_sum(const T* __restrict__ row, int64_t len) {
   const bool vec = (reinterpret_cast<uintptr_t>(row) & 15) == 0;
   int64_t done = 0;
   if (vec) {
-    const int64_t nv = len / N;
-    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+    // A thread's 16-byte chunks i, i + blockDim.x, ...: kLoads of them loaded before the first is
+    // used (loads in flight), merged in that order.
+    constexpr int kLoads = 4;
+    auto chunk_stats = [](const uint4& raw) {
       T buf[N];
-      *reinterpret_cast<uint4*>(buf) = reinterpret_cast<const uint4*>(row)[i];
+      *reinterpret_cast<uint4*>(buf) = raw;
       float mloc = -INFINITY;
 #pragma unroll
       for (int k = 0; k < N; ++k) mloc = fmaxf(mloc, to_f(buf[k]));
       float sloc = 0.f;
 #pragma unroll
       for (int k = 0; k < N; ++k) sloc += exp_for<T>(to_f(buf[k]) - mloc);
-      acc = merge<T>(acc, MaxSum{mloc, sloc});
+      return MaxSum{mloc, sloc};
+    };
+    const int64_t nv = len / N, stride = blockDim.x;
+    const uint4* chunks = reinterpret_cast<const uint4*>(row);
+    int64_t i = threadIdx.x;
+    for (; i + (kLoads - 1) * stride < nv; i += kLoads * stride) {
+      uint4 raw[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) raw[u] = chunks[i + u * stride];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) acc = merge<T>(acc, chunk_stats(raw[u]));
     }
+    for (; i < nv; i += stride) acc = merge<T>(acc, chunk_stats(chunks[i]));
     done = nv * N;
   }
   for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x)

@@ -81,11 +81,11 @@ void project_rows(const char* name, int64_t n, int64_t in, const std::vector<int
   const double pf = time_ms([&] { be.matmul(yp, x, wp, false, true, 1.0, 0.0, Tensor()); });
   const double pd = time_ms([&] { be.matmul(dx0, dyp, wp, false, false, 1.0, 0.0, Tensor()); });
   const double pw = time_ms([&] { be.matmul(dwp, dyp, x, true, false, 1.0, 0.0, Tensor()); });
-  std::printf("%-20s separate fwd %7.1f dgrad %7.1f wgrad %7.1f = %7.1f us | packed %7.1f %7.1f "
-              "%7.1f = %7.1f us (%.0f / %.0f TFLOP/s)\n",
-              name, sf * 1e3, sd * 1e3, sw * 1e3, (sf + sd + sw) * 1e3, pf * 1e3, pd * 1e3,
-              pw * 1e3, (pf + pd + pw) * 1e3, 3 * flops / ((sf + sd + sw) * 1e9),
-              3 * flops / ((pf + pd + pw) * 1e9));
+  std::printf(
+      "%-20s separate fwd %7.1f dgrad %7.1f wgrad %7.1f = %7.1f us | packed %7.1f %7.1f "
+      "%7.1f = %7.1f us (%.0f / %.0f TFLOP/s)\n",
+      name, sf * 1e3, sd * 1e3, sw * 1e3, (sf + sd + sw) * 1e3, pf * 1e3, pd * 1e3, pw * 1e3,
+      (pf + pd + pw) * 1e3, 3 * flops / ((sf + sd + sw) * 1e9), 3 * flops / ((pf + pd + pw) * 1e9));
 }
 
 }  // namespace
@@ -93,9 +93,11 @@ void project_rows(const char* name, int64_t n, int64_t in, const std::vector<int
 int main(int argc, char** argv) {
   bool attn_only = false;    // --attention-only: just the tensor-core attention rows
   bool projections = false;  // --projections: just the separate-against-packed projection rows
+  bool ce_only = false;      // --cross-entropy: just the cross-entropy rows
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--attention-only")) attn_only = true;
     if (!std::strcmp(argv[i], "--projections")) projections = true;
+    if (!std::strcmp(argv[i], "--cross-entropy")) ce_only = true;
   }
   for (int i = 1; i + 1 < argc; ++i) {
     if (!std::strcmp(argv[i], "--bw")) g_bw = std::atof(argv[i + 1]) * 1e12;
@@ -119,7 +121,7 @@ int main(int argc, char** argv) {
     project_rows("llama-125m gate/up", 16 * 1024, 768, {2048, 2048});
     return 0;
   }
-  if (!attn_only) {
+  if (!attn_only && !ce_only) {
     std::printf("\n-- memory-bound kernels (bf16 activations, N=%lld tokens) --\n", (long long)N);
     Tensor a = randn({N, I}, bf), b = Tensor::empty({N, I}, bf, Device::cuda(0));
     double ms = time_ms([&] { b.copy_(a); });
@@ -212,9 +214,31 @@ int main(int argc, char** argv) {
     row_mem("cross_entropy fwd (1024 rows)", ms, 1.0 * logits.nbytes());
     ms = time_ms([&] { be.cross_entropy_backward(grad, logits, lse, tg, -100, scale); });
     row_mem("cross_entropy bwd (1024 rows)", ms, 2.0 * logits.nbytes());
+    // In place, as linear_cross_entropy runs it (the values drift to gradients: the same work).
+    Tensor work = logits.clone();
+    ms = time_ms([&] { be.cross_entropy_with_grad(loss, lse, work, work, tg, -100, scale); });
+    row_mem("cross_entropy fwd + grad, one kernel, in place (1024 rows)", ms,
+            2.0 * logits.nbytes());
+    // llama-125m's chunk: 4,096 rows of a 32,000 vocabulary.
+    Tensor l125 = randn({4096, 32000}, bf, 2.0),
+           g125 = Tensor::empty(l125.shape(), bf, l125.device());
+    std::vector<int64_t> h125(4096);
+    for (int64_t i = 0; i < 4096; ++i) h125[i] = (i * 104729) % 32000;
+    Tensor t125 = Tensor::from_vector(h125, {4096}, DType::I64, Device::cuda(0));
+    Tensor loss125 = Tensor::empty({4096}, DType::F32, Device::cuda(0));
+    Tensor lse125 = Tensor::empty({4096}, DType::F32, Device::cuda(0));
+    ms = time_ms([&] {
+      be.cross_entropy(loss125, lse125, l125, t125, -100);
+      be.cross_entropy_backward(g125, l125, lse125, t125, -100, scale);
+    });
+    row_mem("cross_entropy fwd, then bwd (125m: 4096 x 32000)", ms, 3.0 * l125.nbytes());
+    ms = time_ms(
+        [&] { be.cross_entropy_with_grad(loss125, lse125, g125, g125, t125, -100, scale); });
+    row_mem("cross_entropy fwd + grad, one kernel, in place (125m)", ms, 2.0 * l125.nbytes());
     ms = time_ms([&] { be.softmax(grad, logits, true); });
     row_mem("log_softmax (1024 rows)", ms, 2.0 * logits.nbytes());
   }
+  if (ce_only) return 0;
   {
     const int64_t P = 64 << 20;  // 64M parameters
     Tensor p = randn({P}, DType::F32, 0.02), m = randn({P}, DType::F32, 0.01);

@@ -105,6 +105,54 @@ TEST_P(CudaReduce, CrossEntropyWithIgnoredRows) {
   }
 }
 
+// cross_entropy_with_grad: the same numbers as the two kernels, bit for bit, into a separate
+// buffer and over the logits themselves; rows with an ignored and with an out-of-range target;
+// unaligned rows (V odd), and more rows than the kernel keeps in flight (grid-stride).
+TEST_P(CudaReduce, CrossEntropyWithGradIsTheTwoKernels) {
+  ACCEL_SKIP_WITHOUT_CUDA();
+  const DType t = GetParam();
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_note(seed));
+  std::mt19937_64 rng(seed);
+  for (auto [n, v] : {std::pair<int64_t, int64_t>{37, 4099}, {45, 1000}, {700, 40000}}) {
+    SCOPED_TRACE("rows " + std::to_string(n) + ", V " + std::to_string(v));
+    Tensor logits = random_tensor({n, v}, t, rng, -6, 6).to(gpu());
+    std::vector<int64_t> ti(static_cast<size_t>(n));
+    for (int64_t& x : ti) x = static_cast<int64_t>(rng() % static_cast<uint64_t>(v));
+    ti[3] = -100;
+    ti[20] = v;  // out of range: NaN loss and gradient on that row
+    ti[static_cast<size_t>(n - 1)] = v - 1;
+    const Tensor tg = Tensor::from_vector(ti, {n}, DType::I32, gpu());
+    const Tensor scale = Tensor::full({1}, 0.75 / 35, DType::F32, gpu());
+    Tensor wl = poisoned({n}, DType::F32).to(gpu()), wlse = poisoned({n}, DType::F32).to(gpu());
+    Tensor wg = poisoned({n, v}, t).to(gpu());
+    cuda_backend().cross_entropy(wl, wlse, logits, tg, -100);
+    cuda_backend().cross_entropy_backward(wg, logits, wlse, tg, -100, scale);
+    for (bool in_place : {false, true}) {
+      SCOPED_TRACE(in_place ? "in place" : "separate");
+      Tensor x = logits.clone();
+      Tensor g = in_place ? x : poisoned({n, v}, t).to(gpu());
+      Tensor gl = poisoned({n}, DType::F32).to(gpu()), glse = poisoned({n}, DType::F32).to(gpu());
+      cuda_backend().cross_entropy_with_grad(gl, glse, g, x, tg, -100, scale);
+      auto same = [](const Tensor& a, const Tensor& b, const char* what) {
+        const std::vector<double> av = a.to(Device::cpu()).to_vector(),
+                                  bv = b.to(Device::cpu()).to_vector();
+        ASSERT_EQ(av.size(), bv.size());
+        size_t differ = 0;
+        for (size_t i = 0; i < av.size(); ++i)
+          if (!(av[i] == bv[i] || (std::isnan(av[i]) && std::isnan(bv[i])))) ++differ;
+        EXPECT_EQ(differ, 0u) << what;
+      };
+      same(gl, wl, "loss");
+      same(glse, wlse, "lse");
+      same(g, wg, "gradient");
+    }
+    const std::vector<double> loss = wl.to(Device::cpu()).to_vector();
+    EXPECT_EQ(loss[3], 0.0);
+    EXPECT_TRUE(std::isnan(loss[20]));
+  }
+}
+
 TEST_P(CudaReduce, SumOfSquaresAndNonFinite) {
   ACCEL_SKIP_WITHOUT_CUDA();
   const DType t = GetParam();

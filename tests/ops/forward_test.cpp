@@ -242,6 +242,18 @@ TEST(Forward, CrossEntropyMeanOverCountedRows) {
       EXPECT_NEAR(gv[i * Vc + j], expect, 1e-14);
     }
   }
+  // Both in one call, into a separate buffer and over the logits themselves: the same numbers.
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "in place" : "separate");
+    Tensor l2 = Tensor::empty({N}, DType::F64), lse2 = Tensor::empty({N}, DType::F64);
+    Tensor x2 = logits.clone();
+    Tensor g2 = in_place ? x2 : Tensor::empty({N, Vc}, DType::F64);
+    cpu_backend().cross_entropy_with_grad(l2, lse2, g2, x2, targets, -1,
+                                          Tensor::full({1}, 0.5, DType::F64));
+    EXPECT_EQ(l2.to_vector(), lr);
+    EXPECT_EQ(lse2.to_vector(), lv);
+    EXPECT_EQ(g2.to_vector(), gv);
+  }
 }
 
 TEST(Forward, RmsNormMatchesReference) {

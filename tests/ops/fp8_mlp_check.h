@@ -109,10 +109,11 @@ inline void expect_fused_mlp_matches_layers(Device device, int64_t rows, int64_t
       EXPECT_EQ(bad, 0u) << names[i] << ": first difference at " << first << ": fused "
                          << got[0][i][first] << " vs layers " << got[1][i][first];
       // Folded where nothing is padded (some sums then round otherwise), added after elsewhere.
-      if (one_rounding && rows % 16 == 0 && hidden % 16 == 0)
+      if (one_rounding && rows % 16 == 0 && hidden % 16 == 0) {
         EXPECT_GT(differ, 0u) << "the residual was not folded into the down GEMM";
-      else if (one_rounding)
+      } else if (one_rounding) {
         EXPECT_EQ(differ, 0u) << "padded: the residual is added after, as the layers add it";
+      }
     }
   }
 }
