@@ -75,6 +75,25 @@ __device__ __forceinline__ float exp_for(float x) {
     return __expf(x);
 }
 
+// silu(x) = x sigmoid(x) and sigmoid(x) for kernels templated on the storage type, as exp_for:
+// IEEE division and expf for fp32 tensors; __expf and the fast division for 16-bit ones, whose
+// errors (a few fp32 ulps) lie far below their rounding. The swiglu kernels and the fused fp8
+// swiglu casts share them, so the two stay bit-identical.
+template <class T>
+__device__ __forceinline__ float silu_for(float x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x / (1.0f + expf(-x));
+  else
+    return __fdividef(x, 1.0f + __expf(-x));
+}
+template <class T>
+__device__ __forceinline__ float sigmoid_for(float x) {
+  if constexpr (std::is_same_v<T, float>)
+    return 1.0f / (1.0f + expf(-x));
+  else
+    return __fdividef(1.0f, 1.0f + __expf(-x));
+}
+
 template <class T>
 __device__ __forceinline__ T round_to(float v) {
   return from_f<T>(v);

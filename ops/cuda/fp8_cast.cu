@@ -166,7 +166,7 @@ struct CastSwiglu {
     unpack8<T>(u[k], uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      v[0][i] = accel::cuda::rnd<T>(accel::cuda::rnd<T>(gv[i] / (1.0f + expf(-gv[i]))) * uv[i]);
+      v[0][i] = accel::cuda::rnd<T>(accel::cuda::rnd<T>(accel::cuda::silu_for<T>(gv[i])) * uv[i]);
   }
 };
 
@@ -190,7 +190,7 @@ struct CastSwigluGrad {
     unpack8<T>(u[k], uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float sg = 1.0f / (1.0f + expf(-gv[i]));
+      const float sg = accel::cuda::sigmoid_for<T>(gv[i]);
       v[0][i] = accel::cuda::rnd<T>(dv[i] * uv[i] * sg * (1.0f + gv[i] * (1.0f - sg)));
       v[1][i] = accel::cuda::rnd<T>(dv[i] * gv[i] * sg);
     }

@@ -1,5 +1,6 @@
-// swiglu(gate, up) = silu(gate) * up and its backward, 16 bytes per access; silu rounded to the
-// activation dtype where Hugging Face's Llama rounds it.
+// swiglu(gate, up) = silu(gate) * up and its backward, 16 bytes per access (silu_for and
+// sigmoid_for: common.cuh); silu rounded to the activation dtype where Hugging Face's Llama
+// rounds it.
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/vec.cuh"
 
@@ -20,20 +21,20 @@ __global__ void swiglu_kernel(T* __restrict__ out, const T* __restrict__ gate,
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       float gv = to_f(g.v[k]);
-      o.v[k] = from_f<T>(rnd<T>(gv / (1.0f + expf(-gv))) * to_f(u.v[k]));
+      o.v[k] = from_f<T>(rnd<T>(silu_for<T>(gv)) * to_f(u.v[k]));
     }
     store_vec(out, i * N, o);
   }
   for (int64_t i = nv * N + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     float gv = to_f(gate[i]);
-    out[i] = from_f<T>(rnd<T>(gv / (1.0f + expf(-gv))) * to_f(up[i]));
+    out[i] = from_f<T>(rnd<T>(silu_for<T>(gv)) * to_f(up[i]));
   }
 }
 
 template <class T>
 __device__ __forceinline__ void swiglu_grad(float g, float u, float d, T& gg, T& gu) {
-  float s = 1.0f / (1.0f + expf(-g));
+  float s = sigmoid_for<T>(g);
   gg = from_f<T>(d * u * s * (1.0f + g * (1.0f - s)));
   gu = from_f<T>(d * g * s);
 }
