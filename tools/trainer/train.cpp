@@ -53,6 +53,7 @@ class DeferredScalars {
  public:
   explicit DeferredScalars(Device device) : device_(device) {}
   ~DeferredScalars() {
+    copies_.reset();  // waits for copies still in flight into pinned_
     if (pinned_) cuda::pinned_free(pinned_);
   }
   DeferredScalars(const DeferredScalars&) = delete;
@@ -67,6 +68,7 @@ class DeferredScalars {
       pending_.clear();
       return;
     }
+    copies_.reset();
     if (capacity_ < pending_.size()) {
       if (pinned_) cuda::pinned_free(pinned_);
       capacity_ = std::max<size_t>(16, 2 * pending_.size());
