@@ -1339,14 +1339,11 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   detail::check_same_device(op, x, w_down);
   Shape out_shape = x.shape();
   out_shape.back() = H;
-  // A residual of another dtype or device is added after, as an op of its own.
-  if (residual.defined() && (residual.dtype() != x.dtype() || residual.device() != x.device())) {
-    Tensor y = fp8_swiglu_mlp(x, w_gate, w_up, w_down, gate, up, down);
-    return y.defined() ? add(residual, y) : y;
-  }
-  if (residual.defined() && residual.shape() != out_shape)
-    op_error(
-        op, "residual " + residual.str() + " must have the output's shape " + shape_str(out_shape));
+  // Checked before any cast records an amax.
+  if (residual.defined() && (residual.shape() != out_shape || residual.dtype() != x.dtype() ||
+                             residual.device() != x.device()))
+    op_error(op, "residual " + residual.str() + " must have the output's shape " +
+                     shape_str(out_shape) + ", dtype and device (" + x.str() + ")");
 
   Fp8DelayedScaling& d = *gate.delayed;
   const Fp8Recipe& r = gate.recipe;

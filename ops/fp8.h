@@ -414,9 +414,9 @@ std::string fp8_linear_cross_entropy_unfused_reason(const Fp8Recipe& recipe);
 // Returns an undefined tensor where it does not apply, for the caller to run the layers one by
 // one: fp8 off (evaluation), not delayed scaling, a GEMM overridden to high precision, a weight
 // provider (FSDP's fp8 all-gather), contexts of different states, or an f32 input.
-// residual (optional, of the output's shape): residual + the MLP, the sum made by the down GEMM
-// (its addend, rounded once) where nothing is padded, else added after; its gradient is the
-// output's.
+// residual (optional, of the output's shape, dtype and device): residual + the MLP, the sum made
+// by the down GEMM (its addend, rounded once) where nothing is padded, else added after; its
+// gradient is the output's.
 Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
                       const Tensor& w_down, const Fp8LinearContext& gate,
                       const Fp8LinearContext& up, const Fp8LinearContext& down,

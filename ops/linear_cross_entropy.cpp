@@ -126,7 +126,9 @@ Tensor detail::chunked_linear_cross_entropy(const char* op, const Tensor& x, con
       be.cross_entropy(loss_c, lse_c, l2, t_c, ignore_index);
       continue;
     }
-    // The logits' gradient replaces them (one read of each row for both, no second buffer).
+    // The logits' gradient replaces them (one read of each row for both, no second buffer). The
+    // head runs outside the layers' checkpoints, so the logits are never a selective
+    // checkpoint's kept output (which a recomputation would hand back).
     be.cross_entropy_with_grad(loss_c, lse_c, l2, l2, t_c, ignore_index, scale);
     gemms->backward(r0, n, l2, need_x ? as2(rows3(gx, r0, n)) : Tensor());
   }

@@ -147,18 +147,18 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const T
                            " of weight " + shape_str(weight.shape()));
   Shape out_shape = x.shape();
   out_shape.back() = weight.size(0);
-  if (residual.defined() && residual.shape() != out_shape)
+  if (residual.defined() && (residual.shape() != out_shape || residual.dtype() != x.dtype() ||
+                             residual.device() != x.device()))
     op_error("linear", "residual " + residual.str() + " must have the output's shape " +
-                           shape_str(out_shape));
+                           shape_str(out_shape) + ", dtype and device (" + x.str() + ")");
   Tensor y;
   if (x.is_contiguous() && weight.is_contiguous()) {
     detail::check_same_device("linear", x, weight);
     detail::check_same_dtype("linear", x, weight);
     detail::check_floating("linear", x);
     // A bias comes after the product, so a residual then cannot be the GEMM's C (the sum's
-    // order would differ from the definition's); nor can one of another dtype or device.
-    const bool fold = residual.defined() && !bias.defined() && residual.dtype() == x.dtype() &&
-                      residual.device() == x.device();
+    // order would differ from the definition's).
+    const bool fold = residual.defined() && !bias.defined();
     y = linear_contiguous(x, weight, out_shape, fold ? contiguous(residual) : Tensor());
     if (fold) return y;
   } else {

@@ -73,9 +73,10 @@ Tensor sum_to_shape(const Tensor& x, const Shape& shape);
 // ---- linear algebra ---------------------------------------------------------------------------
 // a [..., M, K] @ b [..., K, N]; batch dims broadcast.
 Tensor matmul(const Tensor& a, const Tensor& b);
-// x [..., in] @ weight[out, in]^T (+ bias[out]) (+ residual [..., out]). A residual of the
-// output's dtype is the GEMM's addend (summed with the product in fp32 and rounded once, where
-// a separate add would round twice); its gradient is the output's.
+// x [..., in] @ weight[out, in]^T (+ bias[out]) (+ residual [..., out], of the output's dtype and
+// device). The residual is the GEMM's addend (summed with the product in fp32 and rounded once,
+// where a separate add would round twice), added after where there is a bias or x is strided;
+// its gradient is the output's.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               const Tensor& residual = Tensor());
 

@@ -159,13 +159,9 @@ int ce_threads(int64_t v) { return v >= 4096 ? 512 : 128; }
 // the passes are then too few to hide the memory latency).
 template <class K>
 int rows_in_flight(K kernel, int threads, int64_t rows) {
-  const int dev = current_device();
-  static thread_local int cached_dev = -1, per_sm = 0;
-  if (cached_dev != dev) {
-    ACCEL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-    cached_dev = dev;
-  }
-  return static_cast<int>(std::min<int64_t>(rows, std::max(1, per_sm) * int64_t{sm_count(dev)}));
+  int per_sm = 0;  // asked per launch: the block size depends on the vocabulary
+  ACCEL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  return static_cast<int>(std::min<int64_t>(rows, std::max(1, per_sm) * int64_t{sm_count()}));
 }
 }  // namespace
 

@@ -388,6 +388,14 @@ TEST(Fp8Linear, SwigluMlpDeclinesOutsideDelayedFp8) {
   for (Fp8LinearContext* ctx : {&dyn.gate, &dyn.up, &dyn.down})
     ctx->recipe.scaling = Fp8Scaling::Dynamic;
   EXPECT_FALSE(fp8_swiglu_mlp(x, wg, wg, wd, dyn.gate, dyn.up, dyn.down).defined());
+  // A residual of another dtype or shape is refused before any cast records an amax.
+  test::Fp8MlpContexts fresh = test::fp8_mlp_contexts(Device::cpu());
+  const std::vector<double> amaxes = fresh.gate.delayed->current_amaxes().to_vector();
+  for (const Tensor& bad :
+       {test::randn({4, 64}, 4, DType::F32), test::randn({4, 32}, 5, DType::BF16)})
+    EXPECT_THROW(fp8_swiglu_mlp(x, wg, wg, wd, fresh.gate, fresh.up, fresh.down, bad),
+                 std::invalid_argument);
+  EXPECT_EQ(fresh.gate.delayed->current_amaxes().to_vector(), amaxes);
 }
 
 }  // namespace

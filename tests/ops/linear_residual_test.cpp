@@ -46,7 +46,8 @@ TEST(LinearResidual, GradientsAreTheSums) {
 }
 
 // Not folded: with a bias (the product and bias come first) and with a strided input, both give
-// add(residual, linear(...)) exactly. A residual of another shape or dtype is an error.
+// add(residual, linear(...)) exactly. A residual of another shape or dtype is an error (before
+// any work).
 TEST(LinearResidual, OtherCasesAddAfterAndBadShapesAreErrors) {
   const Tensor x = test::randn({3, 8}, 5, DType::F32), w = test::randn({4, 8}, 6, DType::F32);
   const Tensor b = test::randn({4}, 7, DType::F32), r = test::randn({3, 4}, 8, DType::F32);
