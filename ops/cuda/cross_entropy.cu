@@ -152,6 +152,24 @@ void check_ce_rows(const Tensor& logits, const Tensor& targets, const Tensor& pe
     unsupported_dtype("cross_entropy targets", targets.dtype());
 }
 
+// The gradient's buffer and its factor, for cross_entropy_backward and cross_entropy_with_grad.
+void check_ce_grad(const Tensor& grad_logits, const Tensor& logits, const Tensor& scale) {
+  require(grad_logits.shape() == logits.shape() && grad_logits.is_contiguous() &&
+              grad_logits.dtype() == logits.dtype(),
+          "cross_entropy", "grad_logits must be contiguous and match logits");
+  require(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == logits.device(),
+          "cross_entropy", "backward: scale must be one f32 element on the logits' device");
+}
+
+// f(targets' data as const int64_t* or const int32_t*, as check_ce_rows accepted them).
+template <class F>
+void with_targets(const Tensor& targets, F&& f) {
+  if (targets.dtype() == DType::I64)
+    f(static_cast<const int64_t*>(targets.data_ptr()));
+  else
+    f(static_cast<const int32_t*>(targets.data_ptr()));
+}
+
 int ce_threads(int64_t v) { return v >= 4096 ? 512 : 128; }
 
 // Blocks of cross_entropy_with_grad_kernel: what is resident at once (at most one per row). Fewer
@@ -179,12 +197,10 @@ void CudaBackend::cross_entropy(const Tensor& loss_per_row, const Tensor& lse, c
     float* loss = static_cast<float*>(loss_per_row.data_ptr());
     float* lse_out = lse.defined() ? static_cast<float*>(lse.data_ptr()) : nullptr;
     const T* x = static_cast<const T*>(logits.data_ptr());
-    if (targets.dtype() == DType::I64)
-      cross_entropy_kernel<T, int64_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          loss, lse_out, x, static_cast<const int64_t*>(targets.data_ptr()), n, v, ignore_index);
-    else
-      cross_entropy_kernel<T, int32_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          loss, lse_out, x, static_cast<const int32_t*>(targets.data_ptr()), n, v, ignore_index);
+    with_targets(targets, [&](auto* tg) {
+      cross_entropy_kernel<<<row_grid(n), ce_threads(v), 0, sc.stream>>>(loss, lse_out, x, tg, n, v,
+                                                                         ignore_index);
+    });
   });
   ACCEL_CUDA_CHECK_LAUNCH("cross_entropy");
 }
@@ -193,11 +209,7 @@ void CudaBackend::cross_entropy_backward(const Tensor& grad_logits, const Tensor
                                          const Tensor& lse, const Tensor& targets,
                                          int64_t ignore_index, const Tensor& scale) {
   check_ce_rows(logits, targets, lse, "lse");
-  require(grad_logits.shape() == logits.shape() && grad_logits.is_contiguous() &&
-              grad_logits.dtype() == logits.dtype(),
-          "cross_entropy", "grad_logits must be contiguous and match logits");
-  require(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == logits.device(),
-          "cross_entropy", "backward: scale must be one f32 element on the logits' device");
+  check_ce_grad(grad_logits, logits, scale);
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   if (n == 0) return;
   OpScope sc(logits);
@@ -207,12 +219,10 @@ void CudaBackend::cross_entropy_backward(const Tensor& grad_logits, const Tensor
     const T* x = static_cast<const T*>(logits.data_ptr());
     const float* l = static_cast<const float*>(lse.data_ptr());
     const float* k = static_cast<const float*>(scale.data_ptr());
-    if (targets.dtype() == DType::I64)
-      cross_entropy_backward_kernel<T, int64_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          g, x, l, static_cast<const int64_t*>(targets.data_ptr()), k, n, v, ignore_index);
-    else
-      cross_entropy_backward_kernel<T, int32_t><<<row_grid(n), ce_threads(v), 0, sc.stream>>>(
-          g, x, l, static_cast<const int32_t*>(targets.data_ptr()), k, n, v, ignore_index);
+    with_targets(targets, [&](auto* tg) {
+      cross_entropy_backward_kernel<<<row_grid(n), ce_threads(v), 0, sc.stream>>>(g, x, l, tg, k, n,
+                                                                                  v, ignore_index);
+    });
   });
   ACCEL_CUDA_CHECK_LAUNCH("cross_entropy_backward");
 }
@@ -225,22 +235,18 @@ void CudaBackend::cross_entropy_with_grad(const Tensor& loss_per_row, const Tens
   require(lse.defined() && lse.numel() == loss_per_row.numel() && lse.is_contiguous() &&
               lse.dtype() == DType::F32,
           "cross_entropy", "lse must be contiguous f32 [N]");
-  require(grad_logits.shape() == logits.shape() && grad_logits.is_contiguous() &&
-              grad_logits.dtype() == logits.dtype(),
-          "cross_entropy", "grad_logits must be contiguous and match logits");
+  check_ce_grad(grad_logits, logits, scale);
   const char* g = static_cast<const char*>(grad_logits.data_ptr());
   const char* x = static_cast<const char*>(logits.data_ptr());
   const int64_t bytes = logits.nbytes();
   require(g == x || g + bytes <= x || x + bytes <= g, "cross_entropy",
           "grad_logits must be logits itself or not overlap it");
-  require(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == logits.device(),
-          "cross_entropy", "scale must be one f32 element on the logits' device");
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   if (n == 0) return;
   OpScope sc(logits);
   dispatch_float(logits.dtype(), "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
-    auto launch = [&](auto* tg) {
+    with_targets(targets, [&](auto* tg) {
       using I = std::remove_const_t<std::remove_pointer_t<decltype(tg)>>;
       auto kernel = cross_entropy_with_grad_kernel<T, I>;
       const int threads = ce_threads(v);
@@ -248,11 +254,7 @@ void CudaBackend::cross_entropy_with_grad(const Tensor& loss_per_row, const Tens
           static_cast<float*>(loss_per_row.data_ptr()), static_cast<float*>(lse.data_ptr()),
           static_cast<T*>(grad_logits.data_ptr()), static_cast<const T*>(logits.data_ptr()), tg,
           static_cast<const float*>(scale.data_ptr()), n, v, ignore_index);
-    };
-    if (targets.dtype() == DType::I64)
-      launch(static_cast<const int64_t*>(targets.data_ptr()));
-    else
-      launch(static_cast<const int32_t*>(targets.data_ptr()));
+    });
   });
   ACCEL_CUDA_CHECK_LAUNCH("cross_entropy_with_grad");
 }
