@@ -23,6 +23,10 @@ void check_same_device(const char* op, const Tensor& a, const Tensor& b);
 void check_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void check_defined(const char* op, const Tensor& x, const char* what);
 void check_floating(const char* op, const Tensor& x);
+// A residual added to an op's output (undefined: none) has the output's shape and x's dtype and
+// device (linear, fp8_swiglu_mlp).
+void check_residual(const char* op, const Tensor& residual, const Tensor& x,
+                    const Shape& out_shape);
 
 // Rows [begin, begin + rows) of a contiguous 2-d tensor, as a 2-d contiguous view.
 Tensor row_block(const Tensor& t, int64_t begin, int64_t rows);

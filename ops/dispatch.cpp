@@ -135,5 +135,13 @@ void check_floating(const char* op, const Tensor& x) {
   if (!is_floating(x.dtype())) op_error(op, "needs a floating-point tensor, got " + x.str());
 }
 
+void check_residual(const char* op, const Tensor& residual, const Tensor& x,
+                    const Shape& out_shape) {
+  if (residual.defined() && (residual.shape() != out_shape || residual.dtype() != x.dtype() ||
+                             residual.device() != x.device()))
+    op_error(op, "residual " + residual.str() + " must have the output's shape " +
+                     shape_str(out_shape) + ", dtype and device (" + x.str() + ")");
+}
+
 }  // namespace detail
 }  // namespace accel

@@ -1339,11 +1339,7 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
   detail::check_same_device(op, x, w_down);
   Shape out_shape = x.shape();
   out_shape.back() = H;
-  // Checked before any cast records an amax.
-  if (residual.defined() && (residual.shape() != out_shape || residual.dtype() != x.dtype() ||
-                             residual.device() != x.device()))
-    op_error(op, "residual " + residual.str() + " must have the output's shape " +
-                     shape_str(out_shape) + ", dtype and device (" + x.str() + ")");
+  detail::check_residual(op, residual, x, out_shape);  // before any cast records an amax
 
   Fp8DelayedScaling& d = *gate.delayed;
   const Fp8Recipe& r = gate.recipe;

@@ -147,10 +147,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const T
                            " of weight " + shape_str(weight.shape()));
   Shape out_shape = x.shape();
   out_shape.back() = weight.size(0);
-  if (residual.defined() && (residual.shape() != out_shape || residual.dtype() != x.dtype() ||
-                             residual.device() != x.device()))
-    op_error("linear", "residual " + residual.str() + " must have the output's shape " +
-                           shape_str(out_shape) + ", dtype and device (" + x.str() + ")");
+  detail::check_residual("linear", residual, x, out_shape);
   Tensor y;
   if (x.is_contiguous() && weight.is_contiguous()) {
     detail::check_same_device("linear", x, weight);
