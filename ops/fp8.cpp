@@ -1399,7 +1399,8 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
             slot_gd = down.slot_grad_output;
   auto state = gate.delayed;
   std::vector<Tensor> inputs{x, w_gate, w_up, w_down};
-  if (residual.defined()) inputs.push_back(residual);
+  const bool with_residual = residual.defined();  // captured instead of the residual itself
+  if (with_residual) inputs.push_back(residual);
   return record_folding(op, y, std::move(inputs), 0, [=](const Tensor& gy, const Tensor& pending) {
     Fp8DelayedScaling& ds = *state;
     auto amax_b = [&](int slot) { return record_amax ? ds.amax(slot) : Tensor(); };
@@ -1445,7 +1446,7 @@ Tensor fp8_swiglu_mlp(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
         dwu = unpad(fp8_gemm(qdu.data_t, qdu.scale_inv, x_t, x_si, wu_dtype, false), F, K);
     }
     std::vector<Tensor> grads{dx, dwg, dwu, dwd};
-    if (residual.defined()) grads.push_back(want_dr ? gy : Tensor());
+    if (with_residual) grads.push_back(want_dr ? gy : Tensor());
     return grads;
   });
 }

@@ -158,7 +158,7 @@ void check_ce_grad(const Tensor& grad_logits, const Tensor& logits, const Tensor
               grad_logits.dtype() == logits.dtype(),
           "cross_entropy", "grad_logits must be contiguous and match logits");
   require(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == logits.device(),
-          "cross_entropy", "backward: scale must be one f32 element on the logits' device");
+          "cross_entropy", "the gradient's scale must be one f32 element on the logits' device");
 }
 
 // f(targets' data as const int64_t* or const int32_t*, as check_ce_rows accepted them).

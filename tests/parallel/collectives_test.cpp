@@ -367,6 +367,7 @@ TEST(Collectives, AllToAllMismatchedSplitsAreRefused) {
       msg = e.what();
     }
     std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
+    if (r == 1) w.store->set("checked", "1");
     RANK_CHECK(msg.find("rank 1 sends 2 rows to rank 0, which expects 3") != std::string::npos,
                "unclear: %s", msg.c_str());
     // The group is aborted: later calls fail at once.
@@ -377,7 +378,8 @@ TEST(Collectives, AllToAllMismatchedSplitsAreRefused) {
       failed = true;
     }
     RANK_CHECK(failed, "the group kept working after a refused all_to_all");
-    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));  // store for rank 1
+    // Rank 1 reads rank 0's failure from the store rank 0 serves: rank 0 stays until it has.
+    if (r == 0) w.store->wait({"checked"}, std::chrono::seconds(60));
     return 0;
   });
   testing::expect_all_ok(exits);
@@ -390,11 +392,19 @@ TEST(Collectives, AllToAllDeadOrStalledPeerIsNamed) {
     const int port = pick_free_port();
     auto exits = run_ranks(2, [&](int r) {
       ProcessGroupOptions o;
-      o.timeout = std::chrono::milliseconds(stall ? 500 : 10000);
+      o.timeout = std::chrono::milliseconds(stall ? 3000 : 10000);
       auto w = make_world(r, 2, port, o);
       w.pg->barrier()->wait();
       if (r == 1) {
-        if (stall) std::this_thread::sleep_for(std::chrono::seconds(2));
+        // Stalled: alive (connections open) until rank 0 has its message, however long that
+        // takes on a loaded machine; a fixed sleep could end first and turn "timed out" into
+        // "closed".
+        if (stall) {
+          try {
+            w.store->wait({"checked"}, std::chrono::seconds(60));
+          } catch (const std::exception&) {
+          }
+        }
         return 0;  // never joins the all_to_all
       }
       std::vector<int64_t> splits = {1, 1};
@@ -404,6 +414,7 @@ TEST(Collectives, AllToAllDeadOrStalledPeerIsNamed) {
       } catch (const DistributedError& e) {
         msg = e.what();
       }
+      if (stall) w.store->set("checked", "1");
       RANK_CHECK(msg.find("all_to_all") != std::string::npos &&
                      msg.find("rank 1") != std::string::npos &&
                      (stall ? msg.find("timed out") : msg.find("closed")) != std::string::npos,
@@ -428,10 +439,11 @@ TEST(Collectives, AllToAllMismatchedRowSizesAreRefused) {
     } catch (const DistributedError& e) {
       msg = e.what();
     }
+    if (r == 1) w.store->set("checked", "1");
     RANK_CHECK(msg.find("rows of") != std::string::npos &&
                    msg.find("same dtype and shape past dim 0") != std::string::npos,
                "unclear: %s", msg.c_str());
-    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    if (r == 0) w.store->wait({"checked"}, std::chrono::seconds(60));  // rank 1 done with the store
     return 0;
   });
   testing::expect_all_ok(exits);

@@ -30,6 +30,19 @@ ProcessGroupOptions with_timeout(std::chrono::milliseconds t) {
   return o;
 }
 
+// Rank 0 serves the store that holds the job's first failure, from which a survivor that failed
+// on rank 0's closed socket (not the cause's) reads the cause's name; a stalled rank must stay
+// silent until the others have timed out. Such ranks stay until the ranks named have their
+// messages (each calls mark_checked), instead of for a fixed time a loaded machine may exceed.
+void mark_checked(const testing::World& w, int r) {
+  error_of([&] { w.store->set("checked/" + std::to_string(r), "1"); });
+}
+void wait_checked(const testing::World& w, const std::vector<int>& ranks) {
+  std::vector<std::string> keys;
+  for (int q : ranks) keys.push_back("checked/" + std::to_string(q));
+  error_of([&] { w.store->wait(keys, 60s); });
+}
+
 // `victim` starts a large all_reduce and is SIGKILLed while it runs; every survivor's all_reduce
 // must fail quickly, naming the victim.
 void kill_mid_collective(int n, int victim) {
@@ -47,15 +60,18 @@ void kill_mid_collective(int n, int victim) {
     }
     std::string msg = error_of([&] { work->wait(); });
     std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
+    if (r != 0 && victim != 0) mark_checked(w, r);
     RANK_CHECK(msg.find("rank " + std::to_string(victim)) != std::string::npos,
                "message does not name rank %d", victim);
     // The group is aborted: later calls fail at once instead of hanging.
     std::string later = error_of([&] { w.pg->barrier()->wait(); });
     RANK_CHECK(later.find("aborted") != std::string::npos, "later call: %s", later.c_str());
-    // Rank 0 serves the store that holds the job's first failure: a survivor that failed on rank
-    // 0's closed socket (not the victim's) reads the victim's name from there, so rank 0 stays up
-    // a moment longer.
-    if (r == 0) std::this_thread::sleep_for(1s);
+    if (r == 0) {
+      std::vector<int> others;
+      for (int q = 1; q < n; ++q)
+        if (q != victim) others.push_back(q);
+      wait_checked(w, others);
+    }
     return 0;
   });
   auto elapsed = std::chrono::steady_clock::now() - t0;
@@ -76,10 +92,10 @@ TEST(Failure, StalledRankIsNamedByEverySurvivor) {
   const int n = 4, stalled = 2;
   const int port = pick_free_port();
   auto exits = run_ranks(n, [&](int r) {
-    auto w = make_world(r, n, port, with_timeout(1500ms));
+    auto w = make_world(r, n, port, with_timeout(3s));
     w.pg->barrier()->wait();
-    if (r == stalled) {
-      std::this_thread::sleep_for(4s);  // busy elsewhere; never joins the all_reduce
+    if (r == stalled) {  // busy elsewhere; never joins the all_reduce
+      wait_checked(w, {0, 1, 3});
       return 0;
     }
     Tensor t = Tensor::ones({1 << 18});  // ring: ranks 0 and 1 wait on neighbours, not on rank 2
@@ -87,6 +103,7 @@ TEST(Failure, StalledRankIsNamedByEverySurvivor) {
     std::string msg = error_of([&] { w.pg->all_reduce(t)->wait(); });
     auto waited = std::chrono::steady_clock::now() - t0;
     std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
+    mark_checked(w, r);
     // Normally exactly "rank 2 never joined"; on a badly overloaded machine a late neighbour may
     // be listed too, but rank 2 must be.
     bool named =
@@ -95,10 +112,8 @@ TEST(Failure, StalledRankIsNamedByEverySurvivor) {
          (msg.find("ranks 2,") != std::string::npos || msg.find(", 2 never") != std::string::npos ||
           msg.find(", 2,") != std::string::npos));
     RANK_CHECK(named, "not named: %s", msg.c_str());
-    RANK_CHECK(waited < 6s, "took too long");
-    // Rank 0 serves the store through which the others learn the job's first failure: it stays
-    // up a moment so a survivor that failed later (on rank 0's closed socket) can still read it.
-    if (r == 0) std::this_thread::sleep_for(1s);
+    RANK_CHECK(waited < 10s, "took too long");
+    if (r == 0) wait_checked(w, {1, 3});
     return 0;
   });
   testing::expect_all_ok(exits);
@@ -132,16 +147,22 @@ TEST(Failure, WorkIsAsyncAndWaitWithTimeoutNamesTheAwaitedRank) {
     w.pg->barrier()->wait();
     Tensor t = Tensor::full({8}, r + 1);
     if (r == 1) {
-      std::this_thread::sleep_for(700ms);
+      // Joins only once rank 0 has checked (or after 30 s): issuing that blocked would take
+      // that long, however loaded the machine.
+      error_of([&] { w.store->wait({"checked"}, 30s); });
       w.pg->all_reduce(t)->wait();
       return 0;
     }
     auto t0 = std::chrono::steady_clock::now();
     auto work = w.pg->all_reduce(t);
-    RANK_CHECK(std::chrono::steady_clock::now() - t0 < 100ms, "issuing blocked");
+    RANK_CHECK(std::chrono::steady_clock::now() - t0 < 10s, "issuing blocked");
     RANK_CHECK(!work->is_completed(), "completed without the peer");
-    std::string msg = error_of([&] { work->wait(100ms); });
+    // The engine may not have posted its read yet ("queued or sending"): ask again a while.
+    std::string msg;
+    for (int i = 0; i < 50 && msg.find("still waiting for rank 1") == std::string::npos; ++i)
+      msg = error_of([&] { work->wait(100ms); });
     RANK_CHECK(msg.find("still waiting for rank 1") != std::string::npos, "%s", msg.c_str());
+    w.store->set("checked", "1");
     work->wait();  // the operation itself carries on and completes
     RANK_CHECK(t.to_vector()[0] == 3, "wrong sum");
     return 0;
@@ -153,7 +174,7 @@ TEST(Failure, RankThatNeverStartsIsNamedAtRendezvous) {
   const int port = pick_free_port();
   auto exits = run_ranks(3, [&](int r) {
     if (r == 2) return 0;  // never shows up
-    std::string msg = error_of([&] { make_world(r, 3, port, {}, 800ms); });
+    std::string msg = error_of([&] { make_world(r, 3, port, {}, 3s); });
     std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
     RANK_CHECK(msg.find("rank 2") != std::string::npos, "%s", msg.c_str());
     return 0;
@@ -165,7 +186,7 @@ TEST(Failure, RankWithAnotherTokenIsRejected) {
   const int port = pick_free_port();
   auto exits = run_ranks(2, [&](int r) {
     std::string msg =
-        error_of([&] { make_world(r, 2, port, {}, 800ms, r == 1 ? "other-job" : "test-token"); });
+        error_of([&] { make_world(r, 2, port, {}, 3s, r == 1 ? "other-job" : "test-token"); });
     std::fprintf(stderr, "[rank %d] %s\n", r, msg.c_str());
     if (r == 1) RANK_CHECK(msg.find("job token") != std::string::npos, "%s", msg.c_str());
     if (r == 0) RANK_CHECK(msg.find("rank 1") != std::string::npos, "%s", msg.c_str());

@@ -152,11 +152,12 @@ TEST(LocalLauncher, OneRankDyingStopsTheOthersAndNamesIt) {
       << out;
 }
 
-// The victim closes its connections, then takes 500 ms to exit: the survivors are reaped first,
-// yet the launcher names the victim and returns its code.
+// The victim closes its connections, then takes 1 s to exit: the survivors are reaped first,
+// yet the launcher names the victim and returns its code. (1 s of the launcher's 2 s wait for a
+// cause: the survivors have as long to notice and exit on a loaded machine.)
 TEST(LocalLauncher, NamesTheCauseWhenItsFollowersExitFirst) {
   Child c =
-      start({kWorker, "--spawn", "3", "--mode", "die", "--victim", "1", "--linger-ms", "500"});
+      start({kWorker, "--spawn", "3", "--mode", "die", "--victim", "1", "--linger-ms", "1000"});
   int status = finish(c, 60s);
   std::string out = output(c);
   ASSERT_TRUE(WIFEXITED(status)) << out;
@@ -200,8 +201,9 @@ TEST(LocalLauncher, RanksDieWithAKilledLauncher) {
 // Rank 2 stalls (alive, silent): the others time out and exit as followers. The launcher must
 // name the rank that was still running, not the follower it reaped first.
 TEST(LocalLauncher, NamesAStalledRankNotAFollower) {
+  // 3 s: the ranks' store connection and first barrier live under this timeout too.
   Child c = start({kWorker, "--spawn", "3", "--mode", "stall", "--victim", "2"},
-                  {"ACCEL_COLLECTIVE_TIMEOUT=1"});
+                  {"ACCEL_COLLECTIVE_TIMEOUT=3"});
   int status = finish(c, 60s);
   std::string out = output(c);
   ASSERT_TRUE(WIFEXITED(status)) << out;

@@ -5,6 +5,7 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -212,12 +213,13 @@ TEST_F(ConfigLimits, ASecondDocumentOrARepeatedKeyIsRefused) {
 // Found by fuzz_config: an unknown key of 256 KB was echoed whole and compared with every valid
 // key (2 s in a release build, 20 s under ASan).
 TEST_F(ConfigLimits, AHugeUnknownKeyIsCutAndQuick) {
-  const auto start = std::chrono::steady_clock::now();
+  // The process's CPU time, not the wall clock: a loaded CI machine stretches the latter.
+  const std::clock_t start = std::clock();
   const std::string key = "x" + std::string(256 << 10, '_');
   const std::string msg = config_error([&] { load_config("", {key + "=1"}, {}); },
                                        {"unknown key 'x___", "(262145 characters)"});
   EXPECT_LT(msg.size(), 300u) << msg.substr(0, 300);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  EXPECT_LT(static_cast<double>(std::clock() - start) / CLOCKS_PER_SEC, 0.5);
 }
 
 TEST_F(ConfigLimits, AFolderAsTheConfigIsNamedAsSuch) {

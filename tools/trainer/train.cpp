@@ -82,6 +82,8 @@ class DeferredScalars {
   // The values in add() order (waits for the copies); the next step starts afresh.
   std::vector<double> read() {
     std::vector<double> values;
+    if (!device_.is_cpu() && !pending_.empty() && !copies_)
+      throw std::logic_error("DeferredScalars: read() without start_copies() after the last add()");
     if (copies_) {
       copies_->wait();
       copies_.reset();
