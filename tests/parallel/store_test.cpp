@@ -130,7 +130,7 @@ TEST(Store, WaitTimeoutNamesTheMissingKey) {
   server.set("here", "1");
   auto t0 = std::chrono::steady_clock::now();
   std::string msg = error_of([&] { server.wait({"here", "not-here"}, 200ms); });
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s);  // the store's own timeout is 5 s
   EXPECT_NE(msg.find("'not-here'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("'here'"), std::string::npos) << msg;
 }
@@ -233,7 +233,7 @@ TEST(Store, AStrangerCannotAnnounceABigFrame) {
   TcpStore server(server_options());
   RawConn c("127.0.0.1", server.port());
   c.send_bytes(std::string("\x00\x00\x40\x00", 4));  // 4 MiB
-  EXPECT_TRUE(c.closed_within(1s));
+  EXPECT_TRUE(c.closed_within(5s));  // at once; the defect waited for the 10 s handshake timeout
   // A hello of the largest token is still fine.
   StoreOptions o = client_options(server.port(), std::string(kMaxJobTokenBytes, 't'));
   EXPECT_NE(error_of([&] { TcpStore t(o); }).find("rejected this process's job token"),
@@ -249,7 +249,7 @@ TEST(Store, IdleStrangersAreCappedAndClientsStillGetIn) {
   TcpStore server(server_options());
   auto before = server.connect_again();
   before->set("k", "v");
-  const int n = 1000;
+  const int n = 500;  // far over the cap, and with the server's side within a 1024-descriptor limit
   std::vector<std::unique_ptr<RawConn>> idle;
   for (int i = 0; i < n; ++i) idle.push_back(std::make_unique<RawConn>("127.0.0.1", server.port()));
   auto after = server.connect_again();  // a new client during the flood
