@@ -374,19 +374,31 @@ uint64_t parse_u64(const Ctx& c, const YAML::Node& n) {
   char* e = nullptr;
   errno = 0;
   unsigned long long v = std::strtoull(b, &e, 10);
-  if (s.empty() || s[0] == '-' || e != b + s.size() || errno != 0)
-    type_error(c, "a non-negative integer", n);
+  bool ok = !s.empty() && s[0] != '-' && e == b + s.size() && errno == 0;
+  if (!ok) {
+    // Integral values written as floats ("1e3"), as parse_int accepts them.
+    errno = 0;
+    double d = std::strtod(b, &e);
+    if (!s.empty() && e == b + s.size() && errno == 0 && d >= 0 && d == std::floor(d) &&
+        d < 1.8e19) {
+      v = static_cast<unsigned long long>(d);
+      ok = true;
+    }
+  }
+  if (!ok) type_error(c, "a non-negative integer", n);
   return v;
 }
 
-double parse_double(const Ctx& c, const YAML::Node& n, double lo, double hi, bool lo_open) {
+double parse_double(const Ctx& c, const YAML::Node& n, double lo, double hi, bool lo_open,
+                    bool hi_open = false) {
   std::string expected = "a number";
   if (lo_open)
     expected += " > " + fmt_double(lo);
   else if (lo > -std::numeric_limits<double>::infinity())
     expected += " >= " + fmt_double(lo);
   if (hi < std::numeric_limits<double>::infinity())
-    expected += (expected == "a number" ? " <= " : " and <= ") + fmt_double(hi);
+    expected += std::string(expected == "a number" ? " " : " and ") + (hi_open ? "< " : "<= ") +
+                fmt_double(hi);
   std::string s = trim(need_scalar(c, n, expected));
   const char* b = s.c_str();
   char* e = nullptr;
@@ -394,7 +406,7 @@ double parse_double(const Ctx& c, const YAML::Node& n, double lo, double hi, boo
   double v = std::strtod(b, &e);
   if (s.empty() || e != b + s.size() || errno == ERANGE || !std::isfinite(v))
     type_error(c, expected, n);
-  if (v < lo || (lo_open && v == lo) || v > hi) type_error(c, expected, n);
+  if (v < lo || (lo_open && v == lo) || v > hi || (hi_open && v == hi)) type_error(c, expected, n);
   return v;
 }
 
@@ -488,13 +500,14 @@ Field f_int(std::string path, A acc, int64_t lo, int64_t hi, std::string doc) {
 }
 
 template <class A>
-Field f_double(std::string path, A acc, double lo, double hi, bool lo_open, std::string doc) {
+Field f_double(std::string path, A acc, double lo, double hi, bool lo_open, std::string doc,
+               bool hi_open = false) {
   Field f;
   f.path = std::move(path);
   f.type = "number";
   f.doc = std::move(doc);
-  f.set = [acc, lo, hi, lo_open](Config& c, const YAML::Node& n, Ctx& ctx) {
-    acc(c) = parse_double(ctx, n, lo, hi, lo_open);
+  f.set = [acc, lo, hi, lo_open, hi_open](Config& c, const YAML::Node& n, Ctx& ctx) {
+    acc(c) = parse_double(ctx, n, lo, hi, lo_open, hi_open);
   };
   f.get = [acc](const Config& c) { return fmt_double(acc(c)); };
   return f;
@@ -662,7 +675,8 @@ std::vector<Field> build_schema() {
                   "(fsdp_config), DEEPSPEED (ZeRO, deepspeed_config).")));
   add(acc_(f_enum("mixed_precision", ACCEL_REF(mixed_precision),
                   "Compute precision: no (fp32), fp16 (with dynamic loss scaling), bf16, fp8 "
-                  "(fp8_config). Master weights and optimizer state stay fp32.")));
+                  "(fp8_config). Master weights and optimizer state are fp32 unless "
+                  "optimizer.master_weights / optimizer.state_dtype say bf16.")));
   add(acc_(f_int("num_processes", ACCEL_REF(num_processes), 1, std::numeric_limits<int64_t>::max(),
                  "Total processes over all machines (one per GPU); must equal the launched "
                  "world size.")));
@@ -686,8 +700,8 @@ std::vector<Field> build_schema() {
     f.type = "string";
     f.accelerate = true;
     f.doc =
-        "GPUs this machine may use: all, or a comma list such as \"0,1\" (local rank r uses "
-        "the r-th id).";
+        "GPUs this machine may use: all, or a comma list such as \"0,1\" (a YAML list [0, 1] "
+        "in a file; local rank r uses the r-th id).";
     f.set = [](Config& c, const YAML::Node& n, Ctx& ctx) {
       const std::string expected = "all or a comma-separated list of GPU ids such as \"0,1\"";
       std::vector<std::string> ids;
@@ -828,8 +842,9 @@ std::vector<Field> build_schema() {
     Field f = acc_(f_str("fsdp_config.fsdp_transformer_layer_cls_to_wrap",
                          ACCEL_REF(fsdp.fsdp_transformer_layer_cls_to_wrap),
                          "Layer class(es) that form units under TRANSFORMER_BASED_WRAP (comma "
-                         "list). Llama's is DecoderLayer; empty means the model's own "
-                         "decoder layer."));
+                         "list or YAML list). The unit is always the model family's decoder "
+                         "layer (LlamaDecoderLayer, Qwen3DecoderLayer, ...); other names given "
+                         "here get a notice."));
     f.set = [](Config& c, const YAML::Node& n, Ctx& ctx) {
       if (n.IsSequence()) {
         c.fsdp.fsdp_transformer_layer_cls_to_wrap = join(parse_str_list(ctx, n), ",");
@@ -923,13 +938,16 @@ std::vector<Field> build_schema() {
             "multi-node runs are launched with mpirun"));
   add(inert("deepspeed_config.offload_optimizer_nvme_path", "NVMe offload is not supported"));
   add(inert("deepspeed_config.offload_param_nvme_path", "NVMe offload is not supported"));
-  add(inert("deepspeed_config.deepspeed_moe_layer_cls_names", "there are no MoE layers"));
+  add(inert("deepspeed_config.deepspeed_moe_layer_cls_names",
+            "ZeRO shards the experts of qwen3_moe and mixtral like any other parameter; "
+            "distributed.expert_parallel_size places experts on ranks"));
 
   // ---- fp8_config ----
   {
-    Field f = acc_(f_enum("fp8_config.backend", ACCEL_REF(fp8.backend),
-                          "TE: TransformerEngine-style delayed scaling; AO: torchao-style dynamic "
-                          "per-tensor scaling. MSAMP is rejected with mixed_precision: fp8."));
+    Field f = acc_(
+        f_enum("fp8_config.backend", ACCEL_REF(fp8.backend),
+               "TE: TransformerEngine-style delayed scaling; AO: torchao-style dynamic "
+               "per-tensor scaling. MSAMP (or ms-amp) is rejected with mixed_precision: fp8."));
     auto base = f.set;
     f.set = [base](Config& c, const YAML::Node& n, Ctx& ctx) {
       if (n.IsScalar() && lower(trim(n.Scalar())) == "ms-amp") {
@@ -1247,8 +1265,11 @@ std::vector<Field> build_schema() {
   const double kInf = std::numeric_limits<double>::infinity();
   add(f_enum("optimizer.name", ACCEL_REF(optimizer.name), "Optimizer."));
   add(f_double("optimizer.lr", ACCEL_REF(optimizer.lr), 0, kInf, false, "Peak learning rate."));
-  add(f_double("optimizer.beta1", ACCEL_REF(optimizer.beta1), 0, 1, false, "AdamW beta1 (< 1)."));
-  add(f_double("optimizer.beta2", ACCEL_REF(optimizer.beta2), 0, 1, false, "AdamW beta2 (< 1)."));
+  // Below 1: AdamW's bias corrections divide by 1 - beta^step.
+  add(f_double("optimizer.beta1", ACCEL_REF(optimizer.beta1), 0, 1, false, "AdamW beta1 (< 1).",
+               true));
+  add(f_double("optimizer.beta2", ACCEL_REF(optimizer.beta2), 0, 1, false, "AdamW beta2 (< 1).",
+               true));
   add(f_double("optimizer.eps", ACCEL_REF(optimizer.eps), 0, kInf, true, "AdamW epsilon."));
   add(f_double("optimizer.weight_decay", ACCEL_REF(optimizer.weight_decay), 0, kInf, false,
                "Decoupled weight decay (AdamW) / L2 (SGD)."));
@@ -1303,7 +1324,8 @@ std::vector<Field> build_schema() {
   add(f_str("data.tokenizer", ACCEL_REF(data.tokenizer),
             "byte (256 byte tokens) or the path of a Hugging Face tokenizer.json."));
   add(f_double("data.eval_fraction", ACCEL_REF(data.eval_fraction), 0, 0.9, false,
-               "Fraction of the data held out for evaluation when no eval set is given."));
+               "Fraction of the data held out for evaluation when no eval set is given (at most "
+               "0.9)."));
   add(f_bool("data.shuffle", ACCEL_REF(data.shuffle), "Shuffle sequences (seeded)."));
 
   // ---- checkpoint ----
@@ -1957,10 +1979,17 @@ void resolve(Config& c) {
     for (auto& p : split(c.gpu_ids, ',')) c.gpu_id_list.push_back(std::stoi(p));
 
   // Accelerate's boolean turns on full recomputation unless training.activation_checkpointing
-  // chose a mode; under FSDP the two keys then agree.
+  // chose a mode (none included); under FSDP the two keys then agree.
   if (c.fsdp.fsdp_activation_checkpointing &&
-      c.training.activation_checkpointing == ActivationCheckpointing::None)
-    c.training.activation_checkpointing = ActivationCheckpointing::Full;
+      c.training.activation_checkpointing == ActivationCheckpointing::None) {
+    if (c.origins.count("training.activation_checkpointing"))
+      c.notices.push_back(
+          "key fsdp_config.fsdp_activation_checkpointing=true has no effect: "
+          "training.activation_checkpointing is none (" +
+          origin(c, "training.activation_checkpointing") + ") and wins");
+    else
+      c.training.activation_checkpointing = ActivationCheckpointing::Full;
+  }
   if (c.distributed_type == DistributedType::Fsdp) {
     if (c.fsdp.fsdp_version == 1) {
       c.notices.push_back(
@@ -1975,9 +2004,12 @@ void resolve(Config& c) {
       std::vector<std::string> names;
       for (auto& p : split(c.fsdp.fsdp_transformer_layer_cls_to_wrap, ','))
         if (!trim(p).empty()) names.push_back(trim(p));
+      // Only a name given in the config is worth a notice: the default is Llama's, and every
+      // family wraps its own layer.
       std::vector<std::string> others;
-      for (auto& n : names)
-        if (n != layer) others.push_back(n);
+      if (c.origins.count("fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+        for (auto& n : names)
+          if (n != layer) others.push_back(n);
       if (!others.empty())
         c.notices.push_back("key fsdp_config.fsdp_transformer_layer_cls_to_wrap=" +
                             c.fsdp.fsdp_transformer_layer_cls_to_wrap + " names no layer of the " +
@@ -2478,6 +2510,13 @@ std::string config_to_yaml(const Config& c) {
       // Its values are already in the keys it set; reading it again could contradict a later
       // override.
       if (f.path == "deepspeed_config.deepspeed_config_file") continue;
+      // Before the data is read, an epoch run's max_steps is only the default: written out, it
+      // would count as given when loaded back and win over num_epochs.
+      if (f.path == "training.max_steps" && c.training.num_epochs > 0 &&
+          !c.origins.count("training.max_steps")) {
+        o << indent << "# max_steps: from num_epochs once the data is read\n";
+        continue;
+      }
       o << indent << leaf_of(f.path) << ": " << f.get(c) << "\n";
     }
     for (const auto& [path, text] : c.inert)

@@ -833,9 +833,9 @@ std::vector<Arg> build_table() {
        "Deprecated spelling of a warmup_steps "
        "fraction; read with warmup_steps.",
        "warmup_steps");
-  no_effect(
-      "logging_dir", null,
-      "TensorBoard files are not written; metrics go to metrics.jsonl in training.output_dir");
+  no_effect("logging_dir", null,
+            "TensorBoard files go to training.output_dir/tb (logging.tensorboard), metrics to "
+            "metrics.jsonl there");
   no_effect("local_rank", -1, "the launcher's environment gives the rank", true);
   return t;
 }

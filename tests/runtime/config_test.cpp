@@ -284,7 +284,11 @@ TEST_F(ConfigTest, WrongTypesNameFileKeyExpectedAndValue) {
       {"model:\n  hidden_size: [1, 2]\n", {"model.hidden_size", "got a list [1, 2]"}},
       {"data:\n  shuffle: maybe\n", {"data.shuffle: expected a boolean", "\"maybe\""}},
       {"optimizer:\n  lr: fast\n", {"optimizer.lr: expected a number", "\"fast\""}},
-      {"optimizer:\n  beta1: 1.5\n", {"optimizer.beta1: expected a number >= 0", "<= 1"}},
+      {"optimizer:\n  beta1: 1.5\n", {"optimizer.beta1: expected a number >= 0.0 and < 1.0"}},
+      // 1 itself: AdamW's bias correction would divide by 1 - 1^step = 0.
+      {"optimizer:\n  beta1: 1\n",
+       {"optimizer.beta1: expected a number >= 0.0 and < 1.0", "\"1\""}},
+      {"optimizer:\n  beta2: 1.0\n", {"optimizer.beta2: expected a number >= 0.0 and < 1.0"}},
       {"optimizer:\n  eps: 0\n", {"optimizer.eps: expected a number > 0"}},
       {"distributed_type: TPU\n",
        {"distributed_type: expected one of NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED", "\"TPU\""}},
@@ -297,6 +301,8 @@ TEST_F(ConfigTest, WrongTypesNameFileKeyExpectedAndValue) {
       {"main_process_port: 70000\n", {"main_process_port: expected an integer in 1..65535"}},
       {"num_processes: -1\n", {"num_processes: expected an integer >= 1", "\"-1\""}},
       {"training:\n  seed: -3\n", {"training.seed: expected a non-negative integer"}},
+      {"training:\n  seed: 2.5\n", {"training.seed: expected a non-negative integer"}},
+      {"training:\n  seed: -1e3\n", {"training.seed: expected a non-negative integer"}},
       {"gpu_ids: 0,x\n", {"gpu_ids: expected all or a comma-separated list"}},
       {"compute_environment: AMAZON_SAGEMAKER\n",
        {"compute_environment: expected one of LOCAL_MACHINE"}},
@@ -316,12 +322,29 @@ TEST_F(ConfigTest, WrongTypesNameFileKeyExpectedAndValue) {
   // Leniency that is not ambiguity: integral floats, yes/no booleans, enum case.
   std::string p = write("lenient.yaml",
                         "fsdp_config:\n  fsdp_min_num_params: 1e8\ndistributed_type: fsdp\n"
-                        "data:\n  shuffle: no\nmixed_precision: BF16\n");
+                        "data:\n  shuffle: no\nmixed_precision: BF16\n"
+                        "training:\n  seed: 1e3\n");
   Config c = load_config(p, {}, {});
   EXPECT_EQ(c.fsdp.fsdp_min_num_params, 100000000);
+  EXPECT_EQ(c.training.seed, 1000u);
   EXPECT_EQ(c.distributed_type, DistributedType::Fsdp);
   EXPECT_EQ(c.mixed_precision, MixedPrecision::Bf16);
   EXPECT_FALSE(c.data.shuffle);
+}
+
+// An epoch run's effective config, printed before the data is read, loads back as an epoch run:
+// the default max_steps must not come back as a given one (which would win over num_epochs).
+TEST_F(ConfigTest, EpochRunsPrintedBeforeTheDataLoadBackAsEpochRuns) {
+  const Config c = load_config(write("ep.yaml", "training:\n  num_epochs: 1\n"), {}, {});
+  const std::string yaml = config_to_yaml(c);
+  EXPECT_EQ(yaml.find("max_steps: 100"), std::string::npos) << yaml;
+  const Config again = load_config(write("ep2.yaml", yaml), {}, {});
+  EXPECT_EQ(again.origins.count("training.max_steps"), 0u) << yaml;
+  EXPECT_EQ(again.training.num_epochs, 1.0);
+  // Once given (or computed from the data, which records where it came from), it is written.
+  const Config given =
+      load_config(write("ep3.yaml", "training:\n  num_epochs: 1\n  max_steps: 7\n"), {}, {});
+  EXPECT_NE(config_to_yaml(given).find("max_steps: 7"), std::string::npos);
 }
 
 TEST_F(ConfigTest, OptimizerStateDtype) {
@@ -388,6 +411,19 @@ TEST_F(ConfigTest, ActivationCheckpointingModes) {
       {});
   EXPECT_EQ(selective.training.activation_checkpointing, AC::Selective);
   EXPECT_TRUE(selective.fsdp.fsdp_activation_checkpointing);
+  // none is a mode too: it wins, and the boolean is named as having no effect.
+  const Config none = load_config(
+      "",
+      {"distributed_type=FSDP", "num_processes=2", "fsdp_config.fsdp_activation_checkpointing=true",
+       "training.activation_checkpointing=none"},
+      {});
+  EXPECT_EQ(none.training.activation_checkpointing, AC::None);
+  EXPECT_FALSE(none.fsdp.fsdp_activation_checkpointing);
+  bool named = false;
+  for (const auto& n : none.notices)
+    named |=
+        n.find("fsdp_config.fsdp_activation_checkpointing=true has no effect") != std::string::npos;
+  EXPECT_TRUE(named);
 }
 
 TEST_F(ConfigTest, OptimizerMasterWeights) {
@@ -610,6 +646,11 @@ TEST_F(ConfigTest, AccelerateFsdp1ExampleLoads) {
   EXPECT_FALSE(has_notice(c, "rdzv_backend")) << notices_text(c);
   EXPECT_FALSE(has_notice(c, "fsdp_sync_module_states")) << notices_text(c);
   EXPECT_EQ(c.notices.size(), 2u) << notices_text(c);
+  // Another family with the default (Llama's name): its own layer, and no notice about it.
+  const Config q =
+      load_config("", {"distributed_type=FSDP", "num_processes=2", "model.name=qwen3"}, {});
+  EXPECT_EQ(q.fsdp.fsdp_transformer_layer_cls_to_wrap, "Qwen3DecoderLayer");
+  EXPECT_FALSE(has_notice(q, "names no layer")) << notices_text(q);
 }
 
 TEST_F(ConfigTest, AccelerateFsdp2ExampleLoads) {
