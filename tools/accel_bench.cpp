@@ -20,6 +20,7 @@
 
 #include "runtime/config.h"
 #include "runtime/device.h"
+#include "tools/cli.h"
 #include "tools/trainer/bench_report.h"
 
 namespace fs = std::filesystem;
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out, "write the results as JSON");
   app.add_option("--chart", chart_out, "write an SVG chart of throughput and memory");
   app.add_option("--markdown", markdown_out, "write the table as markdown");
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = parse_command_line(app, argc, argv)) return *code;
 
   try {
     Config base = load_config(config, extra_sets, environment_variables());

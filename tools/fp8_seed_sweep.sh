@@ -19,8 +19,8 @@ if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then
   jobs=$1
   shift
 fi
-bin=${ACCEL_BIN:-$(dirname "$0")/../build/bin/accel-train}
-[ -x "$bin" ] || { echo "fp8_seed_sweep: no accel-train at $bin (build first, or set ACCEL_BIN)" >&2; exit 2; }
+bin=${ACCEL_BIN:-$(dirname "$0")/../build/bin}/accel-train  # ACCEL_BIN: the bin folder, as in tools/reference/
+[ -x "$bin" ] || { echo "fp8_seed_sweep: no accel-train at $bin (build first, or set ACCEL_BIN to the folder holding it)" >&2; exit 2; }
 mkdir -p "$out"
 # The remaining options go to every run, quoted so that values keep their spaces.
 EXTRA=$(printf '%q ' "$@")

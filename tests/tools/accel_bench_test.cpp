@@ -78,6 +78,22 @@ data: {source: synthetic}
   EXPECT_EQ(first.rfind("| strategy |", 0), 0u) << first;
 }
 
+// A usage error exits 2 with CLI11's message, as every other tool does (CLI11's own code is 106).
+TEST(AccelBench, AnUnknownOptionIsAUsageError) {
+  const std::string out =
+      (fs::temp_directory_path() / ("accel_bench_usage_" + std::to_string(getpid()))).string();
+  const std::string cmd = std::string(ACCEL_BIN_DIR) +
+                          "/accel-bench --config x.yaml --no-such-option > " + out + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_NE(text.str().find("--no-such-option"), std::string::npos) << text.str();
+  fs::remove(out);
+}
+
 TEST(BenchReport, ModelStateFormulasMatchTheZeroPaper) {
   const int64_t P = 1000000;
   EXPECT_EQ(accel::expected_model_state_bytes("ddp", "bf16", P, 4), 16 * P);
