@@ -399,24 +399,18 @@ TEST_F(ConfigTest, ActivationCheckpointingModes) {
   expect_error([] { load_config("", {"training.activation_checkpointing=partial"}, {}); },
                {"training.activation_checkpointing", "none, full, selective", "partial"});
   // Accelerate's FSDP boolean is full recomputation, unless the training key chose a mode.
-  const Config fsdp = load_config("",
-                                  {"distributed_type=FSDP", "num_processes=2",
-                                   "fsdp_config.fsdp_activation_checkpointing=true"},
-                                  {});
+  auto fsdp_with = [](std::vector<std::string> sets) {
+    sets.insert(sets.end(), {"distributed_type=FSDP", "num_processes=2",
+                             "fsdp_config.fsdp_activation_checkpointing=true"});
+    return load_config("", sets, {});
+  };
+  const Config fsdp = fsdp_with({});
   EXPECT_EQ(fsdp.training.activation_checkpointing, AC::Full);
-  const Config selective = load_config(
-      "",
-      {"distributed_type=FSDP", "num_processes=2", "fsdp_config.fsdp_activation_checkpointing=true",
-       "training.activation_checkpointing=selective"},
-      {});
+  const Config selective = fsdp_with({"training.activation_checkpointing=selective"});
   EXPECT_EQ(selective.training.activation_checkpointing, AC::Selective);
   EXPECT_TRUE(selective.fsdp.fsdp_activation_checkpointing);
   // none is a mode too: it wins, and the boolean is named as having no effect.
-  const Config none = load_config(
-      "",
-      {"distributed_type=FSDP", "num_processes=2", "fsdp_config.fsdp_activation_checkpointing=true",
-       "training.activation_checkpointing=none"},
-      {});
+  const Config none = fsdp_with({"training.activation_checkpointing=none"});
   EXPECT_EQ(none.training.activation_checkpointing, AC::None);
   EXPECT_FALSE(none.fsdp.fsdp_activation_checkpointing);
   bool named = false;
